@@ -1,0 +1,141 @@
+"""Datasets: chat SFT conversations and RL prompts, from JSONL files in MiniMind's formats.
+
+Each line is ``{"conversations": [{"role": "user" | "assistant" | "system", "content": str}, ...]}``.
+Files are parsed line by line (so a bad line is reported with its file and line number) and held in a
+``datasets.Dataset``.
+"""
+import json
+import random
+
+import torch
+from datasets import Dataset
+
+
+class DataFormatError(ValueError):
+    """A data file line that is not valid UTF-8 JSON in the expected format (names file and line)."""
+
+
+def read_conversations_jsonl(path):
+    """Read a JSONL file of ``{"conversations": [...]}`` rows into a ``datasets.Dataset``.
+
+    Returns:
+        ``datasets.Dataset`` with one column ``conversations`` (list of {"role", "content"}).
+    Raises:
+        FileNotFoundError: if ``path`` does not exist.
+        DataFormatError: on a non-UTF-8 byte, invalid JSON, or a row without a non-empty
+            ``conversations`` list of {"role", "content"} strings; the message names file and line.
+    """
+    rows = []
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataFormatError(f"{path}:{line_no}: not valid UTF-8 ({err.reason} at byte {err.start})") from err
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataFormatError(f"{path}:{line_no}: invalid JSON ({err.msg} at column {err.colno})") from err
+            conversations = row.get("conversations") if isinstance(row, dict) else None
+            if not isinstance(conversations, list) or not conversations:
+                raise DataFormatError(f"{path}:{line_no}: expected a non-empty 'conversations' list")
+            for turn in conversations:
+                if not (isinstance(turn, dict) and isinstance(turn.get("role"), str)
+                        and isinstance(turn.get("content"), str)):
+                    raise DataFormatError(f"{path}:{line_no}: each turn needs string 'role' and 'content'")
+            rows.append({"conversations": [{"role": t["role"], "content": t["content"]} for t in conversations]})
+    if not rows:
+        raise DataFormatError(f"{path}: no rows")
+    return Dataset.from_list(rows)
+
+
+class SFTDataset(torch.utils.data.Dataset):
+    """Chat SFT samples; the loss is on assistant tokens only.
+
+    __getitem__ -> (input_ids long [T], labels long [T]) with T <= max_length, labels = -100 outside
+    assistant turns. An assistant turn's labels cover its text and its closing ``<|im_end|>``.
+    """
+
+    def __init__(self, path, tokenizer, max_length=512):
+        self.data = read_conversations_jsonl(path)
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.assistant_prefix = tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+        self.eos_token_id = tokenizer.eos_token_id
+
+    def __len__(self):
+        return len(self.data)
+
+    def assistant_labels(self, input_ids):
+        """labels [T]: input_ids inside assistant turns (after the prefix, through EOS), else -100."""
+        labels = [-100] * len(input_ids)
+        prefix_len = len(self.assistant_prefix)
+        i = 0
+        while i < len(input_ids):
+            if input_ids[i:i + prefix_len] == self.assistant_prefix:
+                start = i + prefix_len
+                end = start
+                while end < len(input_ids) and input_ids[end] != self.eos_token_id:
+                    end += 1
+                for j in range(start, min(end + 1, len(input_ids))):
+                    labels[j] = input_ids[j]
+                i = end + 1
+            else:
+                i += 1
+        return labels
+
+    def __getitem__(self, index):
+        conversations = self.data[index]["conversations"]
+        text = self.tokenizer.apply_chat_template(conversations, tokenize=False)
+        input_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"][: self.max_length]
+        labels = self.assistant_labels(input_ids)
+        return torch.tensor(input_ids, dtype=torch.long), torch.tensor(labels, dtype=torch.long)
+
+
+def sft_collate(batch, pad_token_id):
+    """Right-pad a list of (input_ids [T_i], labels [T_i]) -> input_ids, labels, attention_mask [B, T_max]."""
+    max_len = max(ids.size(0) for ids, _ in batch)
+    input_ids = torch.full((len(batch), max_len), pad_token_id, dtype=torch.long)
+    labels = torch.full((len(batch), max_len), -100, dtype=torch.long)
+    attention_mask = torch.zeros((len(batch), max_len), dtype=torch.long)
+    for i, (ids, lab) in enumerate(batch):
+        input_ids[i, : ids.size(0)] = ids
+        labels[i, : lab.size(0)] = lab
+        attention_mask[i, : ids.size(0)] = 1
+    return input_ids, labels, attention_mask
+
+
+class RLAIFDataset(torch.utils.data.Dataset):
+    """RL prompts: ``{"prompt": chat-templated text ending in the generation prompt, "answer": str}``.
+
+    The prompt is every turn but the last, rendered with ``add_generation_prompt=True``; ``answer`` is
+    the last turn's content when it is an assistant turn (the reference answer), else "". Like MiniMind,
+    each prompt opens thinking (``open_thinking=True``: the prompt ends in ``<think>\\n``) with
+    probability ``thinking_ratio``; the draw is a fixed function of (seed, index), so a resumed run
+    sees the same prompts.
+    """
+
+    def __init__(self, path, tokenizer, thinking_ratio=0.9, seed=42):
+        if not 0.0 <= thinking_ratio <= 1.0:
+            raise ValueError(f"thinking_ratio must be in [0, 1], got {thinking_ratio}")
+        self.data = read_conversations_jsonl(path)
+        self.tokenizer = tokenizer
+        self.thinking_ratio = thinking_ratio
+        self.seed = seed
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, index):
+        conversations = self.data[index]["conversations"]
+        answer = ""
+        if len(conversations) > 1 and conversations[-1]["role"] == "assistant":
+            answer = conversations[-1]["content"]
+            conversations = conversations[:-1]
+        open_thinking = random.Random(self.seed * 1_000_003 + index).random() < self.thinking_ratio
+        prompt = self.tokenizer.apply_chat_template(
+            conversations, tokenize=False, add_generation_prompt=True, open_thinking=open_thinking
+        )
+        return {"prompt": prompt, "answer": answer}

@@ -1,0 +1,522 @@
+"""MiniMind causal language model and the PPO critic.
+
+Architecture (the MiniMind-3 / Qwen3 layout): token embedding, ``num_hidden_layers`` pre-norm blocks of
+grouped-query attention (RMSNorm on q and k per head, rotary position embedding) and a SwiGLU MLP
+(or a routed mixture of SwiGLU experts when ``use_moe``), a final RMSNorm and an LM head tied to the
+embedding.
+
+Parameter names are those of MiniMind's published ``.pth`` checkpoints, which are also the names of
+transformers' ``Qwen3ForCausalLM``; ``tests/test_model.py`` checks that both give the same logits.
+
+Shapes used in the docstrings: B batch, T tokens in this call, S tokens attended to (cache + T),
+H attention heads, Hkv key/value heads, D head_dim, V vocabulary size.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+
+class MiniMindConfig(PretrainedConfig):
+    """Hyper-parameters of a MiniMind model; defaults are MiniMind-3's (hidden 768, 8 layers).
+
+    ``intermediate_size`` defaults to ceil(hidden_size * pi / 64) * 64 and ``head_dim`` to
+    hidden_size / num_attention_heads, as in MiniMind.
+
+    Raises:
+        ValueError: if hidden_size is not divisible by num_attention_heads (without an explicit head_dim)
+            or num_attention_heads is not a multiple of num_key_value_heads.
+    """
+
+    model_type = "minimind"
+
+    def __init__(
+        self,
+        hidden_size=768,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=None,
+        intermediate_size=None,
+        vocab_size=6400,
+        hidden_act="silu",
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        dropout=0.0,
+        initializer_range=0.02,
+        use_moe=False,
+        num_experts=4,
+        num_experts_per_tok=1,
+        moe_intermediate_size=None,
+        norm_topk_prob=True,
+        router_aux_loss_coef=5e-4,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=True,
+        **kwargs,
+    ):
+        if head_dim is None and hidden_size % num_attention_heads != 0:
+            raise ValueError(
+                f"hidden_size={hidden_size} is not divisible by num_attention_heads={num_attention_heads}"
+            )
+        if num_attention_heads % num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads={num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={num_key_value_heads}"
+            )
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim or hidden_size // num_attention_heads
+        self.intermediate_size = intermediate_size or math.ceil(hidden_size * math.pi / 64) * 64
+        self.vocab_size = vocab_size
+        self.hidden_act = hidden_act
+        self.max_position_embeddings = max_position_embeddings
+        self.rms_norm_eps = rms_norm_eps
+        self.rope_theta = rope_theta
+        self.dropout = dropout
+        self.initializer_range = initializer_range
+        self.use_moe = use_moe
+        self.num_experts = num_experts
+        self.num_experts_per_tok = num_experts_per_tok
+        self.moe_intermediate_size = moe_intermediate_size or self.intermediate_size
+        self.norm_topk_prob = norm_topk_prob
+        self.router_aux_loss_coef = router_aux_loss_coef
+        super().__init__(
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            tie_word_embeddings=tie_word_embeddings,
+            **kwargs,
+        )
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm: weight * x / sqrt(mean(x^2) + eps), computed in fp32 (Zhang & Sennrich 2019)."""
+
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        """x: [..., dim] any float dtype -> same shape and dtype."""
+        x_fp32 = x.float()
+        normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rotate_half(x):
+    """[x1, x2] -> [-x2, x1] on the last dimension (the half-split RoPE layout of Llama/Qwen)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin):
+    """Rotary position embedding (Su et al. 2021, RoFormer).
+
+    q: [B, H, T, D], k: [B, Hkv, T, D], cos/sin: [B, T, D] -> rotated q, k with the same shapes.
+    """
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    q_rotated = q * cos + rotate_half(q) * sin
+    k_rotated = k * cos + rotate_half(k) * sin
+    return q_rotated.to(q.dtype), k_rotated.to(k.dtype)
+
+
+class KVCache:
+    """Per-layer key/value cache that grows in place (preallocate with ``capacity`` to avoid copies).
+
+    keys[i], values[i]: [B, Hkv, capacity, D]; ``seq_len`` is how many positions are filled.
+    """
+
+    def __init__(self, num_layers, capacity=0):
+        self.num_layers = num_layers
+        self.capacity = capacity
+        self.keys = [None] * num_layers
+        self.values = [None] * num_layers
+        self.seq_len = 0
+
+    def update(self, layer_idx, key, value):
+        """Write key/value [B, Hkv, T, D] after the cached positions; return the whole [B, Hkv, S, D]."""
+        start = self.seq_len
+        end = start + key.size(2)
+        if self.keys[layer_idx] is None:
+            shape = (key.size(0), key.size(1), max(self.capacity, end), key.size(3))
+            self.keys[layer_idx] = key.new_zeros(shape)
+            self.values[layer_idx] = value.new_zeros(shape)
+        elif end > self.keys[layer_idx].size(2):
+            grow = end - self.keys[layer_idx].size(2)
+            pad_shape = (key.size(0), key.size(1), grow, key.size(3))
+            self.keys[layer_idx] = torch.cat([self.keys[layer_idx], key.new_zeros(pad_shape)], dim=2)
+            self.values[layer_idx] = torch.cat([self.values[layer_idx], value.new_zeros(pad_shape)], dim=2)
+        self.keys[layer_idx][:, :, start:end] = key
+        self.values[layer_idx][:, :, start:end] = value
+        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+
+    def reorder(self, index):
+        """Keep only batch rows ``index`` (a LongTensor), e.g. to drop finished rows."""
+        for i in range(self.num_layers):
+            if self.keys[i] is not None:
+                self.keys[i] = self.keys[i].index_select(0, index)
+                self.values[i] = self.values[i].index_select(0, index)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with per-head q/k RMSNorm and RoPE (Qwen3 layout)."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.dropout = config.dropout
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, attn_mask, past_key_values=None):
+        """x: [B, T, hidden]; attn_mask: bool [B, 1, T, S] (True = attend) or None for plain causal."""
+        batch, seq, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)  # q [B, H, T, D], k [B, Hkv, T, D]
+        if past_key_values is not None:
+            k, v = past_key_values.update(self.layer_idx, k, v)  # [B, Hkv, S, D]
+        out = F.scaled_dot_product_attention(
+            q, k, v,
+            attn_mask=attn_mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=attn_mask is None and seq > 1,
+            enable_gqa=True,
+        )  # [B, H, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)) (Shazeer 2020)."""
+
+    def __init__(self, config, intermediate_size=None):
+        super().__init__()
+        intermediate_size = intermediate_size or config.intermediate_size
+        self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MOEFeedForward(nn.Module):
+    """Top-k routed mixture of SwiGLU experts with the Switch-Transformer load-balancing loss.
+
+    aux_loss = router_aux_loss_coef * E * sum_e f_e * P_e, where f_e is the fraction of routed slots
+    that picked expert e and P_e the mean router probability of e (Fedus et al. 2021, eq. 4).
+    The loss of the last forward is kept in ``self.aux_loss`` (a scalar tensor).
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.aux_coef = config.router_aux_loss_coef
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            [FeedForward(config, config.moe_intermediate_size) for _ in range(config.num_experts)]
+        )
+        self.aux_loss = torch.zeros(())
+
+    def forward(self, x):
+        batch, seq, hidden = x.shape
+        x_flat = x.reshape(-1, hidden)  # [N, hidden]
+        router_probs = F.softmax(self.gate(x_flat).float(), dim=-1)  # [N, E]
+        topk_weight, topk_idx = torch.topk(router_probs, self.top_k, dim=-1)  # [N, k]
+        if self.norm_topk_prob:
+            topk_weight = topk_weight / topk_weight.sum(dim=-1, keepdim=True).clamp(min=1e-20)
+        y = torch.zeros_like(x_flat)
+        for expert_id, expert in enumerate(self.experts):
+            token_idx, slot = (topk_idx == expert_id).nonzero(as_tuple=True)
+            if token_idx.numel() == 0:
+                continue
+            weight = topk_weight[token_idx, slot].unsqueeze(-1).to(x.dtype)
+            y.index_add_(0, token_idx, expert(x_flat[token_idx]) * weight)
+        if self.training and self.aux_coef > 0:
+            routed_fraction = F.one_hot(topk_idx, self.num_experts).float().mean(dim=(0, 1))  # [E]
+            mean_prob = router_probs.mean(dim=0)  # [E]
+            self.aux_loss = self.aux_coef * self.num_experts * (routed_fraction * mean_prob).sum()
+        else:
+            self.aux_loss = router_probs.new_zeros(())
+        return y.view(batch, seq, hidden)
+
+
+class MiniMindBlock(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = MOEFeedForward(config) if config.use_moe else FeedForward(config)
+
+    def forward(self, x, cos, sin, attn_mask, past_key_values=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, past_key_values)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def build_attention_mask(attention_mask, query_len, past_len):
+    """Combine causality with a key-padding mask.
+
+    Args:
+        attention_mask: long/bool [B, S] with 1 on real tokens (S = past_len + query_len), or None.
+        query_len: T, the number of new positions in this call.
+        past_len: positions already in the KV cache.
+    Returns:
+        bool [B, 1, T, S], True where query t may attend key s; None when there is no padding and no
+        cache (then SDPA's own causal path is used). Each query also attends itself, so a padding
+        query never has an empty row (which would give NaN); padding outputs are never read.
+    """
+    if attention_mask is None and past_len == 0:
+        return None
+    device = attention_mask.device if attention_mask is not None else None
+    key_pos = torch.arange(past_len + query_len, device=device)  # [S]
+    query_pos = torch.arange(past_len, past_len + query_len, device=device)  # [T]
+    causal = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # [T, S]
+    if attention_mask is None:
+        return causal[None, None]
+    mask = causal.unsqueeze(0) & attention_mask.bool().unsqueeze(1)  # [B, T, S]
+    mask = mask | (key_pos.unsqueeze(0) == query_pos.unsqueeze(1)).unsqueeze(0)
+    return mask.unsqueeze(1)
+
+
+class MiniMindModel(nn.Module):
+    """Embedding + blocks + final norm; returns hidden states [B, T, hidden] and the MoE aux loss."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.dropout = nn.Dropout(config.dropout)
+        self.layers = nn.ModuleList([MiniMindBlock(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2]
+
+    def rotary_embedding(self, position_ids, dtype):
+        """position_ids: long [B, T] -> (cos, sin), each [B, T, D] in ``dtype``."""
+        inv_freq = self.inv_freq
+        if inv_freq.device.type == "meta" or not torch.isfinite(inv_freq).all() or inv_freq[0] != 1.0:
+            # transformers may build modules on the meta device and skip non-persistent buffers
+            head_dim = self.config.head_dim
+            exponent = torch.arange(0, head_dim, 2, device=position_ids.device).float() / head_dim
+            self.inv_freq = 1.0 / (self.config.rope_theta ** exponent)
+            inv_freq = self.inv_freq
+        freqs = position_ids.float().unsqueeze(-1) * inv_freq.float()  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, input_ids, attention_mask=None, past_key_values=None):
+        """input_ids: long [B, T]; attention_mask: [B, S] (1 = real token) over cache + new tokens.
+
+        Positions count real tokens only, so a left-padded row gets the same positions as when it is
+        scored alone.
+        """
+        batch, seq = input_ids.shape
+        past_len = past_key_values.seq_len if past_key_values is not None else 0
+        if attention_mask is not None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -seq:]  # [B, T]
+        else:
+            position_ids = torch.arange(past_len, past_len + seq, device=input_ids.device).expand(batch, seq)
+        hidden_states = self.dropout(self.embed_tokens(input_ids))  # [B, T, hidden]
+        cos, sin = self.rotary_embedding(position_ids, hidden_states.dtype)
+        attn_mask = build_attention_mask(attention_mask, seq, past_len)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, cos, sin, attn_mask, past_key_values)
+        if past_key_values is not None:
+            past_key_values.seq_len += seq
+        hidden_states = self.norm(hidden_states)
+        aux_loss = hidden_states.new_zeros((), dtype=torch.float32)
+        for layer in self.layers:
+            if isinstance(layer.mlp, MOEFeedForward):
+                aux_loss = aux_loss + layer.mlp.aux_loss
+        return hidden_states, aux_loss
+
+
+class MiniMindPreTrainedModel(PreTrainedModel):
+    """Common weight init for MiniMind models: normal(0, initializer_range) for linear and embedding."""
+
+    config_class = MiniMindConfig
+    base_model_prefix = "model"
+    _supports_sdpa = True
+
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+
+
+class MiniMindForCausalLM(MiniMindPreTrainedModel):
+    """MiniMind language model: backbone + LM head (tied to the embedding by default)."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config=None):
+        config = config or MiniMindConfig()
+        super().__init__(config)
+        self.model = MiniMindModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.post_init()
+
+    def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=False,
+                logits_to_keep=0, **kwargs):
+        """Next-token logits.
+
+        Args:
+            input_ids: long [B, T].
+            attention_mask: [B, S] with 1 on real tokens, S = cached + T (left padding supported).
+            past_key_values: a ``KVCache`` or None; with ``use_cache`` and None, a new cache is made.
+            logits_to_keep: k > 0 computes logits of the last k positions only; 0 keeps all T.
+        Returns:
+            ``MoeCausalLMOutputWithPast`` with ``logits`` [B, T or k, V] (model dtype),
+            ``aux_loss`` (scalar fp32, 0 without MoE) and ``cache`` (the ``KVCache``, or None).
+        """
+        if use_cache and past_key_values is None:
+            past_key_values = KVCache(self.config.num_hidden_layers)
+        hidden_states, aux_loss = self.model(input_ids, attention_mask, past_key_values)
+        if logits_to_keep > 0:
+            hidden_states = hidden_states[:, -logits_to_keep:, :]
+        logits = self.lm_head(hidden_states)
+        return MoeCausalLMOutputWithPast(logits=logits, aux_loss=aux_loss, cache=past_key_values)
+
+    @torch.no_grad()
+    def generate(self, input_ids, attention_mask=None, max_new_tokens=256, do_sample=True, temperature=1.0,
+                 top_p=1.0, top_k=0, eos_token_id=2, pad_token_id=0, generator=None, ignore_eos=False):
+        """Sample continuations of a batch of left-padded prompts with a KV cache.
+
+        Args:
+            input_ids: long [B, P], left-padded; attention_mask: [B, P] (1 = real token) or None.
+            max_new_tokens: R_max, the most tokens to add. do_sample=False is greedy decoding.
+            temperature, top_p, top_k: logits / temperature, then keep the top_k most likely tokens
+                (0 = all) and the smallest set whose probability reaches top_p (1.0 = all).
+            eos_token_id: a row stops after it emits this token; later positions get ``pad_token_id``.
+            generator: a ``torch.Generator`` for reproducible sampling.
+            ignore_eos: keep generating past EOS (benchmarks that need full-length work).
+        Returns:
+            long [B, P + R] with R <= max_new_tokens: the prompts followed by the completions; decoding
+            stops early once every row has finished.
+        Raises:
+            ValueError: if temperature <= 0 while sampling, or top_p is not in (0, 1].
+        """
+        if do_sample and temperature <= 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        batch, prompt_len = input_ids.shape
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        cache = KVCache(self.config.num_hidden_layers, capacity=prompt_len + max_new_tokens)
+        finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)  # [B]
+        new_tokens = []
+        logits = self(input_ids, attention_mask=attention_mask, past_key_values=cache, logits_to_keep=1).logits
+        for _ in range(max_new_tokens):
+            next_token = sample_next_token(logits[:, -1, :], do_sample, temperature, top_p, top_k, generator)  # [B]
+            next_token = torch.where(finished, torch.full_like(next_token, pad_token_id), next_token)
+            new_tokens.append(next_token)
+            if not ignore_eos:
+                finished = finished | (next_token == eos_token_id)
+                if bool(finished.all()):
+                    break
+            if len(new_tokens) == max_new_tokens:
+                break
+            attention_mask = torch.cat([attention_mask, (~finished).long().unsqueeze(1)], dim=1)
+            logits = self(next_token.unsqueeze(1), attention_mask=attention_mask, past_key_values=cache).logits
+        if not new_tokens:
+            return input_ids
+        return torch.cat([input_ids, torch.stack(new_tokens, dim=1)], dim=1)
+
+
+def sample_next_token(logits, do_sample, temperature, top_p, top_k, generator=None):
+    """Pick one token per row from logits [B, V] (temperature, top-k, nucleus top-p) -> long [B]."""
+    if not do_sample:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k and 0 < top_k < logits.size(-1):
+        kth_value = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [B, 1]
+        logits = logits.masked_fill(logits < kth_value, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, sorted_idx = torch.sort(logits, descending=True, dim=-1)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove_sorted = cumulative - sorted_logits.softmax(dim=-1) >= top_p  # keep the token that crosses top_p
+        remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
+        logits = logits.masked_fill(remove, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+class CriticModel(MiniMindPreTrainedModel):
+    """PPO value model (chapter 8.4.1): the MiniMind backbone and final norm, then value_head: Linear(hidden, 1).
+
+    forward(input_ids, attention_mask) -> values fp32 [B, T], V(s_t) for every position. It is initialised
+    from the actor's SFT weights with ``load_actor_state_dict``, which loads strictly except for the new
+    ``value_head.weight`` / ``value_head.bias`` (and ignores the LM head, which the critic does not have).
+    """
+
+    def __init__(self, config=None):
+        config = config or MiniMindConfig()
+        super().__init__(config)
+        self.model = MiniMindModel(config)
+        self.value_head = nn.Linear(config.hidden_size, 1)
+        self.post_init()
+
+    def forward(self, input_ids, attention_mask=None, **kwargs):
+        hidden_states, _ = self.model(input_ids, attention_mask)  # [B, T, hidden], already normed
+        return self.value_head(hidden_states).squeeze(-1).float()  # [B, T]
+
+    def load_actor_state_dict(self, state_dict):
+        """Load an actor (``MiniMindForCausalLM``) state dict into the backbone.
+
+        Raises:
+            RuntimeError: if any backbone weight is missing, or a key other than ``lm_head.weight`` is
+                unexpected; the only keys left at their fresh init are ``value_head.weight/bias``.
+        """
+        backbone = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
+        result = self.load_state_dict(backbone, strict=False)
+        missing = set(result.missing_keys) - {"value_head.weight", "value_head.bias"}
+        if missing or result.unexpected_keys:
+            raise RuntimeError(
+                f"critic init from actor weights: missing {sorted(missing)}, unexpected {sorted(result.unexpected_keys)}"
+            )
+
+
+@dataclass
+class ModelSummary:
+    """Parameter count of a model (unique tensors, so tied embeddings count once)."""
+    total: int
+
+    @classmethod
+    def of(cls, model):
+        seen = {}
+        for p in model.parameters():
+            seen[p.data_ptr()] = p.numel()
+        return cls(total=sum(seen.values()))

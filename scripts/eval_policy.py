@@ -1,0 +1,142 @@
+"""Compare policy checkpoints on the held-out prompts: accuracy, mean reward and its parts, length.
+
+Every checkpoint answers the same prompts with the same sampling seed (temperature 1.0 by default,
+the rollout's own setting; ``--greedy`` for argmax decoding). Accuracy is the share of answers whose
+final number equals the reference (``answer_reward``); rewards are those of training (chapter 8.3)
+without a reward model unless ``--reward_model_path`` is given.
+
+Usage:
+    python scripts/eval_policy.py --weights full_sft grpo
+    python scripts/eval_policy.py --weights out/full_sft_256.pth out/ppo_256.pth --num_prompts 300 --greedy
+"""
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from dataset.lm_dataset import RLAIFDataset  # noqa: E402
+from trainer.rollout_engine import TorchRolloutEngine, decode_completions  # noqa: E402
+from trainer.train_grpo import tokenize_prompts  # noqa: E402
+from trainer.trainer_utils import (  # noqa: E402
+    DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, LMForRewardModel, build_config, calculate_rewards,
+    completion_mask_from_ids, init_model,
+)
+
+
+def distinct_n(texts, n=2):
+    """Distinct-n: distinct word n-grams / all word n-grams over ``texts`` (Li et al. 2016); 0 if none."""
+    ngrams = []
+    for text in texts:
+        words = text.split()
+        ngrams.extend(tuple(words[i:i + n]) for i in range(len(words) - n + 1))
+    return len(set(ngrams)) / len(ngrams) if ngrams else 0.0
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, dataset, num_prompts, batch_size, max_gen_len, temperature, greedy, seed,
+             reward_model=None, max_seq_len=256):
+    """Answer the first ``num_prompts`` prompts of ``dataset`` once each.
+
+    Returns:
+        dict with accuracy, reward, rule_reward, reward_model_score, answer_reward, response_len (tokens),
+        distinct_2, and "samples" (list of (prompt, completion, reference)).
+    """
+    model.eval()
+    generator = torch.Generator().manual_seed(seed)
+    engine = TorchRolloutEngine(model, tokenizer, generator=generator)
+    totals = {"reward": 0.0, "rule_reward": 0.0, "reward_model_score": 0.0, "answer_reward": 0.0,
+              "response_len": 0.0}
+    samples, completions_all = [], []
+    count = min(num_prompts, len(dataset))
+    for start in range(0, count, batch_size):
+        rows = [dataset[i] for i in range(start, min(start + batch_size, count))]
+        prompts = [r["prompt"] for r in rows]
+        answers = [r["answer"] for r in rows]
+        prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, prompts, max_seq_len, "cpu")
+        if greedy:
+            output_ids = model.generate(prompt_ids, attention_mask, max_new_tokens=max_gen_len, do_sample=False,
+                                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+            completion_ids = output_ids[:, prompt_ids.size(1):]
+            completion_mask = completion_mask_from_ids(completion_ids, tokenizer.eos_token_id)
+            completions = decode_completions(tokenizer, completion_ids, completion_mask, tokenizer.eos_token_id)
+        else:
+            rollout = engine.rollout(prompt_ids, attention_mask, 1, max_gen_len, temperature)
+            completions, completion_mask = rollout.completions, rollout.completion_mask
+        parts = calculate_rewards(prompts, completions, answers, reward_model, 1.0)
+        totals["reward"] += (parts["rule_rewards"] + parts["reward_model_scores"]).sum().item()
+        totals["rule_reward"] += parts["rule_rewards"].sum().item()
+        totals["reward_model_score"] += parts["reward_model_scores"].sum().item()
+        totals["answer_reward"] += parts["answer_rewards"].sum().item()
+        totals["response_len"] += completion_mask.sum().item()
+        samples.extend(zip(prompts, completions, answers))
+        completions_all.extend(completions)
+    result = {k: v / count for k, v in totals.items()}
+    result["accuracy"] = result["answer_reward"]
+    result["distinct_2"] = distinct_n(completions_all, 2)
+    result["samples"] = samples
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Evaluate policy checkpoints on held-out prompts")
+    parser.add_argument("--weights", nargs="+", default=["full_sft", "grpo"],
+                        help="weight names in --save_dir ({name}_{hidden}.pth) or paths")
+    parser.add_argument("--save_dir", default=DEFAULT_SAVE_DIR)
+    parser.add_argument("--data_path", default=os.path.join(ROOT, "dataset", "rlaif_heldout.jsonl"))
+    parser.add_argument("--tokenizer_path", default=DEFAULT_TOKENIZER_PATH)
+    parser.add_argument("--hidden_size", type=int, default=256)
+    parser.add_argument("--num_hidden_layers", type=int, default=4)
+    parser.add_argument("--use_moe", type=int, default=0, choices=[0, 1])
+    parser.add_argument("--num_prompts", type=int, default=300)
+    parser.add_argument("--batch_size", type=int, default=50)
+    parser.add_argument("--max_gen_len", type=int, default=160)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--greedy", action="store_true")
+    parser.add_argument("--thinking_ratio", type=float, default=1.0)
+    parser.add_argument("--reward_model_path", default="none")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--show_samples", type=int, default=3)
+    parser.add_argument("--json_out", default="", help="also write the table as JSON here")
+    args = parser.parse_args(argv)
+    if args.num_prompts < 1 or args.batch_size < 1 or args.max_gen_len < 1:
+        parser.error("--num_prompts, --batch_size and --max_gen_len must be >= 1")
+    if not os.path.isfile(args.data_path):
+        parser.error(f"--data_path {args.data_path} does not exist")
+
+    lm_config = build_config(args.hidden_size, args.num_hidden_layers, args.use_moe)
+    reward_model = LMForRewardModel(args.reward_model_path) if args.reward_model_path != "none" else None
+    results = {}
+    tokenizer = None
+    for name in args.weights:
+        model, tokenizer = init_model(lm_config, name, args.save_dir, args.tokenizer_path, "cpu")
+        dataset = RLAIFDataset(args.data_path, tokenizer, thinking_ratio=args.thinking_ratio, seed=args.seed)
+        results[name] = evaluate(model, tokenizer, dataset, args.num_prompts, args.batch_size, args.max_gen_len,
+                                 args.temperature, args.greedy, args.seed, reward_model)
+
+    mode = "greedy" if args.greedy else f"sampled, temperature {args.temperature}, seed {args.seed}"
+    print(f"\nheld-out: {args.data_path} ({min(args.num_prompts, len(dataset))} prompts, {mode})")
+    header = f"{'weights':<28} {'accuracy':>9} {'reward':>8} {'rule':>7} {'rm':>6} {'length':>7} {'distinct-2':>10}"
+    print(header)
+    print("-" * len(header))
+    for name, r in results.items():
+        print(f"{name:<28} {r['accuracy']:>9.3f} {r['reward']:>8.3f} {r['rule_reward']:>7.3f} "
+              f"{r['reward_model_score']:>6.2f} {r['response_len']:>7.1f} {r['distinct_2']:>10.3f}")
+    for i in range(min(args.show_samples, len(next(iter(results.values()))["samples"]))):
+        first = next(iter(results.values()))["samples"][i]
+        print(f"\n--- prompt {i} (reference {first[2]}): {first[0].splitlines()[1] if len(first[0].splitlines()) > 1 else first[0]}")
+        for name, r in results.items():
+            print(f"[{name}] {r['samples'][i][1]!r}")
+    if args.json_out:
+        table = {name: {k: v for k, v in r.items() if k != "samples"} for name, r in results.items()}
+        with open(args.json_out, "w", encoding="utf-8") as f:
+            json.dump(table, f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()

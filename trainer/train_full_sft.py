@@ -1,0 +1,130 @@
+"""Supervised fine-tuning: makes the starting policy of the embedded default (``out/full_sft_256.pth``).
+
+The loss is next-token cross-entropy on assistant tokens only (``SFTDataset``). The committed checkpoint
+was made with the defaults:
+
+    python trainer/train_full_sft.py
+
+Other examples:
+    python trainer/train_full_sft.py --max_steps 100 --save_weight tiny_sft
+    torchrun --nproc_per_node 2 trainer/train_full_sft.py
+"""
+import argparse
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
+
+from dataset.lm_dataset import SFTDataset, sft_collate  # noqa: E402
+from trainer.trainer_utils import (  # noqa: E402
+    DEFAULT_SAVE_DIR, Logger, atomic_save, build_config, build_cosine_scheduler, half_state_dict,
+    init_distributed_mode, init_model, is_main_process, setup_seed, weight_path,
+)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="MiniMind full SFT (assistant-token cross-entropy)")
+    parser.add_argument("--data_path", default=os.path.join(ROOT, "dataset", "sft_data.jsonl"))
+    parser.add_argument("--save_dir", default=DEFAULT_SAVE_DIR)
+    parser.add_argument("--save_weight", default="full_sft")
+    parser.add_argument("--from_weight", default="none", help="'none' = random init")
+    parser.add_argument("--hidden_size", type=int, default=256)
+    parser.add_argument("--num_hidden_layers", type=int, default=4)
+    parser.add_argument("--use_moe", type=int, default=0, choices=[0, 1])
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--max_steps", type=int, default=1400, help="optimizer steps (0 = whole epochs)")
+    parser.add_argument("--batch_size", type=int, default=32)
+    parser.add_argument("--learning_rate", type=float, default=2e-3)
+    parser.add_argument("--weight_decay", type=float, default=0.01)
+    parser.add_argument("--grad_clip", type=float, default=1.0)
+    parser.add_argument("--max_seq_len", type=int, default=256)
+    parser.add_argument("--log_interval", type=int, default=50)
+    parser.add_argument("--save_interval", type=int, default=0,
+                        help="also save a snapshot {save_weight}_step{N}_{hidden}.pth every N steps (0 = off)")
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--num_threads", type=int, default=0, help="torch threads on CPU (0 = torch default)")
+    args = parser.parse_args(argv)
+    for flag in ("batch_size", "max_seq_len", "epochs"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    if args.learning_rate <= 0:
+        parser.error(f"--learning_rate must be > 0, got {args.learning_rate}")
+    return args
+
+
+def sft_loss(logits, labels):
+    """Mean next-token cross-entropy over labelled positions: logits [B, T, V], labels [B, T] (-100 = skip)."""
+    shifted_logits = logits[:, :-1, :].float()
+    shifted_labels = labels[:, 1:]
+    return F.cross_entropy(shifted_logits.reshape(-1, shifted_logits.size(-1)), shifted_labels.reshape(-1),
+                           ignore_index=-100)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    local_rank, device = init_distributed_mode()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    setup_seed(args.seed + rank)
+    if args.num_threads > 0:
+        torch.set_num_threads(args.num_threads)
+
+    lm_config = build_config(args.hidden_size, args.num_hidden_layers, args.use_moe)
+    model, tokenizer = init_model(lm_config, args.from_weight, args.save_dir, device=device)
+    dataset = SFTDataset(args.data_path, tokenizer, max_length=args.max_seq_len)
+    sampler = DistributedSampler(dataset, seed=args.seed) if dist.is_initialized() else None
+    generator = torch.Generator().manual_seed(args.seed)
+    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=sampler is None, sampler=sampler,
+                        generator=generator, collate_fn=lambda b: sft_collate(b, tokenizer.pad_token_id))
+    total_steps = args.max_steps or args.epochs * len(loader)
+    Logger(f"SFT: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(dataset)} samples, "
+           f"{total_steps} steps")
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = build_cosine_scheduler(optimizer, total_steps)
+    if dist.is_initialized():
+        model = DistributedDataParallel(model, device_ids=[local_rank] if device.startswith("cuda") else None)
+
+    step, start = 0, time.time()
+    model.train()
+    for epoch in range(10 ** 9):
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        for input_ids, labels, attention_mask in loader:
+            input_ids, labels, attention_mask = input_ids.to(device), labels.to(device), attention_mask.to(device)
+            out = model(input_ids, attention_mask=attention_mask)  # through DDP when distributed
+            loss = sft_loss(out.logits, labels) + out.aux_loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            if step % args.log_interval == 0 or step == total_steps:
+                Logger(f"step {step}/{total_steps} loss {loss.item():.4f} lr {scheduler.get_last_lr()[0]:.2e} "
+                       f"elapsed {time.time() - start:.0f}s")
+            if args.save_interval and step % args.save_interval == 0 and is_main_process():
+                snapshot = weight_path(f"{args.save_weight}_step{step}", args.save_dir, args.hidden_size, args.use_moe)
+                atomic_save(half_state_dict(model), snapshot)
+            if step >= total_steps:
+                break
+        if step >= total_steps:
+            break
+
+    if is_main_process():
+        path = weight_path(args.save_weight, args.save_dir, args.hidden_size, args.use_moe)
+        atomic_save(half_state_dict(model), path)
+        Logger(f"saved {path}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

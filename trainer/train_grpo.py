@@ -1,0 +1,412 @@
+"""GRPO for a MiniMind policy (chapter 8.5): rollout -> reward -> group advantage -> CISPO / GRPO loss.
+
+One step, in chapter order:
+  1. rollout: each of the B prompts is repeated num_generations (G) times in place (P0,P0,..,P1,P1,..)
+     and sampled by the rollout engine, which also records old_per_token_logps (8.2);
+  2. rewards [B*G] = rule reward + reward-model score + answer reward (8.3, ``calculate_rewards``);
+  3. advantages [B*G] = (r - group mean) / (group std + 1e-4) (8.5.1, ``grpo_advantages``);
+  4. ref_per_token_logps from the frozen reference model, per_token_logps from the policy (with grad);
+  5. loss: CISPO (default) or the clipped GRPO surrogate, plus beta * k3 KL to the reference
+     (8.5.2, 8.6, ``grpo_loss``), then backward, grad clip, AdamW + cosine schedule;
+  6. one log line + metrics.jsonl (+ wandb), atomic checkpoints.
+
+Run (the embedded default: tiny MiniMind, bundled arithmetic prompts, CPU, about 10 minutes):
+    python trainer/train_grpo.py
+Other examples:
+    python trainer/train_grpo.py --loss_type grpo --max_steps 50
+    torchrun --nproc_per_node 2 trainer/train_grpo.py --loss_type cispo
+    python trainer/train_grpo.py --hidden_size 768 --num_hidden_layers 8 --from_weight full_sft \\
+        --data_path dataset/rlaif.jsonl --tokenizer_path model --max_gen_len 1024 --learning_rate 3e-7
+"""
+import argparse
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
+
+from dataset.lm_dataset import RLAIFDataset  # noqa: E402
+from trainer.rollout_engine import ROLLOUT_ENGINES, compute_per_token_logps, create_rollout_engine  # noqa: E402
+from trainer.trainer_utils import (  # noqa: E402
+    DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, LMForRewardModel, Logger, MetricsWriter, StepTimer, atomic_save,
+    build_config, build_cosine_scheduler, calculate_rewards, half_state_dict, init_distributed_mode, init_model,
+    is_main_process, k3_kl, masked_mean, setup_seed, unwrap_model, weight_path,
+)
+
+LOSS_TYPES = ("cispo", "grpo")
+
+
+# ----------------------------------------------------------------------------- the math (chapter 8.5)
+def grpo_advantages(rewards, num_generations, eps=1e-4):
+    """Group-relative advantages (chapter 8.5.1; Shao et al. 2024, DeepSeekMath, eq. 3).
+
+    A_i = (r_i - mean(r_group)) / (std(r_group) + eps), with the biased (population) std of each group.
+
+    Args:
+        rewards: fp32 [B*G], each prompt's G rewards adjacent (P0,P0,..,P1,P1,..).
+        num_generations: G >= 2.
+    Returns:
+        advantages fp32 [B*G]; a group of equal rewards gives exactly 0.
+    Raises:
+        ValueError: if rewards.numel() is not a multiple of num_generations.
+    """
+    if rewards.numel() % num_generations != 0:
+        raise ValueError(f"{rewards.numel()} rewards cannot be split into groups of {num_generations}")
+    grouped_rewards = rewards.view(-1, num_generations)  # [B, G]
+    mean_r = grouped_rewards.mean(dim=1).repeat_interleave(num_generations)  # [B*G]
+    std_r = grouped_rewards.std(dim=1, unbiased=False).repeat_interleave(num_generations)  # [B*G]
+    return (rewards - mean_r) / (std_r + eps)  # [B*G]
+
+
+def sequence_mean_loss(per_token_loss, completion_mask):
+    """Mean over each sequence's masked tokens, then mean over sequences (chapter 8.5.2).
+
+    per_token_loss: fp32 [N, R]; completion_mask: [N, R] 0/1 -> scalar. Masked entries never enter the
+    sum (even inf or huge values there are dropped), and an empty row counts as 0.
+    """
+    mask = completion_mask.bool()
+    per_token_loss = torch.where(mask, per_token_loss, torch.zeros_like(per_token_loss))
+    return masked_mean(per_token_loss, mask, dim=1).mean()
+
+
+def grpo_loss(per_token_logps, old_per_token_logps, ref_per_token_logps, advantages, completion_mask,
+              loss_type="cispo", epsilon=0.2, epsilon_high=5.0, beta=0.1):
+    """Policy loss of GRPO with the CISPO or clipped-surrogate objective and a k3 KL penalty (chapter 8.5.2, 8.6).
+
+    ratio = exp(per_token_logps - old_per_token_logps), per_token_kl = k3(ref, logp).
+      cispo: per_token_loss = -(sg[min(ratio, epsilon_high)] * A * logp - beta * per_token_kl)
+             (MiniMax-M1 report 2025, CISPO: the clipped ratio is a detached weight on logp's gradient);
+      grpo:  per_token_loss = -(min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) - beta * per_token_kl)
+             (PPO's clipped surrogate, Schulman et al. 2017).
+    The loss is ``sequence_mean_loss(per_token_loss, completion_mask)``.
+
+    Args:
+        per_token_logps: fp32 [N, R], log pi_theta of the completion tokens (requires grad).
+        old_per_token_logps: fp32 [N, R], log pi_old from the rollout (no grad).
+        ref_per_token_logps: fp32 [N, R], log pi_ref of the frozen reference (no grad).
+        advantages: fp32 [N], one per sequence, broadcast over its tokens.
+        completion_mask: [N, R] 0/1.
+    Returns:
+        (policy_loss scalar, per_token_kl [N, R], ratio [N, R]) -- the last two detached, for logging.
+    Raises:
+        ValueError: for an unknown loss_type.
+    """
+    per_token_kl = k3_kl(ref_per_token_logps, per_token_logps)  # [N, R]
+    ratio = torch.exp(per_token_logps - old_per_token_logps)  # [N, R]
+    advantages = advantages.unsqueeze(1)  # [N, 1]
+    if loss_type == "cispo":
+        clamped_ratio = torch.clamp(ratio, max=epsilon_high).detach()  # [N, R]
+        per_token_loss = -(clamped_ratio * advantages * per_token_logps - beta * per_token_kl)
+    elif loss_type == "grpo":
+        clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + epsilon)  # [N, R]
+        per_token_loss1 = ratio * advantages
+        per_token_loss2 = clipped_ratio * advantages
+        per_token_loss = -(torch.min(per_token_loss1, per_token_loss2) - beta * per_token_kl)
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}; valid: {', '.join(LOSS_TYPES)}")
+    policy_loss = sequence_mean_loss(per_token_loss, completion_mask)
+    return policy_loss, per_token_kl.detach(), ratio.detach()
+
+
+# ----------------------------------------------------------------------------- set-up
+def add_common_rl_args(parser):
+    """Flags shared by train_grpo.py and train_ppo.py (same names, same meanings)."""
+    parser.add_argument("--save_dir", default=DEFAULT_SAVE_DIR, help="where weights and runs are written")
+    parser.add_argument("--run_dir", default="", help="metrics folder (default: {save_dir}/runs/{save_weight}-TIME)")
+    parser.add_argument("--data_path", default=os.path.join(ROOT, "dataset", "rlaif_train.jsonl"))
+    parser.add_argument("--tokenizer_path", default=DEFAULT_TOKENIZER_PATH)
+    parser.add_argument("--from_weight", default="full_sft", help="name in save_dir ({name}_{hidden}.pth) or a path")
+    parser.add_argument("--hidden_size", type=int, default=256)
+    parser.add_argument("--num_hidden_layers", type=int, default=4)
+    parser.add_argument("--use_moe", type=int, default=0, choices=[0, 1])
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--max_steps", type=int, default=0, help="stop after this many steps (0 = whole epochs)")
+    parser.add_argument("--batch_size", type=int, default=4, help="prompts per step and rank")
+    parser.add_argument("--learning_rate", type=float, default=5e-5)
+    parser.add_argument("--weight_decay", type=float, default=0.0)
+    parser.add_argument("--accumulation_steps", type=int, default=1)
+    parser.add_argument("--grad_clip", type=float, default=1.0)
+    parser.add_argument("--max_seq_len", type=int, default=256, help="prompt tokens kept (from the right)")
+    parser.add_argument("--max_gen_len", type=int, default=160, help="most tokens generated per answer")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollout")
+    parser.add_argument("--top_p", type=float, default=1.0)
+    parser.add_argument("--top_k", type=int, default=0)
+    parser.add_argument("--thinking_ratio", type=float, default=0.9, help="share of prompts that open <think>")
+    parser.add_argument("--reward_model_path", default="none", help="sequence-classification reward model, or none")
+    parser.add_argument("--reward_batch_size", type=int, default=16)
+    parser.add_argument("--answer_reward_weight", type=float, default=2.0,
+                        help="weight of the 0/1 reward for a correct final number")
+    parser.add_argument("--rollout_engine", default="torch", help=f"one of {', '.join(ROLLOUT_ENGINES)}")
+    parser.add_argument("--log_interval", type=int, default=1)
+    parser.add_argument("--save_interval", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--use_wandb", action="store_true")
+    parser.add_argument("--wandb_project", default="MiniMind-RL")
+    parser.add_argument("--debug_mode", action="store_true", help="print prompts, answers and reward parts")
+    parser.add_argument("--debug_interval", type=int, default=20)
+
+
+def check_common_rl_args(parser, args):
+    """argparse-style errors (exit 2) for out-of-range shared flags, before any model is built."""
+    for flag in ("batch_size", "accumulation_steps", "max_gen_len", "max_seq_len", "epochs", "log_interval",
+                 "save_interval", "debug_interval", "reward_batch_size"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    if args.max_steps < 0:
+        parser.error(f"--max_steps must be >= 0, got {args.max_steps}")
+    if args.learning_rate <= 0:
+        parser.error(f"--learning_rate must be > 0, got {args.learning_rate}")
+    if args.temperature <= 0:
+        parser.error(f"--temperature must be > 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        parser.error(f"--top_p must be in (0, 1], got {args.top_p}")
+    if not 0 <= args.thinking_ratio <= 1:
+        parser.error(f"--thinking_ratio must be in [0, 1], got {args.thinking_ratio}")
+    if args.rollout_engine not in ROLLOUT_ENGINES:
+        parser.error(f"--rollout_engine {args.rollout_engine!r} is unknown; valid: {', '.join(ROLLOUT_ENGINES)}")
+    if not os.path.isfile(args.data_path):
+        parser.error(f"--data_path {args.data_path} does not exist")
+    if args.reward_model_path != "none" and not os.path.exists(args.reward_model_path):
+        parser.error(f"--reward_model_path {args.reward_model_path} does not exist (use 'none' to disable)")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="MiniMind GRPO (Group Relative Policy Optimization)")
+    add_common_rl_args(parser)
+    parser.add_argument("--save_weight", default="grpo")
+    parser.add_argument("--num_generations", type=int, default=6, help="G, answers sampled per prompt")
+    parser.add_argument("--loss_type", default="cispo", help=f"one of {', '.join(LOSS_TYPES)}")
+    parser.add_argument("--beta", type=float, default=0.1, help="weight of the k3 KL to the reference")
+    parser.add_argument("--epsilon", type=float, default=0.2, help="clip range of the grpo loss")
+    parser.add_argument("--epsilon_high", type=float, default=5.0, help="upper clamp of the CISPO ratio weight")
+    args = parser.parse_args(argv)
+    check_common_rl_args(parser, args)
+    if args.num_generations < 2:
+        parser.error(f"--num_generations must be >= 2 for group advantages, got {args.num_generations}")
+    if args.loss_type not in LOSS_TYPES:
+        parser.error(f"--loss_type {args.loss_type!r} is unknown; valid: {', '.join(LOSS_TYPES)}")
+    if args.epsilon_high <= 1:
+        parser.error(f"--epsilon_high must be > 1, got {args.epsilon_high}")
+    if args.epsilon <= 0:
+        parser.error(f"--epsilon must be > 0, got {args.epsilon}")
+    if args.beta < 0:
+        parser.error(f"--beta must be >= 0, got {args.beta}")
+    return args
+
+
+def tokenize_prompts(tokenizer, prompts, max_seq_len, device):
+    """Left-padded prompt batch, each prompt cut to its last ``max_seq_len`` tokens.
+
+    Returns (prompt_ids long [B, P], attention_mask long [B, P], number of prompts that were cut).
+    Cutting from the left keeps the generation prompt at the end.
+    """
+    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    truncated = sum(len(ids) > max_seq_len for ids in encoded)
+    encoded = [ids[-max_seq_len:] for ids in encoded]
+    width = max(len(ids) for ids in encoded)
+    prompt_ids = torch.full((len(encoded), width), tokenizer.pad_token_id, dtype=torch.long)  # [B, P]
+    attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)  # [B, P]
+    for i, ids in enumerate(encoded):
+        prompt_ids[i, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[i, width - len(ids):] = 1
+    return prompt_ids.to(device), attention_mask.to(device), truncated
+
+
+def build_run(args, script_name):
+    """Shared set-up of both RL scripts: distributed init, seed, policy, reference, reward model, data.
+
+    Returns a dict with device, rank, world_size, local_rank, lm_config, model, ref_model, tokenizer,
+    reward_model, dataset, sampler, loader.
+    """
+    local_rank, device = init_distributed_mode()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    setup_seed(args.seed)  # identical initial weights on every rank
+    lm_config = build_config(args.hidden_size, args.num_hidden_layers, args.use_moe)
+    model, tokenizer = init_model(lm_config, args.from_weight, args.save_dir, args.tokenizer_path, device)
+    ref_model, _ = init_model(lm_config, args.from_weight, args.save_dir, args.tokenizer_path, device)
+    ref_model.eval().requires_grad_(False)
+    reward_model = None
+    if args.reward_model_path != "none":
+        reward_model = LMForRewardModel(args.reward_model_path, device=device, batch_size=args.reward_batch_size)
+    dataset = RLAIFDataset(args.data_path, tokenizer, thinking_ratio=args.thinking_ratio, seed=args.seed)
+    sampler = DistributedSampler(dataset, seed=args.seed) if dist.is_initialized() else None
+    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=sampler is None, sampler=sampler,
+                        generator=torch.Generator().manual_seed(args.seed), drop_last=True)
+    setup_seed(args.seed + rank)  # different sampling on every rank
+    Logger(f"{script_name}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
+           f"{len(dataset)} prompts, world size {world_size}, device {device}")
+    return dict(device=device, rank=rank, world_size=world_size, local_rank=local_rank, lm_config=lm_config,
+                model=model, ref_model=ref_model, tokenizer=tokenizer, reward_model=reward_model,
+                dataset=dataset, sampler=sampler, loader=loader)
+
+
+def wrap_ddp(model, device, local_rank):
+    """DistributedDataParallel around ``model`` when distributed (gloo on CPU, one GPU per rank on CUDA)."""
+    if not dist.is_initialized():
+        return model
+    return DistributedDataParallel(model, device_ids=[local_rank] if device.startswith("cuda") else None)
+
+
+def mean_over_ranks(metrics, device):
+    """Average a dict of floats over ranks (all_reduce); unchanged when not distributed."""
+    if not dist.is_initialized():
+        return metrics
+    keys = sorted(metrics)
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(values)
+    values /= dist.get_world_size()
+    return dict(zip(keys, values.tolist()))
+
+
+def print_debug_samples(step, prompts, completions, reward_parts, num_generations):
+    """--debug_mode: each prompt, its sampled answers and their reward parts (rank 0 only)."""
+    for i in range(0, len(completions), num_generations):
+        Logger(f"[debug] step {step} prompt:\n{prompts[i]}")
+        for j in range(i, i + num_generations):
+            Logger(f"[debug] answer {j - i}: reward {reward_parts['rewards'][j]:.3f} "
+                   f"(rule {reward_parts['rule_rewards'][j]:.3f}, rm {reward_parts['reward_model_scores'][j]:.3f}, "
+                   f"answer {reward_parts['answer_rewards'][j]:.0f})\n{completions[j]}")
+
+
+# ----------------------------------------------------------------------------- the loop
+def grpo_step(batch, model, ref_model, rollout_engine, reward_model, tokenizer, args, device):
+    """One GRPO rollout + loss (chapter 8.5); returns (loss to backpropagate, metrics dict, debug dict).
+
+    ``model`` is what the gradient flows through (the DDP wrapper when distributed).
+    """
+    prompts, answers = batch["prompt"], batch["answer"]  # list[str] of length B
+    prompt_ids, attention_mask, truncated = tokenize_prompts(tokenizer, prompts, args.max_seq_len, device)
+
+    # 1. rollout: B*G completions and their old log-probs (8.2)
+    rollout = rollout_engine.rollout(prompt_ids, attention_mask, args.num_generations, args.max_gen_len,
+                                     args.temperature)
+    output_ids = rollout.output_ids  # [B*G, P+R]
+    full_mask = rollout.attention_mask  # [B*G, P+R]
+    completion_mask = rollout.completion_mask  # [B*G, R]
+    old_per_token_logps = rollout.per_token_logps.detach()  # [B*G, R]
+    num_completion_tokens = rollout.completion_ids.size(1)  # R
+
+    # 2. rewards (8.3)
+    repeated_prompts = [p for p in prompts for _ in range(args.num_generations)]
+    repeated_answers = [a for a in answers for _ in range(args.num_generations)]
+    reward_parts = calculate_rewards(repeated_prompts, rollout.completions, repeated_answers, reward_model,
+                                     args.answer_reward_weight)
+    rewards = reward_parts["rewards"].to(device)  # [B*G]
+
+    # 3. group-relative advantages (8.5.1)
+    advantages = grpo_advantages(rewards, args.num_generations)  # [B*G]
+
+    # 4. reference and current log-probs
+    with torch.no_grad():
+        ref_per_token_logps = compute_per_token_logps(ref_model, output_ids, num_completion_tokens, full_mask,
+                                                      args.temperature)  # [B*G, R]
+    per_token_logps, aux_loss = compute_per_token_logps(model, output_ids, num_completion_tokens, full_mask,
+                                                        args.temperature, return_aux_loss=True)  # [B*G, R]
+
+    # 5. CISPO / GRPO loss with the k3 KL penalty (8.5.2, 8.6)
+    policy_loss, per_token_kl, ratio = grpo_loss(
+        per_token_logps, old_per_token_logps, ref_per_token_logps, advantages, completion_mask,
+        args.loss_type, args.epsilon, args.epsilon_high, args.beta,
+    )
+    loss = (policy_loss + aux_loss) / args.accumulation_steps
+
+    metrics = {
+        "reward": rewards.mean().item(),
+        "rule_reward": reward_parts["rule_rewards"].mean().item(),
+        "reward_model_score": reward_parts["reward_model_scores"].mean().item(),
+        "answer_reward": reward_parts["answer_rewards"].mean().item(),
+        "kl_ref": masked_mean(per_token_kl, completion_mask).item(),
+        "advantages_mean": advantages.mean().item(),
+        "advantages_std": advantages.std(unbiased=False).item(),
+        "policy_loss": policy_loss.item(),
+        "aux_loss": float(aux_loss),
+        "ratio_mean": masked_mean(ratio, completion_mask).item(),
+        "response_len": completion_mask.sum(dim=1).float().mean().item(),
+        "truncated_prompts": truncated,
+    }
+    debug = {"prompts": repeated_prompts, "completions": rollout.completions, "reward_parts": reward_parts}
+    return loss, metrics, debug
+
+
+def optimizer_step(model, optimizer, scheduler, grad_clip):
+    """Clip the gradient norm, step the optimizer and the schedule, clear gradients; returns the grad norm."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm)
+
+
+def save_weights(model, args, lm_config):
+    """Write the policy as MiniMind fp16 weights ``{save_dir}/{save_weight}_{hidden}[_moe].pth`` (atomic)."""
+    path = weight_path(args.save_weight, args.save_dir, lm_config.hidden_size, lm_config.use_moe)
+    atomic_save(half_state_dict(model), path)
+    return path
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    run = build_run(args, "GRPO")
+    device, model, ref_model, tokenizer = run["device"], run["model"], run["ref_model"], run["tokenizer"]
+    lm_config, loader, sampler = run["lm_config"], run["loader"], run["sampler"]
+
+    steps_per_epoch = len(loader)
+    total_steps = min(args.max_steps, args.epochs * steps_per_epoch) if args.max_steps else args.epochs * steps_per_epoch
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = build_cosine_scheduler(optimizer, max(total_steps // args.accumulation_steps, 1))
+    ddp_model = wrap_ddp(model, device, run["local_rank"])
+    rollout_engine = create_rollout_engine(args.rollout_engine, model, tokenizer, top_p=args.top_p, top_k=args.top_k)
+    run_dir = args.run_dir or os.path.join(args.save_dir, "runs", f"{args.save_weight}-{time.strftime('%Y%m%d-%H%M%S')}")
+    writer = MetricsWriter(run_dir, args.use_wandb, args.wandb_project, os.path.basename(run_dir), vars(args))
+    Logger(f"GRPO: {total_steps} steps, {args.batch_size} prompts x {args.num_generations} answers per step, "
+           f"loss {args.loss_type}, metrics in {run_dir}")
+
+    timer = StepTimer(total_steps)
+    step = 0
+    ddp_model.train()
+    for epoch in range(args.epochs):
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        for batch in loader:
+            step += 1
+            loss, metrics, debug = grpo_step(batch, ddp_model, ref_model, rollout_engine, run["reward_model"],
+                                             tokenizer, args, device)
+            loss.backward()
+            if step % args.accumulation_steps == 0 or step == total_steps:
+                metrics["grad_norm"] = optimizer_step(ddp_model, optimizer, scheduler, args.grad_clip)
+                rollout_engine.update_policy(model)
+            metrics = mean_over_ranks(metrics, device)
+            if args.debug_mode and step % args.debug_interval == 0:
+                print_debug_samples(step, debug["prompts"], debug["completions"], debug["reward_parts"],
+                                    args.num_generations)
+            if step % args.log_interval == 0 or step == total_steps:
+                elapsed, remaining = timer.eta(step)
+                metrics.update(step=step, total_steps=total_steps, epoch=epoch,
+                               learning_rate=optimizer.param_groups[0]["lr"], elapsed_s=time.time() - timer.start)
+                Logger(f"step {step}/{total_steps} | reward {metrics['reward']:.3f} "
+                       f"(answer {metrics['answer_reward']:.3f}) | kl_ref {metrics['kl_ref']:.4f} | "
+                       f"adv mean {metrics['advantages_mean']:.3f} std {metrics['advantages_std']:.3f} | "
+                       f"policy_loss {metrics['policy_loss']:.4f} | len {metrics['response_len']:.1f} | "
+                       f"lr {metrics['learning_rate']:.2e} | {elapsed} elapsed, {remaining} left")
+                writer.log(metrics)
+            if (step % args.save_interval == 0 or step == total_steps) and is_main_process():
+                path = save_weights(unwrap_model(ddp_model), args, lm_config)
+                Logger(f"saved {path}")
+            if step >= total_steps:
+                break
+        if step >= total_steps:
+            break
+    writer.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Train the project's byte-level BPE tokenizer (vocab 6400) on the bundled corpus.
+
+Special tokens: <|endoftext|> = 0 (pad), <|im_start|> = 1, <|im_end|> = 2 (eos), as in MiniMind;
+``<think>`` and ``</think>`` are added (non-special) tokens so that decoding keeps them. Digits are
+split one per token, which makes column arithmetic learnable for a small model. The chat template
+follows MiniMind's: system/user/assistant turns, a ``<think>...</think>`` block in assistant turns, and
+the ``open_thinking`` switch for the generation prompt (``<think>\\n`` when true, an empty think block
+otherwise).
+
+Usage: python trainer/train_tokenizer.py [--data dataset/sft_data.jsonl] [--out_dir model]
+"""
+import argparse
+import json
+import os
+import sys
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+THINK_TOKENS = ["<think>", "</think>"]
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' %}"
+    "{%- set content = message.content %}"
+    "{%- set reasoning = '' %}"
+    "{%- if '</think>' in content %}"
+    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
+    "{%- endif %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + content + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if open_thinking is defined and open_thinking is true %}{{- '<think>\\n' }}"
+    "{%- else %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+
+def iter_texts(paths):
+    """Yield every message text of the JSONL conversation files."""
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                for message in json.loads(line)["conversations"]:
+                    yield message["content"]
+
+
+def train_tokenizer(paths, out_dir, vocab_size=6400):
+    """Train and save ``tokenizer.json`` + ``tokenizer_config.json`` to out_dir; returns the Tokenizer."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False),
+    ])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(iter_texts(paths), trainer=trainer)
+    tokenizer.add_tokens(THINK_TOKENS)
+    for i, token in enumerate(SPECIAL_TOKENS):
+        assert tokenizer.token_to_id(token) == i, f"{token} must have id {i}"
+    os.makedirs(out_dir, exist_ok=True)
+    tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "add_prefix_space": False,
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": "<|endoftext|>",
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 32768,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, ensure_ascii=False, indent=2)
+    return tokenizer
+
+
+def main():
+    parser = argparse.ArgumentParser(description="Train the byte-level BPE tokenizer")
+    parser.add_argument("--data", nargs="+", default=[os.path.join(ROOT, "dataset", "sft_data.jsonl"),
+                                                      os.path.join(ROOT, "dataset", "rlaif_train.jsonl")])
+    parser.add_argument("--out_dir", default=os.path.join(ROOT, "model"))
+    parser.add_argument("--vocab_size", type=int, default=6400)
+    args = parser.parse_args()
+    tokenizer = train_tokenizer(args.data, args.out_dir, args.vocab_size)
+    print(f"saved tokenizer with {tokenizer.get_vocab_size()} tokens to {args.out_dir}")
+
+
+if __name__ == "__main__":
+    main()

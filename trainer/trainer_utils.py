@@ -1,0 +1,413 @@
+"""Pieces shared by the training scripts: logging, distributed set-up, seeding, model loading,
+atomic checkpoints, the reward functions of chapter 8.3 and the k3 KL of chapter 8.6.
+
+Nothing here reads a global: every function takes what it needs as arguments.
+"""
+import glob
+import json
+import math
+import os
+import random
+import re
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from transformers import AutoTokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
+
+DEFAULT_TOKENIZER_PATH = os.path.join(ROOT, "model")
+DEFAULT_SAVE_DIR = os.path.join(ROOT, "out")
+
+
+# ----------------------------------------------------------------------------- processes and logging
+def is_main_process():
+    """True on rank 0, or when not running distributed."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def Logger(content):
+    """Print on the main process only (flushes, so logs show up under torchrun and pipes)."""
+    if is_main_process():
+        print(content, flush=True)
+
+
+def init_distributed_mode():
+    """Initialise torch.distributed when launched by torchrun (RANK in the environment).
+
+    Backend: nccl on CUDA (one device per LOCAL_RANK), gloo on CPU.
+    Returns:
+        (local_rank, device): local_rank is 0 without torchrun; device is a string like "cuda:1" or "cpu".
+    """
+    cuda = torch.cuda.is_available()
+    if int(os.environ.get("RANK", -1)) == -1:
+        return 0, "cuda:0" if cuda else "cpu"
+    local_rank = int(os.environ["LOCAL_RANK"])
+    dist.init_process_group(backend="nccl" if cuda else "gloo")
+    if cuda:
+        torch.cuda.set_device(local_rank)
+        return local_rank, f"cuda:{local_rank}"
+    return local_rank, "cpu"
+
+
+def setup_seed(seed):
+    """Seed Python, torch (CPU and CUDA) RNGs."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    torch.cuda.manual_seed_all(seed)
+
+
+def format_duration(seconds):
+    """Seconds -> 'H:MM:SS'."""
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class MetricsWriter:
+    """Appends one JSON object per step to ``run_dir/metrics.jsonl`` and mirrors it to wandb.
+
+    Only the main process writes. ``wandb`` is imported only when ``use_wandb`` is true
+    (``WANDB_MODE=offline`` works without a network).
+    """
+
+    def __init__(self, run_dir, use_wandb=False, wandb_project="MiniMind-RL", run_name=None, config=None):
+        self.enabled = is_main_process()
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.wandb = None
+        if not self.enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        if use_wandb:
+            import wandb
+            self.wandb = wandb
+            wandb.init(project=wandb_project, name=run_name, config=config, dir=run_dir)
+
+    def log(self, metrics):
+        """metrics: dict of str -> float/int (must include 'step')."""
+        if not self.enabled:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=int(metrics["step"]))
+
+    def close(self):
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+# ----------------------------------------------------------------------------- models and checkpoints
+def weight_path(from_weight, save_dir, hidden_size, use_moe):
+    """MiniMind's naming: ``{save_dir}/{name}_{hidden}[_moe].pth``, or ``from_weight`` itself if it is a file."""
+    if os.path.isfile(from_weight):
+        return from_weight
+    suffix = "_moe" if use_moe else ""
+    return os.path.join(save_dir, f"{from_weight}_{hidden_size}{suffix}.pth")
+
+
+def load_weights(model, path, flag_hint="--hidden_size / --num_hidden_layers / --use_moe"):
+    """Load a ``.pth`` state dict into ``model`` strictly (weights_only=True).
+
+    Raises:
+        FileNotFoundError: if ``path`` is missing; the message lists the ``.pth`` files next to it.
+        ValueError: on a shape mismatch (naming the parameter, both shapes and the flags to change) or
+            missing/unexpected keys.
+    """
+    if not os.path.isfile(path):
+        folder = os.path.dirname(path) or "."
+        found = sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "*.pth")))
+        raise FileNotFoundError(f"weights not found: {path} (in {folder}: {found or 'no .pth files'})")
+    state_dict = torch.load(path, map_location="cpu", weights_only=True)
+    own = model.state_dict()
+    for name, tensor in state_dict.items():
+        if name in own and own[name].shape != tensor.shape:
+            raise ValueError(
+                f"{path}: parameter {name} has shape {tuple(tensor.shape)} but the model built from the flags "
+                f"expects {tuple(own[name].shape)}; change {flag_hint} to match the checkpoint"
+            )
+    missing = sorted(set(own) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"{path}: missing keys {missing[:8]}, unexpected keys {unexpected[:8]}; "
+                         f"check {flag_hint}")
+    model.load_state_dict({k: v.to(own[k].dtype) for k, v in state_dict.items()}, strict=True)
+
+
+def build_config(hidden_size, num_hidden_layers, use_moe, vocab_size=6400):
+    """MiniMindConfig from the architecture flags every script shares."""
+    return MiniMindConfig(hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
+                          use_moe=bool(use_moe), vocab_size=vocab_size)
+
+
+def init_model(lm_config, from_weight="none", save_dir=DEFAULT_SAVE_DIR, tokenizer_path=DEFAULT_TOKENIZER_PATH,
+               device="cpu"):
+    """Build a ``MiniMindForCausalLM`` and its tokenizer, loading weights strictly unless from_weight == 'none'.
+
+    Args:
+        lm_config: ``MiniMindConfig``.
+        from_weight: a weight name resolved as ``{save_dir}/{name}_{hidden}[_moe].pth``, a path to a ``.pth``
+            file, or 'none' for random init.
+    Returns:
+        (model fp32 on ``device``, tokenizer)
+    Raises:
+        FileNotFoundError / ValueError: see ``load_weights``.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    model = MiniMindForCausalLM(lm_config)
+    if from_weight != "none":
+        load_weights(model, weight_path(from_weight, save_dir, lm_config.hidden_size, lm_config.use_moe))
+    if len(tokenizer) > lm_config.vocab_size:
+        raise ValueError(f"tokenizer {tokenizer_path} has {len(tokenizer)} tokens but vocab_size is "
+                         f"{lm_config.vocab_size}")
+    return model.to(device), tokenizer
+
+
+def atomic_save(obj, path):
+    """torch.save to ``path`` through a temporary file in the same folder, fsync, then os.replace.
+
+    A crash or a full disk leaves the previous file at ``path`` intact.
+    Raises:
+        OSError: naming ``path`` when the folder is not writable or the write fails.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as err:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise OSError(err.errno, f"could not save checkpoint to {path}: {err.strerror}") from err
+
+
+def half_state_dict(model):
+    """The model's state dict in fp16 on CPU (MiniMind's release format for ``.pth`` weights)."""
+    raw = unwrap_model(model)
+    return {k: v.detach().half().cpu() for k, v in raw.state_dict().items()}
+
+
+def unwrap_model(model):
+    """The module inside a DistributedDataParallel (or torch.compile) wrapper."""
+    model = getattr(model, "module", model)
+    return getattr(model, "_orig_mod", model)
+
+
+def cosine_lr(step, total_steps, learning_rate, min_lr_ratio=0.1):
+    """Cosine decay from ``learning_rate`` to ``min_lr_ratio * learning_rate`` over ``total_steps`` optimizer steps."""
+    progress = min(step / max(total_steps, 1), 1.0)
+    return learning_rate * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def build_cosine_scheduler(optimizer, total_steps, min_lr_ratio=0.1):
+    """LambdaLR that follows ``cosine_lr`` (state_dict-able, so a resume restores it)."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: cosine_lr(step, total_steps, 1.0, min_lr_ratio)
+    )
+
+
+# ----------------------------------------------------------------------------- masks and KL
+def completion_mask_from_ids(completion_ids, eos_token_id):
+    """Mask of the completion tokens that count: every token up to and including the first EOS.
+
+    completion_ids: long [N, R] -> long [N, R] of 0/1. A row without EOS (truncated) is all ones.
+    Everything after the first EOS (padding or stray tokens) is 0. (DESIGN.md, "Masks".)
+    """
+    is_eos = completion_ids == eos_token_id  # [N, R]
+    positions = torch.arange(completion_ids.size(1), device=completion_ids.device).expand_as(completion_ids)
+    first_eos = torch.where(is_eos, positions, torch.full_like(positions, completion_ids.size(1))).min(dim=1).values
+    return (positions <= first_eos.unsqueeze(1)).long()
+
+
+def masked_mean(values, mask, dim=None):
+    """Mean of ``values`` over positions where mask == 1 (sum / count, count clamped to >= 1).
+
+    values, mask: same shape (mask 0/1, any dtype). dim=None averages over all entries -> scalar;
+    an int averages along that dimension. An all-zero mask gives 0, never NaN.
+    """
+    mask = mask.to(values.dtype)
+    if dim is None:
+        return (values * mask).sum() / mask.sum().clamp(min=1)
+    return (values * mask).sum(dim=dim) / mask.sum(dim=dim).clamp(min=1)
+
+
+def k3_kl(ref_per_token_logps, per_token_logps):
+    """k3 estimator of KL(pi_theta || pi_ref) per token (Schulman 2020, "Approximating KL divergence"; chapter 8.6).
+
+    k3 = exp(ref - logp) - (ref - logp) - 1, elementwise on [N, R] fp32 log-probs (nats); >= 0, and 0 where
+    the two log-probs are equal.
+    """
+    log_ratio = ref_per_token_logps - per_token_logps
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+# ----------------------------------------------------------------------------- rewards (chapter 8.3)
+def rep_penalty(text, n=3, cap=0.5):
+    """n-gram repetition penalty of MiniMind's reward (chapter 8.3), in [0, cap].
+
+    Words and punctuation marks (regex ``\\w+|[^\\w\\s]``, lower-cased) form n-grams; the penalty is
+    min(cap, 2 * cap * (#n-grams - #distinct n-grams) / #n-grams), 0 for text with fewer than n tokens.
+    """
+    tokens = re.findall(r"\w+|[^\w\s]", text.lower())
+    ngrams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    if not ngrams:
+        return 0.0
+    repeated = len(ngrams) - len(set(ngrams))
+    return min(cap, repeated * cap * 2 / len(ngrams))
+
+
+def split_thinking(response):
+    """(thinking, answer): text before / after the first '</think>', or ('', response) without one."""
+    if "</think>" in response:
+        thinking, answer = response.split("</think>", 1)
+        return thinking, answer.strip()
+    return "", response.strip()
+
+
+def rule_reward(response):
+    """Rule reward of one response (chapter 8.3), a float.
+
+    +0.5 if 20 <= len(response.strip()) <= 800 else -0.5;
+    if the response contains '</think>': +1.0 if 20 <= len(thinking.strip()) <= 300 else -0.5, and
+    +0.25 if '</think>' occurs exactly once else -0.25;
+    minus ``rep_penalty`` of the answer (the text after '</think>', or the whole response).
+    """
+    reward = 0.5 if 20 <= len(response.strip()) <= 800 else -0.5
+    if "</think>" in response:
+        thinking, _ = response.split("</think>", 1)
+        reward += 1.0 if 20 <= len(thinking.strip()) <= 300 else -0.5
+        reward += 0.25 if response.count("</think>") == 1 else -0.25
+    _, answer = split_thinking(response)
+    return reward - rep_penalty(answer)
+
+
+NUMBER_PATTERN = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def extract_final_number(text):
+    """The last number in ``text`` (commas removed), or None. '#### 42' and 'The answer is 42.' -> '42'."""
+    matches = NUMBER_PATTERN.findall(text)
+    if not matches:
+        return None
+    return matches[-1].replace(",", "").rstrip(".")
+
+
+def answer_reward(response, reference):
+    """Verifiable answer reward: 1.0 if the last number of the answer part equals ``reference``, else 0.0.
+
+    ``reference`` "" (no reference answer) gives 0.0. Numbers compare as numbers ("42.0" == "42").
+    """
+    if not reference:
+        return 0.0
+    _, answer = split_thinking(response)
+    predicted = extract_final_number(answer)
+    expected = extract_final_number(reference)
+    if predicted is None or expected is None:
+        return 0.0
+    try:
+        return 1.0 if float(predicted) == float(expected) else 0.0
+    except ValueError:
+        return 0.0
+
+
+CHAT_TURN_PATTERN = re.compile(r"<\|im_start\|>(system|user|assistant)\s+(.*?)<\|im_end\|>", re.DOTALL)
+
+
+def prompt_to_messages(prompt):
+    """Rebuild [{"role", "content"}] from a chat-templated prompt (the chapter 8.3 regex)."""
+    return [{"role": role, "content": content.strip()} for role, content in CHAT_TURN_PATTERN.findall(prompt)]
+
+
+class LMForRewardModel:
+    """External reward model: a transformers sequence-classification model with one label (chapter 8.3).
+
+    ``get_scores(messages_list, responses)`` -> list of floats, each clipped to [-3, 3]. The conversation
+    is the prompt's messages plus the response as the assistant turn, rendered with the reward model's
+    own chat template (or 'role: content' lines when it has none), scored in padded batches of
+    ``batch_size``.
+
+    Raises:
+        FileNotFoundError: if ``path`` does not exist (checked before anything is loaded).
+    """
+
+    def __init__(self, path, device="cpu", dtype=torch.float32, batch_size=16):
+        from transformers import AutoModelForSequenceClassification
+
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"--reward_model_path {path} does not exist (use 'none' to disable)")
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype).to(device).eval()
+        self.model.requires_grad_(False)
+        self.device = device
+        self.batch_size = batch_size
+
+    def render(self, messages, response):
+        conversation = messages + [{"role": "assistant", "content": response}]
+        if self.tokenizer.chat_template:
+            return self.tokenizer.apply_chat_template(conversation, tokenize=False)
+        return "\n".join(f"{m['role']}: {m['content']}" for m in conversation)
+
+    @torch.no_grad()
+    def get_scores(self, messages_list, responses):
+        texts = [self.render(m, r) for m, r in zip(messages_list, responses)]
+        scores = []
+        for start in range(0, len(texts), self.batch_size):
+            enc = self.tokenizer(texts[start:start + self.batch_size], return_tensors="pt", padding=True,
+                                 truncation=True, max_length=2048).to(self.device)
+            logits = self.model(**enc).logits[:, 0].float()
+            scores.extend(logits.clamp(-3.0, 3.0).tolist())
+        return scores
+
+
+def calculate_rewards(prompts, responses, answers, reward_model, answer_reward_weight):
+    """Sequence rewards of a batch (chapter 8.3): rule reward + reward-model score + weighted answer reward.
+
+    Args:
+        prompts: list[str] of length N (for GRPO, each prompt repeated num_generations times, in place).
+        responses: list[str] of length N, the decoded completions (without the EOS token).
+        answers: list[str] of length N, reference answers ("" when a sample has none).
+        reward_model: an ``LMForRewardModel`` or None (``--reward_model_path none``).
+        answer_reward_weight: weight of ``answer_reward``.
+    Returns:
+        dict of float32 tensors [N]: "rewards" (the total) and its parts "rule_rewards",
+        "reward_model_scores", "answer_rewards".
+    """
+    rule_rewards = torch.tensor([rule_reward(r) for r in responses], dtype=torch.float32)  # [N]
+    answer_rewards = torch.tensor([answer_reward(r, a) for r, a in zip(responses, answers)],
+                                  dtype=torch.float32)  # [N]
+    reward_model_scores = torch.zeros(len(responses), dtype=torch.float32)  # [N]
+    if reward_model is not None:
+        messages_list = [prompt_to_messages(p) for p in prompts]
+        final_answers = [split_thinking(r)[1] for r in responses]
+        reward_model_scores = torch.tensor(reward_model.get_scores(messages_list, final_answers),
+                                           dtype=torch.float32)
+    rewards = rule_rewards + reward_model_scores + answer_reward_weight * answer_rewards  # [N]
+    return {"rewards": rewards, "rule_rewards": rule_rewards, "reward_model_scores": reward_model_scores,
+            "answer_rewards": answer_rewards}
+
+
+class StepTimer:
+    """Elapsed time and an estimate of the time left, for log lines."""
+
+    def __init__(self, total_steps, start_step=0):
+        self.start = time.time()
+        self.total_steps = total_steps
+        self.start_step = start_step
+
+    def eta(self, step):
+        """(elapsed 'H:MM:SS', remaining 'H:MM:SS') after ``step`` of ``total_steps``."""
+        elapsed = time.time() - self.start
+        done = max(step - self.start_step, 1)
+        remaining = elapsed / done * (self.total_steps - step)
+        return format_duration(elapsed), format_duration(remaining)
