@@ -1,0 +1,36 @@
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+SHARED = os.path.join(os.path.dirname(ROOT), "shared")
+
+
+@pytest.fixture
+def tiny_config():
+    from model.model_minimind import MiniMindConfig
+    return MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          vocab_size=6400)
+
+
+@pytest.fixture
+def tokenizer():
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
+
+
+@pytest.fixture
+def tiny_weights(tmp_path):
+    """A random MiniMind of the scripts' flags --hidden_size 64 --num_hidden_layers 2, saved as {tmp}/tiny_64.pth
+    (MiniMind naming); returns (save_dir, name)."""
+    from model.model_minimind import MiniMindForCausalLM
+    from trainer.trainer_utils import build_config
+    torch.manual_seed(0)
+    model = MiniMindForCausalLM(build_config(hidden_size=64, num_hidden_layers=2, use_moe=0))
+    torch.save({k: v.half() for k, v in model.state_dict().items()}, tmp_path / "tiny_64.pth")
+    return str(tmp_path), "tiny"

@@ -1,0 +1,57 @@
+"""Chapter 8.3 rewards, hand-computed."""
+import pytest
+import torch
+
+from trainer.trainer_utils import (
+    answer_reward, calculate_rewards, extract_final_number, prompt_to_messages, rep_penalty, rule_reward,
+)
+
+
+def test_rep_penalty_hand_computed():
+    assert rep_penalty("") == 0.0
+    assert rep_penalty("one two") == 0.0  # fewer than 3 tokens: no trigram
+    assert rep_penalty("a b c d e") == 0.0  # 3 trigrams, all distinct
+    # tokens a b a b a b: trigrams (a,b,a) (b,a,b) (a,b,a) (b,a,b): 4 grams, 2 distinct -> min(0.5, 2*0.5*2/4)=0.5
+    assert rep_penalty("a b a b a b") == pytest.approx(0.5)
+    # "x y z x y z w": 5 trigrams, distinct 3 (xyz, yzx, zxy) + (y z w)=4 -> repeated 1 -> 1*0.5*2/5 = 0.2
+    assert rep_penalty("x y z x y z w") == pytest.approx(0.2)
+    # punctuation counts as a token, case is ignored: "A, a, a," -> a , a , a , : 6 tokens
+    assert rep_penalty("A, a, a,") == pytest.approx(0.5)
+
+
+def test_rule_reward_cases():
+    thinking = "t" * 25
+    # length ok (+0.5), thinking 25 chars (+1.0), one </think> (+0.25), answer "42" no trigram (-0)
+    assert rule_reward(f"{thinking}</think>42") == pytest.approx(1.75)
+    # too short overall (-0.5), thinking too short (-0.5), one </think> (+0.25)
+    assert rule_reward("hi</think>ok") == pytest.approx(-0.75)
+    # two </think>: -0.25 instead of +0.25; thinking = text before the first one
+    assert rule_reward(f"{thinking}</think>x</think>y") == pytest.approx(0.5 + 1.0 - 0.25)
+    # no </think>: only the length rule and the repetition of the whole response
+    assert rule_reward("a b a b a b a b a b a b") == pytest.approx(0.5 - 0.5)
+    assert rule_reward("x" * 801) == pytest.approx(-0.5)
+
+
+def test_answer_reward_and_number_extraction():
+    assert extract_final_number("The answer is 1,234.") == "1234"
+    assert extract_final_number("答案是 -17。") == "-17"
+    assert extract_final_number("no digits") is None
+    assert answer_reward("5+8=13</think>\n\nThe answer is 13.", "13") == 1.0
+    assert answer_reward("13</think>\n\nThe answer is 12.", "13") == 0.0  # thinking does not count
+    assert answer_reward("The answer is 13.0", "13") == 1.0
+    assert answer_reward("The answer is 13", "") == 0.0
+
+
+def test_prompt_to_messages():
+    prompt = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi <|im_end|>\n<|im_start|>assistant\n<think>\n"
+    assert prompt_to_messages(prompt) == [{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": "Hi"}]
+
+
+def test_calculate_rewards_sums_parts():
+    responses = ["t" * 25 + "</think>The answer is 7.", "short"]
+    parts = calculate_rewards(["p", "p"], responses, ["7", "7"], None, answer_reward_weight=2.0)
+    assert parts["rule_rewards"].tolist() == pytest.approx([1.75, -0.5])
+    assert parts["answer_rewards"].tolist() == [1.0, 0.0]
+    assert parts["rewards"].tolist() == pytest.approx([3.75, -0.5])
+    assert parts["rewards"].dtype == torch.float32

@@ -1,0 +1,70 @@
+"""Rollout engine (chapter 8.2): log-probs, masks and the one temperature convention."""
+import pytest
+import torch
+
+from model.model_minimind import MiniMindForCausalLM
+from trainer.rollout_engine import TorchRolloutEngine, compute_per_token_logps, create_rollout_engine
+from trainer.train_grpo import tokenize_prompts
+from trainer.trainer_utils import build_config
+
+PROMPTS = ["<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n<think>\n",
+           "<|im_start|>user\n5 加 7 是多少？<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"]
+
+
+@pytest.fixture
+def policy():
+    torch.manual_seed(0)
+    config = build_config(hidden_size=64, num_hidden_layers=2, use_moe=0)
+    config.initializer_range = 0.1
+    return MiniMindForCausalLM(config)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_rollout_logps_equal_plain_per_row_forward(policy, tokenizer, temperature):
+    engine = TorchRolloutEngine(policy, tokenizer, generator=torch.Generator().manual_seed(1))
+    prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, PROMPTS, 256, "cpu")
+    result = engine.rollout(prompt_ids, attention_mask, num_generations=3, max_new_tokens=12,
+                            temperature=temperature)
+    n, r = result.completion_ids.shape
+    assert n == 6 and result.per_token_logps.shape == (6, r)
+    assert torch.equal(result.output_ids[0, :prompt_ids.size(1)], result.output_ids[2, :prompt_ids.size(1)])
+    assert torch.equal(result.output_ids[3, :prompt_ids.size(1)], prompt_ids[1])  # P0,P0,P0,P1,P1,P1
+    assert result.prompt_lens.tolist() == [attention_mask[0].sum().item()] * 3 + [attention_mask[1].sum().item()] * 3
+    for i in range(n):  # each row alone, unpadded, scored by a plain log_softmax
+        prompt = prompt_ids[i // 3][attention_mask[i // 3].bool()]
+        completion = result.completion_ids[i][result.completion_mask[i].bool()]
+        sequence = torch.cat([prompt, completion]).unsqueeze(0)
+        with torch.no_grad():
+            logits = policy(sequence).logits[0, len(prompt) - 1:-1] / temperature
+        expected = torch.log_softmax(logits, dim=-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+        got = result.per_token_logps[i][: len(completion)]
+        assert (got - expected).abs().max() <= 1e-5
+        text = tokenizer.decode(completion[completion != tokenizer.eos_token_id].tolist())
+        assert result.completions[i] == text
+
+
+def test_ratio_is_one_before_any_update(policy, tokenizer):
+    engine = create_rollout_engine("torch", policy, tokenizer, generator=torch.Generator().manual_seed(2))
+    prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, PROMPTS, 256, "cpu")
+    result = engine.rollout(prompt_ids, attention_mask, 4, 16, temperature=0.8)
+    assert not result.per_token_logps.requires_grad
+    policy.train()
+    per_token_logps = compute_per_token_logps(policy, result.output_ids, result.completion_ids.size(1),
+                                              result.attention_mask, temperature=0.8)
+    assert per_token_logps.requires_grad
+    ratio = torch.exp(per_token_logps - result.per_token_logps)
+    mask = result.completion_mask.bool()
+    assert (ratio[mask] - 1).abs().max() <= 1e-5
+
+
+def test_prompt_truncation_keeps_the_end(tokenizer):
+    long_prompt = "<|im_start|>user\n" + "1 + 1 " * 100 + "<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    prompt_ids, attention_mask, truncated = tokenize_prompts(tokenizer, [long_prompt, PROMPTS[0]], 32, "cpu")
+    assert prompt_ids.shape == (2, 32) and truncated == 1
+    assert tokenizer.decode(prompt_ids[0]).endswith("<|im_start|>assistant\n<think>\n")
+    assert attention_mask[1].sum() < 32 and attention_mask[1, -1] == 1  # left padding
+
+
+def test_unknown_engine():
+    with pytest.raises(ValueError, match="valid: torch"):
+        create_rollout_engine("vllm", None, None)

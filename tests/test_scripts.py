@@ -1,0 +1,89 @@
+"""Smoke runs of every script on a tiny config, in subprocesses (as a user runs them)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+
+def run_script(args, cwd=ROOT, timeout=600):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="offline")
+    return subprocess.run([sys.executable] + args, cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+TINY = ["--hidden_size", "64", "--num_hidden_layers", "2"]
+
+
+def test_grpo_two_steps(tiny_weights, tmp_path):
+    save_dir, name = tiny_weights
+    run_dir = tmp_path / "run"
+    result = run_script(["trainer/train_grpo.py", "--max_steps", "2", "--save_dir", save_dir, "--from_weight", name,
+                         "--batch_size", "2", "--num_generations", "3", "--max_gen_len", "8",
+                         "--run_dir", str(run_dir), "--debug_mode", "--debug_interval", "1"] + TINY)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step 2/2" in result.stdout and "[debug] answer 2" in result.stdout
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in ["reward", "kl_ref", "advantages_mean", "advantages_std", "policy_loss", "response_len",
+                "learning_rate", "rule_reward", "answer_reward"]:
+        assert key in rows[0]
+    assert os.path.isfile(os.path.join(save_dir, "grpo_64.pth"))
+
+
+def test_grpo_loss_type_grpo_from_another_folder(tiny_weights, tmp_path):
+    save_dir, name = tiny_weights
+    result = run_script([os.path.join(ROOT, "trainer", "train_grpo.py"), "--max_steps", "1", "--save_dir", save_dir,
+                         "--from_weight", name, "--batch_size", "1", "--num_generations", "2", "--max_gen_len", "4",
+                         "--loss_type", "grpo", "--run_dir", str(tmp_path / "r")] + TINY, cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num_generations", "1"], "--num_generations must be >= 2"),
+    (["--epsilon_high", "1.0"], "--epsilon_high must be > 1"),
+    (["--loss_type", "dpo"], "--loss_type 'dpo' is unknown; valid: cispo, grpo"),
+    (["--batch_size", "0"], "--batch_size must be >= 1"),
+    (["--rollout_engine", "vllm"], "--rollout_engine 'vllm' is unknown"),
+    (["--data_path", "missing.jsonl"], "--data_path missing.jsonl does not exist"),
+])
+def test_grpo_bad_flags_fail_at_start(flags, message):
+    result = run_script(["trainer/train_grpo.py"] + flags, timeout=120)
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+def test_grpo_missing_weight_lists_existing(tiny_weights, tmp_path):
+    save_dir, _ = tiny_weights
+    result = run_script(["trainer/train_grpo.py", "--save_dir", save_dir, "--from_weight", "nope",
+                         "--max_steps", "1"] + TINY, timeout=120)
+    assert result.returncode != 0
+    assert "nope_64.pth" in result.stderr and "tiny_64.pth" in result.stderr
+
+
+def test_grpo_shape_mismatch_names_flag(tiny_weights):
+    save_dir, name = tiny_weights
+    result = run_script(["trainer/train_grpo.py", "--save_dir", save_dir, "--from_weight",
+                         os.path.join(save_dir, "tiny_64.pth"), "--max_steps", "1", "--hidden_size", "128",
+                         "--num_hidden_layers", "2"], timeout=120)
+    assert result.returncode != 0
+    assert "--hidden_size" in result.stderr and "(6400, 64)" in result.stderr
+
+
+def test_sft_then_eval(tiny_weights, tmp_path):
+    save_dir, name = tiny_weights
+    result = run_script(["trainer/train_full_sft.py", "--max_steps", "2", "--batch_size", "2", "--save_dir", save_dir,
+                         "--save_weight", "sft_tiny", "--log_interval", "1"] + TINY)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert os.path.isfile(os.path.join(save_dir, "sft_tiny_64.pth"))
+    table = tmp_path / "eval.json"
+    result = run_script(["scripts/eval_policy.py", "--weights", name, "sft_tiny", "--save_dir", save_dir,
+                         "--num_prompts", "4", "--batch_size", "2", "--max_gen_len", "6", "--json_out", str(table)]
+                        + TINY)
+    assert result.returncode == 0, result.stderr[-3000:]
+    scores = json.loads(table.read_text())
+    assert set(scores) == {name, "sft_tiny"}
+    assert 0.0 <= scores[name]["accuracy"] <= 1.0
