@@ -1,0 +1,166 @@
+"""PPO formulas (chapter 8.4) against hand-computed values and plain loops."""
+import math
+import random
+
+import pytest
+import torch
+
+from trainer.train_ppo import (
+    compute_gae, explained_variance, masked_whiten, place_sequence_rewards, ppo_policy_loss, ppo_value_loss,
+)
+from trainer.trainer_utils import completion_mask_from_ids
+
+
+@pytest.mark.parametrize("response, expected", [
+    ([11, 12, 2, 0, 0], [0, 0, 1, 0, 0]),
+    ([11, 12, 13, 14, 15], [0, 0, 0, 0, 1]),
+    ([2, 0, 0, 0, 0], [1, 0, 0, 0, 0]),
+])
+def test_reward_on_last_real_token(response, expected):
+    mask = completion_mask_from_ids(torch.tensor([response]), eos_token_id=2)
+    assert place_sequence_rewards(torch.tensor([1.0]), mask).tolist() == [expected]
+
+
+def test_gae_hand_computed():
+    advantages, returns = compute_gae(torch.tensor([[0.0, 0, 1, 0, 0]]), torch.tensor([[0.5, 0.4, 0.3, 9, 9]]),
+                                      torch.tensor([[1, 1, 1, 0, 0]]), gamma=1.0, lam=0.95)
+    assert advantages[0].tolist() == pytest.approx([0.43675, 0.565, 0.7, 0, 0], abs=1e-6)
+    assert returns[0].tolist() == pytest.approx([0.93675, 0.965, 1.0, 0, 0], abs=1e-6)
+
+
+def plain_gae(rewards, values, length, gamma, lam):
+    """Textbook GAE over the first ``length`` tokens of one sequence (V = 0 after the end)."""
+    advantages = [0.0] * len(rewards)
+    next_advantage = 0.0
+    for t in reversed(range(length)):
+        next_value = values[t + 1] if t + 1 < length else 0.0
+        delta = rewards[t] + gamma * next_value - values[t]
+        next_advantage = delta + gamma * lam * next_advantage
+        advantages[t] = next_advantage
+    return advantages
+
+
+def test_gae_equals_plain_loop_with_discount():
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    lengths = [7, 3, 1, 5]
+    rewards = torch.randn(4, 7)
+    values = torch.randn(4, 7) * 5  # garbage after each length must not matter
+    mask = torch.tensor([[1] * n + [0] * (7 - n) for n in lengths])
+    gamma, lam = 0.9, rng.uniform(0.5, 1.0)
+    advantages, returns = compute_gae(rewards, values, mask, gamma, lam)
+    for i, n in enumerate(lengths):
+        expected = plain_gae(rewards[i].tolist(), values[i].tolist(), n, gamma, lam)
+        assert advantages[i].tolist() == pytest.approx(expected, abs=1e-5)
+        assert returns[i, :n].tolist() == pytest.approx([a + v for a, v in zip(expected[:n], values[i, :n].tolist())],
+                                                        abs=1e-5)
+        assert (returns[i, n:] == 0).all()
+
+
+def test_masked_whitening():
+    values = torch.tensor([[1.0, 2, 3, 7, 7], [4, 0, 0, -5, -5]])
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0]])
+    expected = [[-1.3416, -0.4472, 0.4472, 0, 0], [1.3416, 0, 0, 0, 0]]
+    assert masked_whiten(values, mask).tolist()[0] == pytest.approx(expected[0], abs=1e-4)
+    assert masked_whiten(values, mask).tolist()[1] == pytest.approx(expected[1], abs=1e-4)
+    single = masked_whiten(torch.tensor([[3.0, 9.0]]), torch.tensor([[1, 0]]))
+    assert single.tolist() == [[0.0, 0.0]]
+
+
+def test_value_loss_hand_computed():
+    values = torch.tensor([[0.5]], requires_grad=True)
+    loss, clipfrac = ppo_value_loss(values, torch.tensor([[2.0]]), torch.tensor([[3.0]]), torch.ones(1, 1), 0.2)
+    loss.backward()
+    assert loss.item() == pytest.approx(3.125)  # 0.5 * max((0.5-3)^2, (1.8-3)^2)
+    assert values.grad.item() == pytest.approx(-2.5)
+    assert clipfrac.item() == 1.0
+    # inside the clip range the fraction is 0 and the plain squared error is used
+    loss, clipfrac = ppo_value_loss(torch.tensor([[2.1]]), torch.tensor([[2.0]]), torch.tensor([[3.0]]),
+                                    torch.ones(1, 1), 0.2)
+    assert loss.item() == pytest.approx(0.5 * 0.81) and clipfrac.item() == 0.0
+
+
+def test_policy_loss_equals_plain_loop():
+    torch.manual_seed(1)
+    logps = -torch.rand(3, 4) * 2
+    old = logps + torch.randn(3, 4) * 0.3
+    ref = logps + torch.randn(3, 4) * 0.3
+    advantages = torch.randn(3, 4)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
+    loss, stats = ppo_policy_loss(logps, old, ref, advantages, mask, clip_epsilon=0.2, kl_coef=0.02)
+    surrogate, kl, log_ratio_sq, clipped, count = 0.0, 0.0, 0.0, 0, 0
+    for i in range(3):
+        for t in range(4):
+            if not mask[i, t]:
+                continue
+            ratio = math.exp(logps[i, t] - old[i, t])
+            a = advantages[i, t].item()
+            surrogate += max(-a * ratio, -a * min(max(ratio, 0.8), 1.2))
+            d = (ref[i, t] - logps[i, t]).item()
+            kl += math.exp(d) - d - 1
+            log_ratio_sq += (logps[i, t] - old[i, t]).item() ** 2
+            clipped += abs(ratio - 1) > 0.2
+            count += 1
+    assert loss.item() == pytest.approx(surrogate / count + 0.02 * kl / count, abs=1e-5)
+    assert stats["approx_kl"].item() == pytest.approx(0.5 * log_ratio_sq / count, abs=1e-6)
+    assert stats["clipfrac"].item() == pytest.approx(clipped / count)
+
+
+def test_explained_variance():
+    mask = torch.tensor([[1, 1, 1, 0]])
+    returns = torch.tensor([[1.0, 2.0, 3.0, 50.0]])
+    assert explained_variance(returns, returns, mask) == pytest.approx(1.0)
+    assert explained_variance(torch.full((1, 4), 2.0), returns, mask) == pytest.approx(0.0, abs=1e-6)
+
+
+def make_update_inputs(tokenizer):
+    from argparse import Namespace
+
+    from model.model_minimind import CriticModel, MiniMindForCausalLM
+    from trainer.rollout_engine import TorchRolloutEngine, compute_per_token_logps
+    from trainer.train_grpo import tokenize_prompts
+    from trainer.trainer_utils import build_config
+    torch.manual_seed(0)
+    config = build_config(64, 2, 0)
+    actor = MiniMindForCausalLM(config)
+    critic = CriticModel(config)
+    critic.load_actor_state_dict(actor.state_dict())
+    prompts = ["<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n<|im_start|>assistant\n<think>\n"] * 4
+    prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, prompts, 64, "cpu")
+    rollout = TorchRolloutEngine(actor, tokenizer, generator=torch.Generator().manual_seed(0)).rollout(
+        prompt_ids, attention_mask, 1, 6)
+    gen_len = rollout.completion_ids.size(1)
+    with torch.no_grad():
+        values = critic(rollout.output_ids, rollout.attention_mask)[:, -gen_len - 1:-1]
+        ref = compute_per_token_logps(actor, rollout.output_ids, gen_len, rollout.attention_mask)
+    data = {"output_ids": rollout.output_ids, "full_mask": rollout.attention_mask,
+            "completion_mask": rollout.completion_mask, "old_per_token_logps": rollout.per_token_logps,
+            "ref_per_token_logps": ref, "old_resp_values": values,
+            "advantages": torch.randn(4, gen_len), "returns": torch.randn(4, gen_len)}
+    args = Namespace(ppo_update_iters=2, mini_batch_size=1, temperature=1.0, clip_epsilon=0.2, kl_coef=0.02,
+                     cliprange_value=0.2, vf_coef=0.5, accumulation_steps=1, grad_clip=1.0, early_stop_kl=0.25)
+    return actor, critic, data, args
+
+
+class CountingAdamW(torch.optim.AdamW):
+    steps = 0
+
+    def step(self, closure=None):
+        CountingAdamW.steps += 1
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("early_stop_kl, expected_steps", [(1e9, 8), (1e-12, 1)])
+def test_early_stop_means_no_further_optimizer_step(tokenizer, early_stop_kl, expected_steps):
+    """The first minibatch has ratio 1 (approx KL 0) and is applied; with a tiny threshold the next one stops."""
+    from trainer.train_ppo import ppo_update
+    from trainer.trainer_utils import build_cosine_scheduler
+    actor, critic, data, args = make_update_inputs(tokenizer)
+    args.early_stop_kl = early_stop_kl
+    CountingAdamW.steps = 0
+    actor_opt, critic_opt = CountingAdamW(actor.parameters(), lr=1e-2), CountingAdamW(critic.parameters(), lr=1e-2)
+    result = ppo_update(data, actor, critic, actor_opt, critic_opt, build_cosine_scheduler(actor_opt, 10),
+                        build_cosine_scheduler(critic_opt, 10), args, "cpu", torch.Generator().manual_seed(0))
+    assert result["optimizer_steps"] == expected_steps  # 2 epochs x 4 minibatches without a stop
+    assert CountingAdamW.steps == 2 * expected_steps  # actor + critic
+    assert result["early_stop"] == float(expected_steps == 1)

@@ -1,0 +1,375 @@
+"""PPO for a MiniMind policy (chapter 8.4): actor, frozen reference, critic and reward model.
+
+One step, in chapter order:
+  1. rollout of B prompts with one answer each: completions and old_per_token_logps (8.2); reference
+     log-probs and the critic's old values under no_grad;
+  2. rewards [B] = rule reward + reward-model score + answer reward (8.3, ``calculate_rewards``);
+  3. token_rewards [B, R]: the sequence reward on the last real token (``place_sequence_rewards``, 8.4.2);
+  4. GAE: advantages and returns = advantages + values (``compute_gae``), then masked whitening of the
+     advantages (``masked_whiten``) (8.4.2);
+  5. ``ppo_update_iters`` epochs over shuffled minibatches: clipped surrogate + kl_coef * k3 reference KL
+     (``ppo_policy_loss``, 8.4.3) and the clipped value loss (``ppo_value_loss``, 8.4.4),
+     loss = policy_loss + vf_coef * value_loss + aux_loss; the epochs stop early once the approximate KL
+     0.5 * E[(log ratio)^2] passes ``early_stop_kl``;
+  6. two AdamW optimizers with cosine schedules (actor, critic), one log line, atomic checkpoints.
+
+Run (the embedded default, CPU):
+    python trainer/train_ppo.py
+Other examples:
+    python trainer/train_ppo.py --max_steps 50 --kl_coef 0.05
+    torchrun --nproc_per_node 2 trainer/train_ppo.py
+"""
+import argparse
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from model.model_minimind import CriticModel  # noqa: E402
+from trainer.rollout_engine import compute_per_token_logps, create_rollout_engine  # noqa: E402
+from trainer.train_grpo import (  # noqa: E402
+    add_common_rl_args, build_run, check_common_rl_args, mean_over_ranks, print_debug_samples, save_weights,
+    tokenize_prompts, wrap_ddp,
+)
+from trainer.trainer_utils import (  # noqa: E402
+    Logger, MetricsWriter, StepTimer, atomic_save, build_cosine_scheduler, calculate_rewards, is_main_process,
+    k3_kl, masked_mean, unwrap_model, weight_path,
+)
+
+
+# ----------------------------------------------------------------------------- the math (chapter 8.4)
+def place_sequence_rewards(rewards, completion_mask):
+    """Put each sequence reward on its last real token (chapter 8.4.2).
+
+    rewards: fp32 [B]; completion_mask: [B, R] 0/1 (1 through the first EOS) -> token_rewards fp32 [B, R],
+    zero except at index (number of real tokens - 1): the first EOS, or the last token when truncated.
+    A row without any real token gets no reward.
+    """
+    token_rewards = torch.zeros(completion_mask.shape, dtype=torch.float32, device=rewards.device)  # [B, R]
+    resp_lengths = completion_mask.sum(dim=1)  # [B]
+    valid_resp = resp_lengths > 0
+    rows = torch.arange(completion_mask.size(0), device=rewards.device)[valid_resp]
+    token_rewards[rows, resp_lengths[valid_resp] - 1] = rewards[valid_resp].float()
+    return token_rewards
+
+
+def compute_gae(token_rewards, values, mask, gamma=1.0, lam=0.95):
+    """Generalized Advantage Estimation (Schulman et al. 2016; chapter 8.4.2).
+
+    delta_t = r_t + gamma * V(s_{t+1}) - V(s_t);  A_t = delta_t + gamma * lam * A_{t+1};  R_t = A_t + V(s_t).
+    Past the last real token V = 0 and A = 0, so no value or reward at a masked position is ever read.
+
+    Args:
+        token_rewards: fp32 [B, R]; values: fp32 [B, R], V(s_t) of the old critic; mask: [B, R] 0/1.
+        gamma: discount in [0, 1]; lam: GAE lambda in [0, 1].
+    Returns:
+        (advantages fp32 [B, R], returns fp32 [B, R]), both 0 at masked positions.
+    """
+    mask = mask.to(values.dtype)
+    values = values * mask
+    token_rewards = token_rewards * mask
+    gen_len = values.size(1)  # R
+    lastgaelam = torch.zeros(values.size(0), dtype=values.dtype, device=values.device)  # [B]
+    advs_rev = []
+    for t in reversed(range(gen_len)):
+        next_values = values[:, t + 1] if t < gen_len - 1 else torch.zeros_like(lastgaelam)  # 0 past the end
+        delta = token_rewards[:, t] + gamma * next_values - values[:, t]
+        next_mask = mask[:, t + 1] if t < gen_len - 1 else torch.zeros_like(lastgaelam)
+        lastgaelam = delta + gamma * lam * lastgaelam * next_mask
+        advs_rev.append(lastgaelam * mask[:, t])
+    advantages = torch.stack(advs_rev[::-1], dim=1)  # [B, R]
+    returns = (advantages + values) * mask  # [B, R]
+    return advantages, returns
+
+
+def masked_whiten(values, mask, eps=1e-8):
+    """(x - mean) / sqrt(var + eps) with mean and (biased) variance over real tokens only; 0 where masked.
+
+    values: fp32 [B, R]; mask: [B, R] 0/1 -> fp32 [B, R]. A single real token gives 0, not NaN.
+    (Chapter 8.4.2, "优势标准化".)
+    """
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean) ** 2, mask)
+    return (values - mean) * torch.rsqrt(var + eps) * mask.to(values.dtype)
+
+
+def ppo_policy_loss(per_token_logps, old_per_token_logps, ref_per_token_logps, advantages, mask,
+                    clip_epsilon=0.2, kl_coef=0.02):
+    """PPO clipped surrogate plus the k3 reference-KL penalty (Schulman et al. 2017; chapter 8.4.3, 8.6).
+
+    ratio = exp(logp - old_logp);
+    policy_loss = masked_mean(max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))) + kl_coef * masked_mean(k3).
+
+    Args:
+        per_token_logps: fp32 [b, R] (requires grad); old_per_token_logps, ref_per_token_logps: fp32 [b, R];
+        advantages: fp32 [b, R] (whitened GAE); mask: [b, R] 0/1.
+    Returns:
+        (policy_loss scalar, stats dict of detached scalars: approx_kl = 0.5 * masked_mean(log_ratio^2),
+        clipfrac = share of real tokens whose ratio was outside [1 - eps, 1 + eps], kl_ref = masked_mean(k3)).
+    """
+    log_ratio = per_token_logps - old_per_token_logps  # [b, R]
+    ratio = torch.exp(log_ratio)
+    surrogate = -advantages * ratio
+    clipped_surrogate = -advantages * torch.clamp(ratio, 1.0 - clip_epsilon, 1.0 + clip_epsilon)
+    kl_ref_penalty = masked_mean(k3_kl(ref_per_token_logps, per_token_logps), mask)
+    policy_loss = masked_mean(torch.max(surrogate, clipped_surrogate), mask) + kl_coef * kl_ref_penalty
+    stats = {
+        "approx_kl": 0.5 * masked_mean(log_ratio.detach() ** 2, mask),
+        "clipfrac": masked_mean(((ratio.detach() - 1.0).abs() > clip_epsilon).float(), mask),
+        "kl_ref": kl_ref_penalty.detach(),
+    }
+    return policy_loss, stats
+
+
+def ppo_value_loss(values, old_values, returns, mask, cliprange_value=0.2):
+    """Clipped value loss (chapter 8.4.4): 0.5 * masked_mean(max((V - R)^2, (clip(V, V_old +- c) - R)^2)).
+
+    values: fp32 [b, R] (requires grad); old_values, returns: fp32 [b, R]; mask: [b, R] 0/1.
+    Returns (value_loss scalar, value_clipfrac: share of real tokens with |V - V_old| > c, before clamping).
+    """
+    values_clipped = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
+    loss_unclipped = (values - returns) ** 2
+    loss_clipped = (values_clipped - returns) ** 2
+    value_loss = 0.5 * masked_mean(torch.max(loss_unclipped, loss_clipped), mask)
+    value_clipfrac = masked_mean(((values.detach() - old_values).abs() > cliprange_value).float(), mask)
+    return value_loss, value_clipfrac
+
+
+def explained_variance(values, returns, mask):
+    """1 - Var[returns - values] / Var[returns] over real tokens (1 = perfect critic, <= 0 = no better than a constant)."""
+    var_returns = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+    residual = returns - values
+    var_residual = masked_mean((residual - masked_mean(residual, mask)) ** 2, mask)
+    return (1.0 - var_residual / var_returns.clamp(min=1e-8)).item()
+
+
+def all_ranks_mean(value, device):
+    """Mean of a float over ranks (so every rank takes the same early-stop decision)."""
+    if not dist.is_initialized():
+        return float(value)
+    tensor = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.item() / dist.get_world_size()
+
+
+# ----------------------------------------------------------------------------- set-up
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="MiniMind PPO (Proximal Policy Optimization)")
+    add_common_rl_args(parser)
+    parser.set_defaults(batch_size=8, learning_rate=2e-5)
+    parser.add_argument("--save_weight", default="ppo")
+    parser.add_argument("--critic_learning_rate", type=float, default=5e-5)
+    parser.add_argument("--clip_epsilon", type=float, default=0.2)
+    parser.add_argument("--vf_coef", type=float, default=0.5)
+    parser.add_argument("--kl_coef", type=float, default=0.02)
+    parser.add_argument("--gamma", type=float, default=1.0)
+    parser.add_argument("--lam", type=float, default=0.95)
+    parser.add_argument("--cliprange_value", type=float, default=0.2)
+    parser.add_argument("--ppo_update_iters", type=int, default=2)
+    parser.add_argument("--early_stop_kl", type=float, default=0.25)
+    parser.add_argument("--mini_batch_size", type=int, default=2)
+    args = parser.parse_args(argv)
+    check_common_rl_args(parser, args)
+    for flag in ("mini_batch_size", "ppo_update_iters"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    for flag in ("gamma", "lam"):
+        if not 0.0 <= getattr(args, flag) <= 1.0:
+            parser.error(f"--{flag} must be in [0, 1], got {getattr(args, flag)}")
+    for flag in ("clip_epsilon", "cliprange_value", "critic_learning_rate"):
+        if getattr(args, flag) <= 0:
+            parser.error(f"--{flag} must be > 0, got {getattr(args, flag)}")
+    if args.kl_coef < 0 or args.vf_coef < 0:
+        parser.error("--kl_coef and --vf_coef must be >= 0")
+    return args
+
+
+def build_critic(lm_config, args, device):
+    """CriticModel initialised from the actor's SFT weights (strict except value_head.*; chapter 8.4.1)."""
+    critic = CriticModel(lm_config)
+    path = weight_path(args.from_weight, args.save_dir, lm_config.hidden_size, lm_config.use_moe)
+    state_dict = torch.load(path, map_location="cpu", weights_only=True)
+    critic.load_actor_state_dict({k: v.float() for k, v in state_dict.items()})
+    return critic.to(device)
+
+
+# ----------------------------------------------------------------------------- the loop
+@torch.no_grad()
+def ppo_rollout(batch, actor, ref_model, critic, rollout_engine, reward_model, tokenizer, args, device):
+    """Steps 1-4 of a PPO step: rollout, rewards, old values, GAE. Returns a dict of [B, ...] tensors."""
+    prompts, answers = batch["prompt"], batch["answer"]  # list[str] of length B
+    prompt_ids, attention_mask, truncated = tokenize_prompts(tokenizer, prompts, args.max_seq_len, device)
+    rollout = rollout_engine.rollout(prompt_ids, attention_mask, 1, args.max_gen_len, args.temperature)
+    output_ids = rollout.output_ids  # [B, P+R]
+    full_mask = rollout.attention_mask  # [B, P+R]
+    completion_mask = rollout.completion_mask  # [B, R]
+    gen_len = rollout.completion_ids.size(1)  # R
+
+    reward_parts = calculate_rewards(prompts, rollout.completions, answers, reward_model, args.answer_reward_weight)
+    rewards = reward_parts["rewards"].to(device)  # [B]
+    ref_per_token_logps = compute_per_token_logps(ref_model, output_ids, gen_len, full_mask,
+                                                  args.temperature)  # [B, R]
+    critic_module = unwrap_model(critic)
+    critic_module.eval()
+    old_resp_values = critic_module(output_ids, attention_mask=full_mask)[:, -gen_len - 1:-1]  # [B, R], V(s_t)
+    critic_module.train()
+
+    token_rewards = place_sequence_rewards(rewards, completion_mask)  # [B, R]
+    advantages, returns = compute_gae(token_rewards, old_resp_values, completion_mask, args.gamma, args.lam)
+    advantages = masked_whiten(advantages, completion_mask)  # [B, R]
+    return {
+        "output_ids": output_ids, "full_mask": full_mask, "completion_mask": completion_mask,
+        "old_per_token_logps": rollout.per_token_logps, "ref_per_token_logps": ref_per_token_logps,
+        "old_resp_values": old_resp_values * completion_mask, "advantages": advantages, "returns": returns,
+        "rewards": rewards, "reward_parts": reward_parts, "completions": rollout.completions, "prompts": prompts,
+        "truncated": truncated,
+    }
+
+
+def ppo_update(data, actor, critic, actor_optimizer, critic_optimizer, actor_scheduler, critic_scheduler, args,
+               device, generator):
+    """Step 5: ``ppo_update_iters`` epochs over shuffled minibatches (chapter 8.4.3-8.4.4).
+
+    Every rank draws the same permutation, and the approx-KL early stop uses the mean over ranks, so all
+    ranks stop on the same minibatch. Returns a dict of averaged stats and the number of optimizer steps.
+    """
+    batch_size = data["output_ids"].size(0)
+    gen_len = data["completion_mask"].size(1)
+    sums, count, optimizer_steps, stop_ppo, micro = {}, 0, 0, False, 0
+    for _ in range(args.ppo_update_iters):
+        permutation = torch.randperm(batch_size, generator=generator)
+        for start in range(0, batch_size, args.mini_batch_size):
+            inds = permutation[start:start + args.mini_batch_size].to(device)
+            mask = data["completion_mask"][inds]  # [mb, R]
+            mb_resp_logp, aux_loss = compute_per_token_logps(
+                actor, data["output_ids"][inds], gen_len, data["full_mask"][inds], args.temperature,
+                return_aux_loss=True)  # [mb, R]
+            policy_loss, stats = ppo_policy_loss(
+                mb_resp_logp, data["old_per_token_logps"][inds], data["ref_per_token_logps"][inds],
+                data["advantages"][inds], mask, args.clip_epsilon, args.kl_coef)
+            approx_kl = all_ranks_mean(stats["approx_kl"], device)
+            if approx_kl > args.early_stop_kl:
+                stop_ppo = True  # this minibatch and the rest of the epochs are skipped
+                sums["early_stops"] = sums.get("early_stops", 0.0) + 1.0
+                break
+            mb_resp_values = critic(data["output_ids"][inds], attention_mask=data["full_mask"][inds])[:, -gen_len - 1:-1]
+            value_loss, value_clipfrac = ppo_value_loss(
+                mb_resp_values, data["old_resp_values"][inds], data["returns"][inds], mask, args.cliprange_value)
+            loss = policy_loss + args.vf_coef * value_loss + aux_loss
+            (loss / args.accumulation_steps).backward()
+            micro += 1
+            if micro % args.accumulation_steps == 0:
+                torch.nn.utils.clip_grad_norm_(actor.parameters(), args.grad_clip)
+                torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip)
+                actor_optimizer.step()
+                critic_optimizer.step()
+                actor_optimizer.zero_grad(set_to_none=True)
+                critic_optimizer.zero_grad(set_to_none=True)
+                optimizer_steps += 1
+            for key, value in {"policy_loss": policy_loss, "value_loss": value_loss, "value_clipfrac": value_clipfrac,
+                               "approx_kl": stats["approx_kl"], "clipfrac": stats["clipfrac"],
+                               "kl_ref": stats["kl_ref"]}.items():
+                sums[key] = sums.get(key, 0.0) + float(value.detach())
+            count += 1
+        if stop_ppo:
+            break
+    actor_optimizer.zero_grad(set_to_none=True)  # drop a partial accumulation left by an early stop
+    critic_optimizer.zero_grad(set_to_none=True)
+    actor_scheduler.step()
+    critic_scheduler.step()
+    result = {k: v / max(count, 1) for k, v in sums.items() if k != "early_stops"}
+    result["early_stop"] = float(stop_ppo)
+    result["optimizer_steps"] = float(optimizer_steps)
+    return result
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    run = build_run(args, "PPO")
+    device, actor, ref_model, tokenizer = run["device"], run["model"], run["ref_model"], run["tokenizer"]
+    lm_config, loader, sampler = run["lm_config"], run["loader"], run["sampler"]
+    critic = build_critic(lm_config, args, device)
+
+    steps_per_epoch = len(loader)
+    total_steps = min(args.max_steps, args.epochs * steps_per_epoch) if args.max_steps else args.epochs * steps_per_epoch
+    actor_optimizer = torch.optim.AdamW(actor.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate,
+                                         weight_decay=args.weight_decay)
+    actor_scheduler = build_cosine_scheduler(actor_optimizer, total_steps)
+    critic_scheduler = build_cosine_scheduler(critic_optimizer, total_steps)
+    ddp_actor = wrap_ddp(actor, device, run["local_rank"])
+    ddp_critic = wrap_ddp(critic, device, run["local_rank"])
+    rollout_engine = create_rollout_engine(args.rollout_engine, actor, tokenizer, top_p=args.top_p, top_k=args.top_k)
+    run_dir = args.run_dir or os.path.join(args.save_dir, "runs", f"{args.save_weight}-{time.strftime('%Y%m%d-%H%M%S')}")
+    writer = MetricsWriter(run_dir, args.use_wandb, args.wandb_project, os.path.basename(run_dir), vars(args))
+    minibatch_generator = torch.Generator().manual_seed(args.seed)  # the same on every rank
+    Logger(f"PPO: {total_steps} steps, {args.batch_size} prompts per step, {args.ppo_update_iters} epochs of "
+           f"minibatches of {args.mini_batch_size}, metrics in {run_dir}")
+
+    timer = StepTimer(total_steps)
+    step = 0
+    ddp_actor.train()
+    ddp_critic.train()
+    for epoch in range(args.epochs):
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        for batch in loader:
+            step += 1
+            data = ppo_rollout(batch, ddp_actor, ref_model, ddp_critic, rollout_engine, run["reward_model"],
+                               tokenizer, args, device)
+            update = ppo_update(data, ddp_actor, ddp_critic, actor_optimizer, critic_optimizer, actor_scheduler,
+                                critic_scheduler, args, device, minibatch_generator)
+            rollout_engine.update_policy(actor)
+            mask = data["completion_mask"]
+            metrics = {
+                "reward": data["rewards"].mean().item(),
+                "rule_reward": data["reward_parts"]["rule_rewards"].mean().item(),
+                "reward_model_score": data["reward_parts"]["reward_model_scores"].mean().item(),
+                "answer_reward": data["reward_parts"]["answer_rewards"].mean().item(),
+                "advantages_mean": masked_mean(data["advantages"], mask).item(),
+                "advantages_std": masked_mean(data["advantages"] ** 2, mask).sqrt().item(),
+                "explained_variance": explained_variance(data["old_resp_values"], data["returns"], mask),
+                "response_len": mask.sum(dim=1).float().mean().item(),
+                "truncated_prompts": data["truncated"],
+                **update,
+            }
+            metrics = mean_over_ranks(metrics, device)
+            if args.debug_mode and step % args.debug_interval == 0:
+                print_debug_samples(step, data["prompts"], data["completions"], data["reward_parts"], 1)
+            if step % args.log_interval == 0 or step == total_steps:
+                elapsed, remaining = timer.eta(step)
+                metrics.update(step=step, total_steps=total_steps, epoch=epoch,
+                               learning_rate=actor_optimizer.param_groups[0]["lr"],
+                               critic_learning_rate=critic_optimizer.param_groups[0]["lr"],
+                               elapsed_s=time.time() - timer.start)
+                Logger(f"step {step}/{total_steps} | reward {metrics['reward']:.3f} "
+                       f"(answer {metrics['answer_reward']:.3f}) | kl_ref {metrics.get('kl_ref', 0.0):.4f} | "
+                       f"approx_kl {metrics.get('approx_kl', 0.0):.4f} | clipfrac {metrics.get('clipfrac', 0.0):.3f} | "
+                       f"value_loss {metrics.get('value_loss', 0.0):.4f} | "
+                       f"explained_var {metrics['explained_variance']:.3f} | len {metrics['response_len']:.1f} | "
+                       f"lr {metrics['learning_rate']:.2e}/{metrics['critic_learning_rate']:.2e} | "
+                       f"{elapsed} elapsed, {remaining} left")
+                writer.log(metrics)
+            if (step % args.save_interval == 0 or step == total_steps) and is_main_process():
+                path = save_weights(unwrap_model(ddp_actor), args, lm_config)
+                critic_path = weight_path(f"{args.save_weight}_critic", args.save_dir, lm_config.hidden_size,
+                                          lm_config.use_moe)
+                atomic_save({k: v.half().cpu() for k, v in unwrap_model(ddp_critic).state_dict().items()},
+                            critic_path)
+                Logger(f"saved {path} and {critic_path}")
+            if step >= total_steps:
+                break
+        if step >= total_steps:
+            break
+    writer.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
