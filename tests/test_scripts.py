@@ -87,3 +87,32 @@ def test_sft_then_eval(tiny_weights, tmp_path):
     scores = json.loads(table.read_text())
     assert set(scores) == {name, "sft_tiny"}
     assert 0.0 <= scores[name]["accuracy"] <= 1.0
+
+
+def test_ppo_two_steps(tiny_weights, tmp_path):
+    save_dir, name = tiny_weights
+    run_dir = tmp_path / "run"
+    result = run_script(["trainer/train_ppo.py", "--max_steps", "2", "--save_dir", save_dir, "--from_weight", name,
+                         "--batch_size", "4", "--mini_batch_size", "2", "--max_gen_len", "8",
+                         "--run_dir", str(run_dir)] + TINY)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step 2/2" in result.stdout
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for key in ["reward", "kl_ref", "approx_kl", "clipfrac", "value_loss", "explained_variance", "response_len",
+                "learning_rate", "critic_learning_rate", "policy_loss", "advantages_std"]:
+        assert key in rows[-1], key
+    assert os.path.isfile(os.path.join(save_dir, "ppo_64.pth"))
+    assert os.path.isfile(os.path.join(save_dir, "ppo_critic_64.pth"))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--gamma", "1.5"], "--gamma must be in [0, 1]"),
+    (["--lam", "-0.1"], "--lam must be in [0, 1]"),
+    (["--mini_batch_size", "0"], "--mini_batch_size must be >= 1"),
+    (["--clip_epsilon", "0"], "--clip_epsilon must be > 0"),
+    (["--max_gen_len", "0"], "--max_gen_len must be >= 1"),
+])
+def test_ppo_bad_flags_fail_at_start(flags, message):
+    result = run_script(["trainer/train_ppo.py"] + flags, timeout=120)
+    assert result.returncode == 2
+    assert message in result.stderr
