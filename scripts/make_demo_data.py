@@ -1,6 +1,6 @@
 """Generate the bundled demo data (deterministic): written-out arithmetic with a checkable answer.
 
-The task: add or subtract two integers of 2 to 4 digits, posed in words in English or Chinese. The SFT
+The task: add or subtract two integers of 2 or 3 digits, posed in words in English or Chinese. The SFT
 conversations show a column-by-column trace inside ``<think>...</think>`` and then the answer; the RL
 prompts carry the reference answer so that ``--answer_reward_weight`` can reward correctness.
 
@@ -18,32 +18,26 @@ import random
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-EN_PLACES = ["ones", "tens", "hundreds", "thousands", "ten-thousands"]
-ZH_PLACES = ["个位", "十位", "百位", "千位", "万位"]
 
 EN_ADD = [
     "What is {a} + {b}?",
     "Compute {a} plus {b}.",
-    "Tom has {a} apples and buys {b} more. How many apples does he have now?",
-    "A library had {a} books and received {b} new ones. How many books does it have?",
+    "Tom has {a} apples and buys {b} more. How many now?",
 ]
 EN_SUB = [
     "What is {a} - {b}?",
     "Compute {a} minus {b}.",
-    "Tom has {a} apples and gives away {b}. How many apples are left?",
-    "A train carries {a} people and {b} get off. How many people are still on the train?",
+    "Tom has {a} apples and gives away {b}. How many are left?",
 ]
 ZH_ADD = [
     "计算 {a} + {b} 等于多少？",
     "{a} 加 {b} 是多少？",
-    "小明有 {a} 个苹果，又买了 {b} 个，现在一共有多少个？",
-    "图书馆原有 {a} 本书，新到了 {b} 本，现在有多少本？",
+    "小明有 {a} 个苹果，又买了 {b} 个，一共多少个？",
 ]
 ZH_SUB = [
     "计算 {a} - {b} 等于多少？",
     "{a} 减 {b} 是多少？",
     "小明有 {a} 个苹果，送出了 {b} 个，还剩多少个？",
-    "火车上有 {a} 人，下车了 {b} 人，车上还有多少人？",
 ]
 
 
@@ -53,48 +47,39 @@ def digits_reversed(n, width):
 
 
 def addition_trace(a, b, lang):
-    """Column addition, ones place first, as the text inside <think>."""
+    """Column addition, ones place first, as the text inside <think>: one 'x+y+carry=s' step per column."""
     width = max(len(str(a)), len(str(b)))
     da, db = digits_reversed(a, width), digits_reversed(b, width)
     carry, steps = 0, []
     for i in range(width):
         total = da[i] + db[i] + carry
-        if lang == "en":
-            steps.append(f"{EN_PLACES[i]}: {da[i]}+{db[i]}+{carry}={total}, write {total % 10} carry {total // 10}")
-        else:
-            steps.append(f"{ZH_PLACES[i]}：{da[i]}+{db[i]}+{carry}={total}，写{total % 10}进{total // 10}")
+        steps.append(f"{da[i]}+{db[i]}+{carry}={total}")
         carry = total // 10
-    if lang == "en":
-        return f"Add {a} and {b} column by column.\n" + ";\n".join(steps) + f".\nSo the sum is {a + b}."
-    return f"把 {a} 和 {b} 逐位相加。\n" + "；\n".join(steps) + f"。\n所以和是 {a + b}。"
+    head = f"{a} + {b}" if lang == "en" else f"{a} 加 {b}"
+    tail = f"so the sum is {a + b}." if lang == "en" else f"所以和是 {a + b}。"
+    return f"{head}, ones first:\n" + "\n".join(steps) + f"\n{tail}"
 
 
 def subtraction_trace(a, b, lang):
-    """Column subtraction with borrowing, ones place first (a >= b)."""
+    """Column subtraction with borrowing, ones place first (a >= b): 'x-y-borrow=d' (+10 when d < 0)."""
     width = len(str(a))
     da, db = digits_reversed(a, width), digits_reversed(b, width)
     borrow, steps = 0, []
     for i in range(width):
         diff = da[i] - db[i] - borrow
-        new_borrow = 1 if diff < 0 else 0
-        if lang == "en":
-            steps.append(f"{EN_PLACES[i]}: {da[i]}-{db[i]}-{borrow}={diff}"
-                         + (f", +10={diff + 10}, borrow 1" if new_borrow else ", borrow 0"))
-        else:
-            steps.append(f"{ZH_PLACES[i]}：{da[i]}-{db[i]}-{borrow}={diff}"
-                         + (f"，加10得{diff + 10}，借1" if new_borrow else "，借0"))
-        borrow = new_borrow
-    if lang == "en":
-        return f"Subtract {b} from {a} column by column.\n" + ";\n".join(steps) + f".\nSo the difference is {a - b}."
-    return f"从 {a} 中逐位减去 {b}。\n" + "；\n".join(steps) + f"。\n所以差是 {a - b}。"
+        steps.append(f"{da[i]}-{db[i]}-{borrow}={diff}" + (f"+10={diff + 10}" if diff < 0 else ""))
+        borrow = 1 if diff < 0 else 0
+    head = f"{a} - {b}" if lang == "en" else f"{a} 减 {b}"
+    tail = f"so the difference is {a - b}." if lang == "en" else f"所以差是 {a - b}。"
+    return f"{head}, ones first:\n" + "\n".join(steps) + f"\n{tail}"
 
 
 def make_problem(rng):
     """One random problem: (question, thinking trace, final answer text, reference answer)."""
     lang = rng.choice(["en", "zh"])
     op = rng.choice(["+", "-"])
-    a = rng.randint(10, 10 ** rng.randint(2, 4) - 1)
-    b = rng.randint(10, 10 ** rng.randint(2, 4) - 1)
+    a = rng.randint(10, 10 ** rng.randint(2, 3) - 1)
+    b = rng.randint(10, 10 ** rng.randint(2, 3) - 1)
     if op == "-" and a < b:
         a, b = b, a
     result = a + b if op == "+" else a - b
@@ -119,7 +104,7 @@ def main():
     parser.add_argument("--num_sft", type=int, default=12000)
     parser.add_argument("--num_rl", type=int, default=4000)
     parser.add_argument("--num_heldout", type=int, default=300)
-    parser.add_argument("--no_think_ratio", type=float, default=0.15,
+    parser.add_argument("--no_think_ratio", type=float, default=0.1,
                         help="share of SFT answers with an empty <think></think> block")
     parser.add_argument("--out_dir", default=os.path.join(ROOT, "dataset"))
     args = parser.parse_args()

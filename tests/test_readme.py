@@ -38,3 +38,12 @@ def test_readme_commands():
     assert "pip install -r requirements.txt && python -m pytest -q tests" in text
     with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
         assert "pytest -q tests" in f.read()
+
+
+def test_mapped_functions_cite_their_section():
+    for section, path, name in chapter_map_rows():
+        obj = importlib.import_module(path[:-3].replace("/", "."))
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        chapter = ".".join(section.split(".")[:2])  # 8.5.1 -> 8.5
+        assert chapter in (obj.__doc__ or ""), f"{path}:{name} docstring does not cite {chapter}"

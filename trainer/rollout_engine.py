@@ -17,7 +17,7 @@ from trainer.trainer_utils import completion_mask_from_ids, unwrap_model
 
 
 def selective_log_softmax(logits, index, temperature=1.0):
-    """log_softmax(logits / temperature, -1).gather(-1, index) without a [B, n, V] log-softmax tensor.
+    """log_softmax(logits / temperature, -1).gather(-1, index) without a [B, n, V] log-softmax tensor (chapter 8.2).
 
     logits: [B, n, V] any float dtype; index: long [B, n] -> fp32 [B, n]. Computed per row as
     logit[index] - logsumexp(logits), in fp32, so the extra memory is one row's [n, V] at most.
@@ -105,7 +105,7 @@ class RolloutEngine(ABC):
 
 
 class TorchRolloutEngine(RolloutEngine):
-    """Rollouts with the policy's own ``generate`` (KV cache), then one forward for the old log-probs."""
+    """Rollouts with the policy's own ``generate`` (KV cache), then one forward for the old log-probs (chapter 8.2)."""
 
     def __init__(self, policy_model, tokenizer, top_p=1.0, top_k=0, generator=None):
         self.policy_model = policy_model
@@ -153,7 +153,7 @@ ROLLOUT_ENGINES = ("torch",)
 
 
 def create_rollout_engine(engine_type, policy_model, tokenizer, **kwargs):
-    """Factory for ``--rollout_engine``.
+    """Factory for ``--rollout_engine`` (chapter 8.2).
 
     Raises:
         ValueError: for an unknown engine type, naming the valid ones.

@@ -219,7 +219,8 @@ def tokenize_prompts(tokenizer, prompts, max_seq_len, device):
 
 
 def build_run(args, script_name):
-    """Shared set-up of both RL scripts: distributed init, seed, policy, reference, reward model, data.
+    """Shared set-up of both RL scripts (chapter 8.1, the roles): distributed init, seed, the actor/policy,
+    the frozen reference, the reward model, and the prompt data.
 
     Returns a dict with device, rank, world_size, local_rank, lm_config, model, ref_model, tokenizer,
     reward_model, dataset, sampler, loader.
@@ -277,7 +278,8 @@ def print_debug_samples(step, prompts, completions, reward_parts, num_generation
 
 # ----------------------------------------------------------------------------- the loop
 def grpo_step(batch, model, ref_model, rollout_engine, reward_model, tokenizer, args, device):
-    """One GRPO rollout + loss (chapter 8.5); returns (loss to backpropagate, metrics dict, debug dict).
+    """One turn of the RLHF loop (chapter 8.1) with GRPO (chapter 8.5): rollout, rewards, group advantages,
+    loss. Returns (loss to backpropagate, metrics dict, debug dict).
 
     ``model`` is what the gradient flows through (the DDP wrapper when distributed).
     """

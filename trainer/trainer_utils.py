@@ -229,7 +229,7 @@ def completion_mask_from_ids(completion_ids, eos_token_id):
 
 
 def masked_mean(values, mask, dim=None):
-    """Mean of ``values`` over positions where mask == 1 (sum / count, count clamped to >= 1).
+    """Mean of ``values`` over positions where mask == 1 (sum / count, count clamped to >= 1); chapter 8.4.2-8.6.
 
     values, mask: same shape (mask 0/1, any dtype). dim=None averages over all entries -> scalar;
     an int averages along that dimension. An all-zero mask gives 0, never NaN.
