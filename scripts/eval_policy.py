@@ -94,7 +94,7 @@ def main(argv=None):
     parser.add_argument("--use_moe", type=int, default=0, choices=[0, 1])
     parser.add_argument("--num_prompts", type=int, default=300)
     parser.add_argument("--batch_size", type=int, default=50)
-    parser.add_argument("--max_gen_len", type=int, default=160)
+    parser.add_argument("--max_gen_len", type=int, default=96)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--greedy", action="store_true")
     parser.add_argument("--thinking_ratio", type=float, default=1.0)

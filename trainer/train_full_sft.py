@@ -40,7 +40,7 @@ def parse_args(argv=None):
     parser.add_argument("--num_hidden_layers", type=int, default=4)
     parser.add_argument("--use_moe", type=int, default=0, choices=[0, 1])
     parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--max_steps", type=int, default=400, help="optimizer steps (0 = whole epochs)")
+    parser.add_argument("--max_steps", type=int, default=800, help="optimizer steps (0 = whole epochs)")
     parser.add_argument("--batch_size", type=int, default=32)
     parser.add_argument("--learning_rate", type=float, default=2e-3)
     parser.add_argument("--weight_decay", type=float, default=0.01)

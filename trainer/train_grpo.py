@@ -133,7 +133,7 @@ def add_common_rl_args(parser):
     parser.add_argument("--accumulation_steps", type=int, default=1)
     parser.add_argument("--grad_clip", type=float, default=1.0)
     parser.add_argument("--max_seq_len", type=int, default=256, help="prompt tokens kept (from the right)")
-    parser.add_argument("--max_gen_len", type=int, default=160, help="most tokens generated per answer")
+    parser.add_argument("--max_gen_len", type=int, default=96, help="most tokens generated per answer")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollout")
     parser.add_argument("--top_p", type=float, default=1.0)
     parser.add_argument("--top_k", type=int, default=0)
