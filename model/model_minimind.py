@@ -12,8 +12,6 @@ Shapes used in the docstrings: B batch, T tokens in this call, S tokens attended
 H attention heads, Hkv key/value heads, D head_dim, V vocabulary size.
 """
 import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -317,14 +315,7 @@ class MiniMindModel(nn.Module):
 
     def rotary_embedding(self, position_ids, dtype):
         """position_ids: long [B, T] -> (cos, sin), each [B, T, D] in ``dtype``."""
-        inv_freq = self.inv_freq
-        if inv_freq.device.type == "meta" or not torch.isfinite(inv_freq).all() or inv_freq[0] != 1.0:
-            # transformers may build modules on the meta device and skip non-persistent buffers
-            head_dim = self.config.head_dim
-            exponent = torch.arange(0, head_dim, 2, device=position_ids.device).float() / head_dim
-            self.inv_freq = 1.0 / (self.config.rope_theta ** exponent)
-            inv_freq = self.inv_freq
-        freqs = position_ids.float().unsqueeze(-1) * inv_freq.float()  # [B, T, D/2]
+        freqs = position_ids.float().unsqueeze(-1) * self.inv_freq.float()  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -508,15 +499,3 @@ class CriticModel(MiniMindPreTrainedModel):
                 f"critic init from actor weights: missing {sorted(missing)}, unexpected {sorted(result.unexpected_keys)}"
             )
 
-
-@dataclass
-class ModelSummary:
-    """Parameter count of a model (unique tensors, so tied embeddings count once)."""
-    total: int
-
-    @classmethod
-    def of(cls, model):
-        seen = {}
-        for p in model.parameters():
-            seen[p.data_ptr()] = p.numel()
-        return cls(total=sum(seen.values()))

@@ -116,3 +116,20 @@ def test_ppo_bad_flags_fail_at_start(flags, message):
     result = run_script(["trainer/train_ppo.py"] + flags, timeout=120)
     assert result.returncode == 2
     assert message in result.stderr
+
+
+MINIMIND_TOKENIZER = os.path.join(os.path.dirname(ROOT), "shared", "compat", "minimind-tokenizer")
+
+
+@pytest.mark.skipif(not os.path.isdir(MINIMIND_TOKENIZER), reason="../shared/compat/minimind-tokenizer is absent")
+@pytest.mark.parametrize("script, extra", [
+    ("trainer/train_grpo.py", ["--num_generations", "2"]),
+    ("trainer/train_ppo.py", ["--mini_batch_size", "1"]),
+])
+def test_rl_scripts_with_upstream_minimind_tokenizer(tiny_weights, tmp_path, script, extra):
+    save_dir, name = tiny_weights
+    result = run_script([script, "--max_steps", "1", "--save_dir", save_dir, "--from_weight", name,
+                         "--tokenizer_path", MINIMIND_TOKENIZER, "--batch_size", "2", "--max_gen_len", "6",
+                         "--run_dir", str(tmp_path / "run")] + extra + TINY)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step 1/1" in result.stdout
