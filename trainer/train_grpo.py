@@ -126,7 +126,7 @@ def add_common_rl_args(parser):
     parser.add_argument("--num_hidden_layers", type=int, default=4)
     parser.add_argument("--use_moe", type=int, default=0, choices=[0, 1])
     parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--max_steps", type=int, default=0, help="stop after this many steps (0 = whole epochs)")
+    parser.add_argument("--max_steps", type=int, default=300, help="stop after this many steps (0 = whole epochs)")
     parser.add_argument("--batch_size", type=int, default=4, help="prompts per step and rank")
     parser.add_argument("--learning_rate", type=float, default=5e-5)
     parser.add_argument("--weight_decay", type=float, default=0.0)

@@ -161,9 +161,9 @@ def all_ranks_mean(value, device):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="MiniMind PPO (Proximal Policy Optimization)")
     add_common_rl_args(parser)
-    parser.set_defaults(batch_size=8, learning_rate=2e-5)
+    parser.set_defaults(batch_size=8, learning_rate=1e-5, max_steps=150)
     parser.add_argument("--save_weight", default="ppo")
-    parser.add_argument("--critic_learning_rate", type=float, default=5e-5)
+    parser.add_argument("--critic_learning_rate", type=float, default=1e-4)
     parser.add_argument("--clip_epsilon", type=float, default=0.2)
     parser.add_argument("--vf_coef", type=float, default=0.5)
     parser.add_argument("--kl_coef", type=float, default=0.02)
@@ -201,7 +201,11 @@ def build_critic(lm_config, args, device):
 # ----------------------------------------------------------------------------- the loop
 @torch.no_grad()
 def ppo_rollout(batch, actor, ref_model, critic, rollout_engine, reward_model, tokenizer, args, device):
-    """Steps 1-4 of a PPO step: rollout, rewards, old values, GAE. Returns a dict of [B, ...] tensors."""
+    """Steps 1-4 of a PPO step (chapter 8.4): rollout, rewards, reference log-probs, old values, GAE.
+
+    Returns a dict of tensors with B rows (output_ids, full_mask, completion_mask, old_per_token_logps,
+    ref_per_token_logps, old_resp_values, advantages, returns, rewards) and the decoded completions.
+    """
     prompts, answers = batch["prompt"], batch["answer"]  # list[str] of length B
     prompt_ids, attention_mask, truncated = tokenize_prompts(tokenizer, prompts, args.max_seq_len, device)
     rollout = rollout_engine.rollout(prompt_ids, attention_mask, 1, args.max_gen_len, args.temperature)
