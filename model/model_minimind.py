@@ -471,6 +471,7 @@ class CriticModel(MiniMindPreTrainedModel):
     forward(input_ids, attention_mask) -> values fp32 [B, T], V(s_t) for every position. It is initialised
     from the actor's SFT weights with ``load_actor_state_dict``, which loads strictly except for the new
     ``value_head.weight`` / ``value_head.bias`` (and ignores the LM head, which the critic does not have).
+    The value head starts at zero, so the critic predicts V = 0 until it has learned something.
     """
 
     def __init__(self, config=None):
@@ -479,6 +480,10 @@ class CriticModel(MiniMindPreTrainedModel):
         self.model = MiniMindModel(config)
         self.value_head = nn.Linear(config.hidden_size, 1)
         self.post_init()
+        # V(s) = 0 at the start: the first advantages are the (discounted) reward itself rather than the noise of
+        # a random head, which whitening would blow up to the scale of the reward signal.
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
 
     def forward(self, input_ids, attention_mask=None, **kwargs):
         hidden_states, _ = self.model(input_ids, attention_mask)  # [B, T, hidden], already normed
