@@ -275,13 +275,14 @@ class MiniMindBlock(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def build_attention_mask(attention_mask, query_len, past_len):
+def build_attention_mask(attention_mask, query_len, past_len, device=None):
     """Combine causality with a key-padding mask.
 
     Args:
         attention_mask: long/bool [B, S] with 1 on real tokens (S = past_len + query_len), or None.
         query_len: T, the number of new positions in this call.
         past_len: positions already in the KV cache.
+        device: where to build the mask when ``attention_mask`` is None.
     Returns:
         bool [B, 1, T, S], True where query t may attend key s; None when there is no padding and no
         cache (then SDPA's own causal path is used). Each query also attends itself, so a padding
@@ -289,7 +290,7 @@ def build_attention_mask(attention_mask, query_len, past_len):
     """
     if attention_mask is None and past_len == 0:
         return None
-    device = attention_mask.device if attention_mask is not None else None
+    device = attention_mask.device if attention_mask is not None else device
     key_pos = torch.arange(past_len + query_len, device=device)  # [S]
     query_pos = torch.arange(past_len, past_len + query_len, device=device)  # [T]
     causal = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # [T, S]
@@ -333,7 +334,7 @@ class MiniMindModel(nn.Module):
             position_ids = torch.arange(past_len, past_len + seq, device=input_ids.device).expand(batch, seq)
         hidden_states = self.dropout(self.embed_tokens(input_ids))  # [B, T, hidden]
         cos, sin = self.rotary_embedding(position_ids, hidden_states.dtype)
-        attn_mask = build_attention_mask(attention_mask, seq, past_len)
+        attn_mask = build_attention_mask(attention_mask, seq, past_len, input_ids.device)
         for layer in self.layers:
             hidden_states = layer(hidden_states, cos, sin, attn_mask, past_key_values)
         if past_key_values is not None:

@@ -49,6 +49,8 @@ def test_grpo_loss_type_grpo_from_another_folder(tiny_weights, tmp_path):
     (["--batch_size", "0"], "--batch_size must be >= 1"),
     (["--rollout_engine", "vllm"], "--rollout_engine 'vllm' is unknown"),
     (["--data_path", "missing.jsonl"], "--data_path missing.jsonl does not exist"),
+    (["--grad_clip", "0"], "--grad_clip must be > 0"),
+    (["--top_k", "-1"], "--top_k must be >= 0"),
 ])
 def test_grpo_bad_flags_fail_at_start(flags, message):
     result = run_script(["trainer/train_grpo.py"] + flags, timeout=120)
@@ -111,6 +113,7 @@ def test_ppo_two_steps(tiny_weights, tmp_path):
     (["--mini_batch_size", "0"], "--mini_batch_size must be >= 1"),
     (["--clip_epsilon", "0"], "--clip_epsilon must be > 0"),
     (["--max_gen_len", "0"], "--max_gen_len must be >= 1"),
+    (["--early_stop_kl", "0"], "--early_stop_kl must be > 0"),
 ])
 def test_ppo_bad_flags_fail_at_start(flags, message):
     result = run_script(["trainer/train_ppo.py"] + flags, timeout=120)
@@ -133,3 +136,24 @@ def test_rl_scripts_with_upstream_minimind_tokenizer(tiny_weights, tmp_path, scr
                          "--run_dir", str(tmp_path / "run")] + extra + TINY)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step 1/1" in result.stdout
+
+
+def test_too_few_prompts_is_an_error(tiny_weights, tmp_path):
+    save_dir, name = tiny_weights
+    data = tmp_path / "three.jsonl"
+    row = json.dumps({"conversations": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]})
+    data.write_text((row + "\n") * 3)
+    result = run_script(["trainer/train_grpo.py", "--save_dir", save_dir, "--from_weight", name, "--data_path",
+                         str(data), "--batch_size", "4"] + TINY, timeout=120)
+    assert result.returncode != 0
+    assert "has 3 prompts, fewer than --batch_size 4" in result.stderr
+
+
+def test_random_init_reference_equals_policy(tmp_path):
+    """--from_weight none: the reference is a copy of the (random) policy, so the first KL is 0."""
+    run_dir = tmp_path / "run"
+    result = run_script(["trainer/train_grpo.py", "--from_weight", "none", "--max_steps", "1", "--batch_size", "1",
+                         "--num_generations", "2", "--max_gen_len", "4", "--save_dir", str(tmp_path),
+                         "--run_dir", str(run_dir)] + TINY)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["kl_ref"] == 0.0

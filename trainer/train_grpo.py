@@ -68,7 +68,7 @@ def sequence_mean_loss(per_token_loss, completion_mask):
     """Mean over each sequence's masked tokens, then mean over sequences (chapter 8.5.2).
 
     per_token_loss: fp32 [N, R]; completion_mask: [N, R] 0/1 -> scalar. Masked entries never enter the
-    sum (even inf or huge values there are dropped), and an empty row counts as 0.
+    sum of the loss value (even inf or huge values there are dropped), and an empty row counts as 0.
     """
     mask = completion_mask.bool()
     per_token_loss = torch.where(mask, per_token_loss, torch.zeros_like(per_token_loss))
@@ -172,6 +172,10 @@ def check_common_rl_args(parser, args):
         parser.error(f"--rollout_engine {args.rollout_engine!r} is unknown; valid: {', '.join(ROLLOUT_ENGINES)}")
     if not os.path.isfile(args.data_path):
         parser.error(f"--data_path {args.data_path} does not exist")
+    if args.grad_clip <= 0:
+        parser.error(f"--grad_clip must be > 0, got {args.grad_clip}")
+    if args.top_k < 0:
+        parser.error(f"--top_k must be >= 0 (0 = off), got {args.top_k}")
     if args.reward_model_path != "none" and not os.path.exists(args.reward_model_path):
         parser.error(f"--reward_model_path {args.reward_model_path} does not exist (use 'none' to disable)")
 
@@ -231,12 +235,16 @@ def build_run(args, script_name):
     setup_seed(args.seed)  # identical initial weights on every rank
     lm_config = build_config(args.hidden_size, args.num_hidden_layers, args.use_moe)
     model, tokenizer = init_model(lm_config, args.from_weight, args.save_dir, args.tokenizer_path, device)
-    ref_model, _ = init_model(lm_config, args.from_weight, args.save_dir, args.tokenizer_path, device)
+    ref_model, _ = init_model(lm_config, "none", args.save_dir, args.tokenizer_path, device)
+    ref_model.load_state_dict(model.state_dict())  # the reference is the starting policy, also for 'none'
     ref_model.eval().requires_grad_(False)
     reward_model = None
     if args.reward_model_path != "none":
         reward_model = LMForRewardModel(args.reward_model_path, device=device, batch_size=args.reward_batch_size)
     dataset = RLAIFDataset(args.data_path, tokenizer, thinking_ratio=args.thinking_ratio, seed=args.seed)
+    if len(dataset) < args.batch_size * world_size:
+        raise ValueError(f"--data_path {args.data_path} has {len(dataset)} prompts, fewer than --batch_size "
+                         f"{args.batch_size} x {world_size} processes: no full batch to train on")
     sampler = DistributedSampler(dataset, seed=args.seed) if dist.is_initialized() else None
     loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=sampler is None, sampler=sampler,
                         generator=torch.Generator().manual_seed(args.seed), drop_last=True)
@@ -252,7 +260,9 @@ def wrap_ddp(model, device, local_rank):
     """DistributedDataParallel around ``model`` when distributed (gloo on CPU, one GPU per rank on CUDA)."""
     if not dist.is_initialized():
         return model
-    return DistributedDataParallel(model, device_ids=[local_rank] if device.startswith("cuda") else None)
+    # MoE experts that received no token on a rank get no gradient there: DDP must be told to expect that.
+    return DistributedDataParallel(model, device_ids=[local_rank] if device.startswith("cuda") else None,
+                                   find_unused_parameters=bool(getattr(model.config, "use_moe", False)))
 
 
 def mean_over_ranks(metrics, device):
@@ -362,7 +372,7 @@ def main(argv=None):
     steps_per_epoch = len(loader)
     total_steps = min(args.max_steps, args.epochs * steps_per_epoch) if args.max_steps else args.epochs * steps_per_epoch
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    scheduler = build_cosine_scheduler(optimizer, max(total_steps // args.accumulation_steps, 1))
+    scheduler = build_cosine_scheduler(optimizer, -(-total_steps // args.accumulation_steps))  # ceil
     ddp_model = wrap_ddp(model, device, run["local_rank"])
     rollout_engine = create_rollout_engine(args.rollout_engine, model, tokenizer, top_p=args.top_p, top_k=args.top_k)
     run_dir = args.run_dir or os.path.join(args.save_dir, "runs", f"{args.save_weight}-{time.strftime('%Y%m%d-%H%M%S')}")

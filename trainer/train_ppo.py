@@ -181,7 +181,7 @@ def parse_args(argv=None):
     for flag in ("gamma", "lam"):
         if not 0.0 <= getattr(args, flag) <= 1.0:
             parser.error(f"--{flag} must be in [0, 1], got {getattr(args, flag)}")
-    for flag in ("clip_epsilon", "cliprange_value", "critic_learning_rate"):
+    for flag in ("clip_epsilon", "cliprange_value", "critic_learning_rate", "early_stop_kl"):
         if getattr(args, flag) <= 0:
             parser.error(f"--{flag} must be > 0, got {getattr(args, flag)}")
     if args.kl_coef < 0 or args.vf_coef < 0:
@@ -192,6 +192,8 @@ def parse_args(argv=None):
 def build_critic(lm_config, args, device):
     """CriticModel initialised from the actor's SFT weights (strict except value_head.*; chapter 8.4.1)."""
     critic = CriticModel(lm_config)
+    if args.from_weight == "none":
+        return critic.to(device)
     path = weight_path(args.from_weight, args.save_dir, lm_config.hidden_size, lm_config.use_moe)
     state_dict = torch.load(path, map_location="cpu", weights_only=True)
     critic.load_actor_state_dict({k: v.float() for k, v in state_dict.items()})
@@ -282,7 +284,13 @@ def ppo_update(data, actor, critic, actor_optimizer, critic_optimizer, actor_sch
             count += 1
         if stop_ppo:
             break
-    actor_optimizer.zero_grad(set_to_none=True)  # drop a partial accumulation left by an early stop
+    if micro % args.accumulation_steps != 0 and not stop_ppo:  # apply a last partial accumulation
+        torch.nn.utils.clip_grad_norm_(actor.parameters(), args.grad_clip)
+        torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip)
+        actor_optimizer.step()
+        critic_optimizer.step()
+        optimizer_steps += 1
+    actor_optimizer.zero_grad(set_to_none=True)  # an early stop drops its partial accumulation
     critic_optimizer.zero_grad(set_to_none=True)
     actor_scheduler.step()
     critic_scheduler.step()

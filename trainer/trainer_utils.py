@@ -348,6 +348,7 @@ class LMForRewardModel:
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype).to(device).eval()
+        self.model.config.pad_token_id = self.tokenizer.pad_token_id  # batched scoring finds each last token
         self.model.requires_grad_(False)
         self.device = device
         self.batch_size = batch_size
