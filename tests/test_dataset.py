@@ -4,7 +4,6 @@ import os
 import re
 
 import pytest
-import torch
 
 from conftest import ROOT, SHARED
 from dataset.lm_dataset import DataFormatError, RLAIFDataset, SFTDataset, read_conversations_jsonl, sft_collate

@@ -347,6 +347,17 @@ def grpo_step(batch, model, ref_model, rollout_engine, reward_model, tokenizer, 
     return loss, metrics, debug
 
 
+def count_total_steps(max_steps, epochs, steps_per_epoch):
+    """Steps of the run: ``max_steps`` when set (capped by the data), else ``epochs`` full passes."""
+    return min(max_steps, epochs * steps_per_epoch) if max_steps else epochs * steps_per_epoch
+
+
+def open_metrics(args):
+    """(run_dir, MetricsWriter): ``--run_dir`` or ``{save_dir}/runs/{save_weight}-TIME``."""
+    run_dir = args.run_dir or os.path.join(args.save_dir, "runs", f"{args.save_weight}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return run_dir, MetricsWriter(run_dir, args.use_wandb, args.wandb_project, os.path.basename(run_dir), vars(args))
+
+
 def optimizer_step(model, optimizer, scheduler, grad_clip):
     """Clip the gradient norm, step the optimizer and the schedule, clear gradients; returns the grad norm."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -370,13 +381,12 @@ def main(argv=None):
     lm_config, loader, sampler = run["lm_config"], run["loader"], run["sampler"]
 
     steps_per_epoch = len(loader)
-    total_steps = min(args.max_steps, args.epochs * steps_per_epoch) if args.max_steps else args.epochs * steps_per_epoch
+    total_steps = count_total_steps(args.max_steps, args.epochs, steps_per_epoch)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = build_cosine_scheduler(optimizer, -(-total_steps // args.accumulation_steps))  # ceil
     ddp_model = wrap_ddp(model, device, run["local_rank"])
     rollout_engine = create_rollout_engine(args.rollout_engine, model, tokenizer, top_p=args.top_p, top_k=args.top_k)
-    run_dir = args.run_dir or os.path.join(args.save_dir, "runs", f"{args.save_weight}-{time.strftime('%Y%m%d-%H%M%S')}")
-    writer = MetricsWriter(run_dir, args.use_wandb, args.wandb_project, os.path.basename(run_dir), vars(args))
+    run_dir, writer = open_metrics(args)
     Logger(f"GRPO: {total_steps} steps, {args.batch_size} prompts x {args.num_generations} answers per step, "
            f"loss {args.loss_type}, metrics in {run_dir}")
 

@@ -33,12 +33,12 @@ import torch.distributed as dist  # noqa: E402
 from model.model_minimind import CriticModel  # noqa: E402
 from trainer.rollout_engine import compute_per_token_logps, create_rollout_engine  # noqa: E402
 from trainer.train_grpo import (  # noqa: E402
-    add_common_rl_args, build_run, check_common_rl_args, mean_over_ranks, print_debug_samples, save_weights,
-    tokenize_prompts, wrap_ddp,
+    add_common_rl_args, build_run, check_common_rl_args, count_total_steps, mean_over_ranks, open_metrics,
+    print_debug_samples, save_weights, tokenize_prompts, wrap_ddp,
 )
 from trainer.trainer_utils import (  # noqa: E402
-    Logger, MetricsWriter, StepTimer, atomic_save, build_cosine_scheduler, calculate_rewards, is_main_process,
-    k3_kl, masked_mean, unwrap_model, weight_path,
+    Logger, StepTimer, atomic_save, build_cosine_scheduler, calculate_rewards, half_state_dict,
+    is_main_process, k3_kl, masked_mean, unwrap_model, weight_path,
 )
 
 
@@ -237,6 +237,16 @@ def ppo_rollout(batch, actor, ref_model, critic, rollout_engine, reward_model, t
     }
 
 
+def step_actor_and_critic(actor, critic, actor_optimizer, critic_optimizer, grad_clip):
+    """Clip both gradient norms, step both optimizers, clear both gradients."""
+    torch.nn.utils.clip_grad_norm_(actor.parameters(), grad_clip)
+    torch.nn.utils.clip_grad_norm_(critic.parameters(), grad_clip)
+    actor_optimizer.step()
+    critic_optimizer.step()
+    actor_optimizer.zero_grad(set_to_none=True)
+    critic_optimizer.zero_grad(set_to_none=True)
+
+
 def ppo_update(data, actor, critic, actor_optimizer, critic_optimizer, actor_scheduler, critic_scheduler, args,
                device, generator):
     """Step 5: ``ppo_update_iters`` epochs over shuffled minibatches (chapter 8.4.3-8.4.4).
@@ -270,12 +280,7 @@ def ppo_update(data, actor, critic, actor_optimizer, critic_optimizer, actor_sch
             (loss / args.accumulation_steps).backward()
             micro += 1
             if micro % args.accumulation_steps == 0:
-                torch.nn.utils.clip_grad_norm_(actor.parameters(), args.grad_clip)
-                torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip)
-                actor_optimizer.step()
-                critic_optimizer.step()
-                actor_optimizer.zero_grad(set_to_none=True)
-                critic_optimizer.zero_grad(set_to_none=True)
+                step_actor_and_critic(actor, critic, actor_optimizer, critic_optimizer, args.grad_clip)
                 optimizer_steps += 1
             for key, value in {"policy_loss": policy_loss, "value_loss": value_loss, "value_clipfrac": value_clipfrac,
                                "approx_kl": stats["approx_kl"], "clipfrac": stats["clipfrac"],
@@ -285,10 +290,7 @@ def ppo_update(data, actor, critic, actor_optimizer, critic_optimizer, actor_sch
         if stop_ppo:
             break
     if micro % args.accumulation_steps != 0 and not stop_ppo:  # apply a last partial accumulation
-        torch.nn.utils.clip_grad_norm_(actor.parameters(), args.grad_clip)
-        torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip)
-        actor_optimizer.step()
-        critic_optimizer.step()
+        step_actor_and_critic(actor, critic, actor_optimizer, critic_optimizer, args.grad_clip)
         optimizer_steps += 1
     actor_optimizer.zero_grad(set_to_none=True)  # an early stop drops its partial accumulation
     critic_optimizer.zero_grad(set_to_none=True)
@@ -308,7 +310,7 @@ def main(argv=None):
     critic = build_critic(lm_config, args, device)
 
     steps_per_epoch = len(loader)
-    total_steps = min(args.max_steps, args.epochs * steps_per_epoch) if args.max_steps else args.epochs * steps_per_epoch
+    total_steps = count_total_steps(args.max_steps, args.epochs, steps_per_epoch)
     actor_optimizer = torch.optim.AdamW(actor.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate,
                                          weight_decay=args.weight_decay)
@@ -317,8 +319,7 @@ def main(argv=None):
     ddp_actor = wrap_ddp(actor, device, run["local_rank"])
     ddp_critic = wrap_ddp(critic, device, run["local_rank"])
     rollout_engine = create_rollout_engine(args.rollout_engine, actor, tokenizer, top_p=args.top_p, top_k=args.top_k)
-    run_dir = args.run_dir or os.path.join(args.save_dir, "runs", f"{args.save_weight}-{time.strftime('%Y%m%d-%H%M%S')}")
-    writer = MetricsWriter(run_dir, args.use_wandb, args.wandb_project, os.path.basename(run_dir), vars(args))
+    run_dir, writer = open_metrics(args)
     minibatch_generator = torch.Generator().manual_seed(args.seed)  # the same on every rank
     Logger(f"PPO: {total_steps} steps, {args.batch_size} prompts per step, {args.ppo_update_iters} epochs of "
            f"minibatches of {args.mini_batch_size}, metrics in {run_dir}")
@@ -371,8 +372,7 @@ def main(argv=None):
                 path = save_weights(unwrap_model(ddp_actor), args, lm_config)
                 critic_path = weight_path(f"{args.save_weight}_critic", args.save_dir, lm_config.hidden_size,
                                           lm_config.use_moe)
-                atomic_save({k: v.half().cpu() for k, v in unwrap_model(ddp_critic).state_dict().items()},
-                            critic_path)
+                atomic_save(half_state_dict(ddp_critic), critic_path)
                 Logger(f"saved {path} and {critic_path}")
             if step >= total_steps:
                 break
