@@ -164,3 +164,11 @@ def test_early_stop_means_no_further_optimizer_step(tokenizer, early_stop_kl, ex
     assert result["optimizer_steps"] == expected_steps  # 2 epochs x 4 minibatches without a stop
     assert CountingAdamW.steps == 2 * expected_steps  # actor + critic
     assert result["early_stop"] == float(expected_steps == 1)
+
+
+def test_normalize_rewards_hand_computed():
+    from trainer.train_ppo import normalize_rewards
+    # rewards 1, 2, 3, 6: mean 3, biased std sqrt((4 + 1 + 0 + 9) / 4) = sqrt(3.5) = 1.870829
+    assert normalize_rewards(torch.tensor([1.0, 2.0, 3.0, 6.0])).tolist() == pytest.approx(
+        [-1.069045, -0.534522, 0.0, 1.603567], abs=1e-5)
+    assert normalize_rewards(torch.tensor([2.0, 2.0])).tolist() == [0.0, 0.0]

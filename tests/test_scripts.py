@@ -95,7 +95,7 @@ def test_ppo_two_steps(tiny_weights, tmp_path):
     save_dir, name = tiny_weights
     run_dir = tmp_path / "run"
     result = run_script(["trainer/train_ppo.py", "--max_steps", "2", "--save_dir", save_dir, "--from_weight", name,
-                         "--batch_size", "4", "--mini_batch_size", "2", "--max_gen_len", "8",
+                         "--batch_size", "4", "--mini_batch_size", "2", "--max_gen_len", "8", "--reward_norm", "1",
                          "--run_dir", str(run_dir)] + TINY)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step 2/2" in result.stdout

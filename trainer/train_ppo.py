@@ -43,6 +43,15 @@ from trainer.trainer_utils import (  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- the math (chapter 8.4)
+def normalize_rewards(rewards, eps=1e-8):
+    """Batch reward standardisation (r - mean) / (std + eps), biased std (learner's article, section 5.4).
+
+    rewards: fp32 [B] -> fp32 [B]; equal rewards give 0. With rewards centred, a critic that starts at V = 0
+    is an unbiased baseline, so GAE + whitening no longer favours late tokens of every answer.
+    """
+    return (rewards - rewards.mean()) / (rewards.std(unbiased=False) + eps)
+
+
 def place_sequence_rewards(rewards, completion_mask):
     """Put each sequence reward on its last real token (chapter 8.4.2).
 
@@ -173,6 +182,8 @@ def parse_args(argv=None):
     parser.add_argument("--ppo_update_iters", type=int, default=2)
     parser.add_argument("--early_stop_kl", type=float, default=0.25)
     parser.add_argument("--mini_batch_size", type=int, default=2)
+    parser.add_argument("--reward_norm", type=int, default=0, choices=[0, 1],
+                        help="1 = standardise the batch's rewards before GAE (learner's article 5.4); 0 = raw (chapter)")
     args = parser.parse_args(argv)
     check_common_rl_args(parser, args)
     for flag in ("mini_batch_size", "ppo_update_iters"):
@@ -225,7 +236,8 @@ def ppo_rollout(batch, actor, ref_model, critic, rollout_engine, reward_model, t
     old_resp_values = critic_module(output_ids, attention_mask=full_mask)[:, -gen_len - 1:-1]  # [B, R], V(s_t)
     critic_module.train()
 
-    token_rewards = place_sequence_rewards(rewards, completion_mask)  # [B, R]
+    scores = normalize_rewards(rewards) if args.reward_norm else rewards  # [B]
+    token_rewards = place_sequence_rewards(scores, completion_mask)  # [B, R]
     advantages, returns = compute_gae(token_rewards, old_resp_values, completion_mask, args.gamma, args.lam)
     advantages = masked_whiten(advantages, completion_mask)  # [B, R]
     return {
