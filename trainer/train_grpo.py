@@ -210,7 +210,7 @@ def tokenize_prompts(tokenizer, prompts, max_seq_len, device):
     Returns (prompt_ids long [B, P], attention_mask long [B, P], number of prompts that were cut).
     Cutting from the left keeps the generation prompt at the end.
     """
-    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    encoded = tokenizer(prompts, add_special_tokens=False)["input_ids"]  # one batched call
     truncated = sum(len(ids) > max_seq_len for ids in encoded)
     encoded = [ids[-max_seq_len:] for ids in encoded]
     width = max(len(ids) for ids in encoded)
