@@ -146,7 +146,7 @@ def test_too_few_prompts_is_an_error(tiny_weights, tmp_path):
     result = run_script(["trainer/train_grpo.py", "--save_dir", save_dir, "--from_weight", name, "--data_path",
                          str(data), "--batch_size", "4"] + TINY, timeout=120)
     assert result.returncode != 0
-    assert "has 3 prompts, fewer than --batch_size 4" in result.stderr
+    assert "found 3 prompts, need at least 4 (--batch_size 4 x 1 processes)" in result.stderr
 
 
 def test_random_init_reference_equals_policy(tmp_path):

@@ -25,8 +25,9 @@ from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 from dataset.lm_dataset import SFTDataset, sft_collate  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
-    DEFAULT_SAVE_DIR, Logger, atomic_save, build_config, build_cosine_scheduler, half_state_dict,
-    init_distributed_mode, init_model, is_main_process, setup_seed, weight_path,
+    DEFAULT_SAVE_DIR, BadStepGuard, Logger, any_rank, atomic_save, build_config, build_cosine_scheduler,
+    check_writable_dir, half_state_dict, init_distributed_mode, init_model, is_main_process, nonfinite_parts,
+    setup_seed, weight_path,
 )
 
 
@@ -51,12 +52,22 @@ def parse_args(argv=None):
                         help="also save a snapshot {save_weight}_step{N}_{hidden}.pth every N steps (0 = off)")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--num_threads", type=int, default=0, help="torch threads on CPU (0 = torch default)")
+    parser.add_argument("--max_bad_steps", type=int, default=3,
+                        help="stop after this many updates in a row skipped for a NaN/inf")
     args = parser.parse_args(argv)
-    for flag in ("batch_size", "max_seq_len", "epochs"):
+    for flag in ("batch_size", "max_seq_len", "epochs", "max_bad_steps"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     if args.learning_rate <= 0:
         parser.error(f"--learning_rate must be > 0, got {args.learning_rate}")
+    if args.max_steps < 0 or args.save_interval < 0 or args.log_interval < 1 or args.grad_clip <= 0:
+        parser.error("--max_steps and --save_interval must be >= 0, --log_interval >= 1, --grad_clip > 0")
+    if not os.path.isfile(args.data_path):
+        parser.error(f"--data_path {args.data_path} does not exist")
+    try:
+        check_writable_dir(args.save_dir)
+    except OSError as err:
+        parser.error(f"--save_dir: {err.strerror}")
     return args
 
 
@@ -79,6 +90,8 @@ def main(argv=None):
     lm_config = build_config(args.hidden_size, args.num_hidden_layers, args.use_moe)
     model, tokenizer = init_model(lm_config, args.from_weight, args.save_dir, device=device)
     dataset = SFTDataset(args.data_path, tokenizer, max_length=args.max_seq_len)
+    if len(dataset) == 0:
+        raise ValueError(f"--data_path {args.data_path}: found 0 conversations, need at least 1")
     sampler = DistributedSampler(dataset, seed=args.seed) if dist.is_initialized() else None
     generator = torch.Generator().manual_seed(args.seed)
     loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=sampler is None, sampler=sampler,
@@ -92,6 +105,7 @@ def main(argv=None):
     if dist.is_initialized():
         model = DistributedDataParallel(model, device_ids=[local_rank] if device.startswith("cuda") else None)
 
+    guard = BadStepGuard(args.max_bad_steps)
     step, start = 0, time.time()
     model.train()
     for epoch in range(10 ** 9):
@@ -103,10 +117,16 @@ def main(argv=None):
             loss = sft_loss(out.logits, labels) + out.aux_loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-            optimizer.step()
-            scheduler.step()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
             step += 1
+            problems = nonfinite_parts(loss=loss.detach(), gradients=grad_norm)
+            if any_rank(bool(problems), device):  # a NaN/inf update is skipped on every rank
+                optimizer.zero_grad(set_to_none=True)
+                guard.record(step, problems or ["values on another rank"])
+            else:
+                optimizer.step()
+                scheduler.step()
+                guard.record(step, [])
             if step % args.log_interval == 0 or step == total_steps:
                 Logger(f"step {step}/{total_steps} loss {loss.item():.4f} lr {scheduler.get_last_lr()[0]:.2e} "
                        f"elapsed {time.time() - start:.0f}s")

@@ -318,8 +318,9 @@ def ppo_update(data, actor, critic, actor_optimizer, critic_optimizer, actor_sch
         skipped_steps += int(not stepped)
     actor_optimizer.zero_grad(set_to_none=True)  # an early stop drops its partial accumulation
     critic_optimizer.zero_grad(set_to_none=True)
-    actor_scheduler.step()
-    critic_scheduler.step()
+    if optimizer_steps:  # a rollout whose every update was skipped leaves the schedules where they were
+        actor_scheduler.step()
+        critic_scheduler.step()
     result = {k: v / max(count, 1) for k, v in sums.items() if k != "early_stops"}
     result["early_stop"] = float(stop_ppo)
     result["optimizer_steps"] = float(optimizer_steps)

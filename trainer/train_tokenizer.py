@@ -19,6 +19,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from dataset.lm_dataset import read_conversations_jsonl  # noqa: E402
+from trainer.trainer_utils import check_writable_dir  # noqa: E402
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 THINK_TOKENS = ["<think>", "</think>"]
 
@@ -45,12 +48,15 @@ CHAT_TEMPLATE = (
 
 
 def iter_texts(paths):
-    """Yield every message text of the JSONL conversation files."""
+    """Yield every message text of the JSONL conversation files.
+
+    Each file is read and checked whole first (``read_conversations_jsonl``), so a bad line fails before
+    training with its file and line number.
+    """
     for path in paths:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                for message in json.loads(line)["conversations"]:
-                    yield message["content"]
+        for row in read_conversations_jsonl(path):
+            for message in row["conversations"]:
+                yield message["content"]
 
 
 def train_tokenizer(paths, out_dir, vocab_size=6400):
@@ -71,8 +77,10 @@ def train_tokenizer(paths, out_dir, vocab_size=6400):
     tokenizer.add_tokens(THINK_TOKENS)
     for i, token in enumerate(SPECIAL_TOKENS):
         assert tokenizer.token_to_id(token) == i, f"{token} must have id {i}"
-    os.makedirs(out_dir, exist_ok=True)
-    tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
+    check_writable_dir(out_dir)
+    tmp_json = os.path.join(out_dir, f"tokenizer.json.tmp{os.getpid()}")
+    tokenizer.save(tmp_json)
+    os.replace(tmp_json, os.path.join(out_dir, "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "add_bos_token": False,
@@ -86,18 +94,30 @@ def train_tokenizer(paths, out_dir, vocab_size=6400):
         "model_max_length": 32768,
         "chat_template": CHAT_TEMPLATE,
     }
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+    tmp_config = os.path.join(out_dir, f"tokenizer_config.json.tmp{os.getpid()}")
+    with open(tmp_config, "w", encoding="utf-8") as f:
         json.dump(config, f, ensure_ascii=False, indent=2)
+    os.replace(tmp_config, os.path.join(out_dir, "tokenizer_config.json"))
     return tokenizer
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description="Train the byte-level BPE tokenizer")
     parser.add_argument("--data", nargs="+", default=[os.path.join(ROOT, "dataset", "sft_data.jsonl"),
                                                       os.path.join(ROOT, "dataset", "rlaif_train.jsonl")])
     parser.add_argument("--out_dir", default=os.path.join(ROOT, "model"))
     parser.add_argument("--vocab_size", type=int, default=6400)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    for path in args.data:
+        if not os.path.isfile(path):
+            parser.error(f"--data {path} does not exist")
+    if args.vocab_size < 256 + len(SPECIAL_TOKENS) + len(THINK_TOKENS):
+        parser.error(f"--vocab_size must be >= {256 + len(SPECIAL_TOKENS) + len(THINK_TOKENS)} (the byte alphabet "
+                     f"and the special tokens), got {args.vocab_size}")
+    try:
+        check_writable_dir(args.out_dir)
+    except OSError as err:
+        parser.error(f"--out_dir: {err.strerror}")
     tokenizer = train_tokenizer(args.data, args.out_dir, args.vocab_size)
     print(f"saved tokenizer with {tokenizer.get_vocab_size()} tokens to {args.out_dir}")
 
