@@ -24,11 +24,12 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 from dataset.lm_dataset import RLAIFDataset  # noqa: E402
+from scripts.eval_policy import question_of  # noqa: E402
 from trainer import train_grpo, train_ppo  # noqa: E402
 from trainer.rollout_engine import TorchRolloutEngine, compute_per_token_logps  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
     DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, build_cosine_scheduler, calculate_rewards, init_model,
-    k3_kl, masked_mean, prompt_to_messages, setup_seed,
+    k3_kl, masked_mean, setup_seed,
 )
 
 # Stage headings, in order; tests/test_learner.py checks that the document has all of them.
@@ -102,13 +103,6 @@ def format_window(name, tensor, positions, before=4, after=1, decimals=4):
 def code_block(lines):
     """A fenced markdown block around ``lines``."""
     return ["```text"] + list(lines) + ["```", ""]
-
-
-def question_of(prompt):
-    """The last user turn of a chat-templated prompt (or the prompt itself when it has no turns)."""
-    messages = prompt_to_messages(prompt)
-    users = [m["content"] for m in messages if m["role"] == "user"]
-    return users[-1] if users else prompt
 
 
 def model_parameters(*models):
