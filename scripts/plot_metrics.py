@@ -101,13 +101,16 @@ def choose_curves(runs, keys):
     return drawn, skipped
 
 
-def plot_runs(runs, labels, keys, out_path, x_key="step", smooth=1, columns=3):
+def plot_runs(runs, labels, keys, out_path, x_key="step", smooth=1, columns=3, titles=CURVES):
     """Draw one panel per key with every run overlaid and save a PNG at ``out_path`` (written atomically).
 
+    With a PPO and a GRPO run this is chapter 8.7's comparison as curves: reward, KL to the reference, loss,
+    advantage std and length side by side, plus what only PPO has (approx KL, clip fraction, value loss).
     runs: list of row lists (``read_metrics``); labels: one str per run; keys: metric keys to draw.
     smooth > 1 draws the raw curve faintly and its ``moving_average`` over ``smooth`` logged steps on top.
+    titles: (key, panel title) pairs (a key without one is its own title).
     """
-    titles = dict(CURVES)
+    titles = dict(titles)
     rows_of_panels = max(1, math.ceil(len(keys) / columns))
     fig, axes = plt.subplots(rows_of_panels, columns, figsize=(5 * columns, 3.2 * rows_of_panels), squeeze=False)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
