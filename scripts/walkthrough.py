@@ -325,8 +325,8 @@ def ppo_walkthrough(batch, ppo_args, actor, ref_model, critic, tokenizer, seed, 
     block += format_tensor("ref_per_token_logps", data["ref_per_token_logps"])
     block += format_tensor("old_resp_values", data["old_resp_values"], max_values=12)
     lines += code_block(block)
-    lines += ["(`rewards` = rule + reward model + "
-              f"{ppo_args.answer_reward_weight:g} × answer; `ppo_rollout` computes the same values as the GRPO step.)", ""]
+    lines += [f"(`rewards` = rule + reward model + {ppo_args.answer_reward_weight:g} × answer, computed by "
+              "`calculate_rewards` as in the GRPO step.)", ""]
 
     # 2-4. the same functions ppo_rollout called, shown stage by stage
     scores = train_ppo.normalize_rewards(data["rewards"]) if ppo_args.reward_norm else data["rewards"]  # [B]
