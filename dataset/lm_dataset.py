@@ -6,6 +6,7 @@ Files are parsed line by line (so a bad line is reported with its file and line 
 """
 import json
 import random
+import sys
 
 import torch
 from datasets import Dataset
@@ -15,15 +16,18 @@ class DataFormatError(ValueError):
     """A data file line that is not valid UTF-8 JSON in the expected format (names file and line)."""
 
 
-def read_conversations_jsonl(path):
+def read_conversations_jsonl(path, require_user_turn=False):
     """Read a JSONL file of ``{"conversations": [...]}`` rows into a ``datasets.Dataset``.
 
+    Every line is checked here, at start-up, so a bad line fails before the first step, not hours in.
     Returns:
-        ``datasets.Dataset`` with one column ``conversations`` (list of {"role", "content"}).
+        ``datasets.Dataset`` with columns ``conversations`` (list of {"role", "content"}) and ``line``
+        (1-based line number in ``path``); it has 0 rows for an empty file (callers say how many they need).
     Raises:
         FileNotFoundError: if ``path`` does not exist.
-        DataFormatError: on a non-UTF-8 byte, invalid JSON, or a row without a non-empty
-            ``conversations`` list of {"role", "content"} strings; the message names file and line.
+        DataFormatError: on a non-UTF-8 byte, invalid JSON, a row without a non-empty ``conversations``
+            list of {"role", "content"} strings, or (``require_user_turn``) a row with no user turn before
+            its last turn; the message names file and line.
     """
     rows = []
     with open(path, "rb") as f:
@@ -45,10 +49,53 @@ def read_conversations_jsonl(path):
                 if not (isinstance(turn, dict) and isinstance(turn.get("role"), str)
                         and isinstance(turn.get("content"), str)):
                     raise DataFormatError(f"{path}:{line_no}: each turn needs string 'role' and 'content'")
-            rows.append({"conversations": [{"role": t["role"], "content": t["content"]} for t in conversations]})
-    if not rows:
-        raise DataFormatError(f"{path}: no rows")
+            if require_user_turn and not any(t["role"] == "user" for t in prompt_turns(conversations)):
+                raise DataFormatError(f"{path}:{line_no}: no user turn to use as the prompt")
+            turns = [{"role": t["role"], "content": t["content"]} for t in conversations]
+            rows.append({"conversations": turns, "line": line_no})
     return Dataset.from_list(rows)
+
+
+def prompt_turns(conversations):
+    """The turns that form an RL prompt: all but a final assistant turn (which is the reference answer)."""
+    if len(conversations) > 1 and conversations[-1]["role"] == "assistant":
+        return conversations[:-1]
+    return conversations
+
+
+def escape_special_tokens(text, special_tokens):
+    """Make special-token text typed inside a message (e.g. ``<|im_end|>``) ordinary text.
+
+    A zero-width space (U+200B) goes after the first character of each occurrence, so the tokenizer no
+    longer matches the special token and a user cannot close their own turn or open another role's.
+    Returns (escaped text, number of occurrences escaped).
+    """
+    count = 0
+    for token in special_tokens:
+        if token in text:
+            count += text.count(token)
+            text = text.replace(token, token[0] + "\u200b" + token[1:])
+    return text, count
+
+
+def escape_conversations(conversations, special_tokens):
+    """``escape_special_tokens`` on every turn's content; returns (new turns, occurrences escaped)."""
+    escaped, total = [], 0
+    for turn in conversations:
+        content, count = escape_special_tokens(turn["content"], special_tokens)
+        escaped.append({"role": turn["role"], "content": content})
+        total += count
+    return escaped, total
+
+
+def warn_special_token_text(path, data, special_tokens):
+    """One warning that counts the rows whose content holds special-token text (escaped when rendered)."""
+    lines = [row["line"] for row in data if escape_conversations(row["conversations"], special_tokens)[1]]
+    if lines:
+        print(f"warning: {path}: {len(lines)} rows contain special-token text ({', '.join(special_tokens)}) "
+              f"inside a message (first at line {lines[0]}); it is escaped with a zero-width space and "
+              f"stays ordinary text", file=sys.stderr, flush=True)
+    return len(lines)
 
 
 class SFTDataset(torch.utils.data.Dataset):
@@ -61,6 +108,8 @@ class SFTDataset(torch.utils.data.Dataset):
     def __init__(self, path, tokenizer, max_length=512):
         self.data = read_conversations_jsonl(path)
         self.tokenizer = tokenizer
+        self.special_tokens = list(tokenizer.all_special_tokens)
+        self.num_escaped_rows = warn_special_token_text(path, self.data, self.special_tokens)
         self.max_length = max_length
         self.assistant_prefix = tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
         self.eos_token_id = tokenizer.eos_token_id
@@ -87,7 +136,7 @@ class SFTDataset(torch.utils.data.Dataset):
         return labels
 
     def __getitem__(self, index):
-        conversations = self.data[index]["conversations"]
+        conversations, _ = escape_conversations(self.data[index]["conversations"], self.special_tokens)
         text = self.tokenizer.apply_chat_template(conversations, tokenize=False)
         input_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"][: self.max_length]
         labels = self.assistant_labels(input_ids)
@@ -108,7 +157,7 @@ def sft_collate(batch, pad_token_id):
 
 
 class RLAIFDataset(torch.utils.data.Dataset):
-    """RL prompts: ``{"prompt": chat-templated text ending in the generation prompt, "answer": str}``.
+    """RL prompts: ``{"prompt": chat-templated text ending in the generation prompt, "answer": str, "index": int}``.
 
     The prompt is every turn but the last, rendered with ``add_generation_prompt=True``; ``answer`` is
     the last turn's content when it is an assistant turn (the reference answer), else "". Like MiniMind,
@@ -120,8 +169,10 @@ class RLAIFDataset(torch.utils.data.Dataset):
     def __init__(self, path, tokenizer, thinking_ratio=0.9, seed=42):
         if not 0.0 <= thinking_ratio <= 1.0:
             raise ValueError(f"thinking_ratio must be in [0, 1], got {thinking_ratio}")
-        self.data = read_conversations_jsonl(path)
+        self.data = read_conversations_jsonl(path, require_user_turn=True)
         self.tokenizer = tokenizer
+        self.special_tokens = list(tokenizer.all_special_tokens)
+        self.num_escaped_rows = warn_special_token_text(path, self.data, self.special_tokens)
         self.thinking_ratio = thinking_ratio
         self.seed = seed
 
@@ -129,13 +180,13 @@ class RLAIFDataset(torch.utils.data.Dataset):
         return len(self.data)
 
     def __getitem__(self, index):
-        conversations = self.data[index]["conversations"]
+        conversations, _ = escape_conversations(self.data[index]["conversations"], self.special_tokens)
         answer = ""
         if len(conversations) > 1 and conversations[-1]["role"] == "assistant":
-            answer = conversations[-1]["content"]
-            conversations = conversations[:-1]
+            answer = self.data[index]["conversations"][-1]["content"]
+        conversations = prompt_turns(conversations)
         open_thinking = random.Random(self.seed * 1_000_003 + index).random() < self.thinking_ratio
         prompt = self.tokenizer.apply_chat_template(
             conversations, tokenize=False, add_generation_prompt=True, open_thinking=open_thinking
         )
-        return {"prompt": prompt, "answer": answer}
+        return {"prompt": prompt, "answer": answer, "index": index}

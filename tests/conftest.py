@@ -34,3 +34,12 @@ def tiny_weights(tmp_path):
     model = MiniMindForCausalLM(build_config(hidden_size=64, num_hidden_layers=2, use_moe=0))
     torch.save({k: v.half() for k, v in model.state_dict().items()}, tmp_path / "tiny_64.pth")
     return str(tmp_path), "tiny"
+
+
+@pytest.fixture
+def small_data(tmp_path):
+    """The first 48 prompts of the bundled RL data, as {tmp}/rl_small.jsonl (fast start-up for script runs)."""
+    lines = open(os.path.join(ROOT, "dataset", "rlaif_train.jsonl"), encoding="utf-8").read().splitlines()[:48]
+    path = tmp_path / "rl_small.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return str(path)

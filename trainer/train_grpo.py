@@ -19,6 +19,7 @@ Other examples:
         --data_path dataset/rlaif.jsonl --tokenizer_path model --max_gen_len 1024 --learning_rate 3e-7
 """
 import argparse
+import math
 import os
 import sys
 import time
@@ -29,14 +30,17 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
-from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
 
 from dataset.lm_dataset import RLAIFDataset  # noqa: E402
 from trainer.rollout_engine import ROLLOUT_ENGINES, compute_per_token_logps, create_rollout_engine  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
-    DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, LMForRewardModel, Logger, MetricsWriter, StepTimer, atomic_save,
-    build_config, build_cosine_scheduler, calculate_rewards, half_state_dict, init_distributed_mode, init_model,
-    is_main_process, k3_kl, masked_mean, setup_seed, unwrap_model, weight_path,
+    DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, BadStepGuard, LMForRewardModel, Logger, MetricsWriter,
+    ResumableBatchSampler, StepTimer, StopSignal, any_rank, atomic_save, build_config, build_cosine_scheduler,
+    calculate_rewards, check_finite_state, check_writable_dir, describe_changed_flags, half_state_dict,
+    init_distributed_mode, init_model, is_main_process, k3_kl, load_resume, load_training_states, masked_mean,
+    nonfinite_parts, resume_command, resume_path, resume_progress, save_resume, set_rng_state, setup_seed,
+    training_states, weight_path,
 )
 
 LOSS_TYPES = ("cispo", "grpo")
@@ -150,12 +154,16 @@ def add_common_rl_args(parser):
     parser.add_argument("--wandb_project", default="MiniMind-RL")
     parser.add_argument("--debug_mode", action="store_true", help="print prompts, answers and reward parts")
     parser.add_argument("--debug_interval", type=int, default=20)
+    parser.add_argument("--from_resume", type=int, default=0, choices=[0, 1],
+                        help="1: continue from {save_dir}/{save_weight}_{hidden}_resume.pth when it exists")
+    parser.add_argument("--max_bad_steps", type=int, default=3,
+                        help="stop after this many updates in a row skipped for a NaN/inf")
 
 
 def check_common_rl_args(parser, args):
     """argparse-style errors (exit 2) for out-of-range shared flags, before any model is built."""
     for flag in ("batch_size", "accumulation_steps", "max_gen_len", "max_seq_len", "epochs", "log_interval",
-                 "save_interval", "debug_interval", "reward_batch_size"):
+                 "save_interval", "debug_interval", "reward_batch_size", "max_bad_steps"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     if args.max_steps < 0:
@@ -178,6 +186,10 @@ def check_common_rl_args(parser, args):
         parser.error(f"--top_k must be >= 0 (0 = off), got {args.top_k}")
     if args.reward_model_path != "none" and not os.path.exists(args.reward_model_path):
         parser.error(f"--reward_model_path {args.reward_model_path} does not exist (use 'none' to disable)")
+    try:
+        check_writable_dir(args.save_dir)
+    except OSError as err:
+        parser.error(f"--save_dir: {err.strerror}")
 
 
 def parse_args(argv=None):
@@ -222,12 +234,22 @@ def tokenize_prompts(tokenizer, prompts, max_seq_len, device):
     return prompt_ids.to(device), attention_mask.to(device), truncated
 
 
+def count_long_prompts(dataset, tokenizer, max_seq_len):
+    """How many prompts of ``dataset`` are longer than ``max_seq_len`` tokens (they will be cut from the left)."""
+    prompts = [dataset[i]["prompt"] for i in range(len(dataset))]
+    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+    return sum(length > max_seq_len for length in lengths)
+
+
 def build_run(args, script_name):
     """Shared set-up of both RL scripts (chapter 8.1, the roles): distributed init, seed, the actor/policy,
-    the frozen reference, the reward model, and the prompt data.
+    the frozen reference, the reward model, and the prompt data (validated here, before the first rollout).
 
     Returns a dict with device, rank, world_size, local_rank, lm_config, model, ref_model, tokenizer,
-    reward_model, dataset, sampler, loader.
+    reward_model, dataset, batch_sampler (``ResumableBatchSampler``), loader.
+    Raises:
+        ValueError: when the data file has fewer prompts than one batch per rank (says how many of each).
+        DataFormatError: a bad data line (file and line number).
     """
     local_rank, device = init_distributed_mode()
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -235,25 +257,30 @@ def build_run(args, script_name):
     setup_seed(args.seed)  # identical initial weights on every rank
     lm_config = build_config(args.hidden_size, args.num_hidden_layers, args.use_moe)
     model, tokenizer = init_model(lm_config, args.from_weight, args.save_dir, args.tokenizer_path, device)
+    dataset = RLAIFDataset(args.data_path, tokenizer, thinking_ratio=args.thinking_ratio, seed=args.seed)
+    needed = args.batch_size * world_size
+    if len(dataset) < needed:
+        raise ValueError(f"--data_path {args.data_path}: found {len(dataset)} prompts, need at least {needed} "
+                         f"(--batch_size {args.batch_size} x {world_size} processes) for one full batch")
+    long_prompts = count_long_prompts(dataset, tokenizer, args.max_seq_len)
+    if long_prompts:
+        Logger(f"warning: {long_prompts} of {len(dataset)} prompts are longer than --max_seq_len "
+               f"{args.max_seq_len} tokens; they are cut from the left so the generation prompt survives")
     ref_model, _ = init_model(lm_config, "none", args.save_dir, args.tokenizer_path, device)
     ref_model.load_state_dict(model.state_dict())  # the reference is the starting policy, also for 'none'
     ref_model.eval().requires_grad_(False)
     reward_model = None
     if args.reward_model_path != "none":
         reward_model = LMForRewardModel(args.reward_model_path, device=device, batch_size=args.reward_batch_size)
-    dataset = RLAIFDataset(args.data_path, tokenizer, thinking_ratio=args.thinking_ratio, seed=args.seed)
-    if len(dataset) < args.batch_size * world_size:
-        raise ValueError(f"--data_path {args.data_path} has {len(dataset)} prompts, fewer than --batch_size "
-                         f"{args.batch_size} x {world_size} processes: no full batch to train on")
-    sampler = DistributedSampler(dataset, seed=args.seed) if dist.is_initialized() else None
-    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=sampler is None, sampler=sampler,
-                        generator=torch.Generator().manual_seed(args.seed), drop_last=True)
+    batch_sampler = ResumableBatchSampler(dataset, args.batch_size, world_size, rank, args.seed)
+    # its own generator: creating the loader's iterator must not draw from the global RNG (exact resume)
+    loader = DataLoader(dataset, batch_sampler=batch_sampler, generator=torch.Generator().manual_seed(args.seed))
     setup_seed(args.seed + rank)  # different sampling on every rank
     Logger(f"{script_name}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
            f"{len(dataset)} prompts, world size {world_size}, device {device}")
     return dict(device=device, rank=rank, world_size=world_size, local_rank=local_rank, lm_config=lm_config,
                 model=model, ref_model=ref_model, tokenizer=tokenizer, reward_model=reward_model,
-                dataset=dataset, sampler=sampler, loader=loader)
+                dataset=dataset, batch_sampler=batch_sampler, loader=loader)
 
 
 def wrap_ddp(model, device, local_rank):
@@ -261,8 +288,9 @@ def wrap_ddp(model, device, local_rank):
     if not dist.is_initialized():
         return model
     # MoE experts that received no token on a rank get no gradient there: DDP must be told to expect that.
+    use_moe = bool(getattr(getattr(model, "config", None), "use_moe", False))
     return DistributedDataParallel(model, device_ids=[local_rank] if device.startswith("cuda") else None,
-                                   find_unused_parameters=bool(getattr(model.config, "use_moe", False)))
+                                   find_unused_parameters=use_moe)
 
 
 def mean_over_ranks(metrics, device):
@@ -352,33 +380,102 @@ def count_total_steps(max_steps, epochs, steps_per_epoch):
     return min(max_steps, epochs * steps_per_epoch) if max_steps else epochs * steps_per_epoch
 
 
-def open_metrics(args):
-    """(run_dir, MetricsWriter): ``--run_dir`` or ``{save_dir}/runs/{save_weight}-TIME``."""
-    run_dir = args.run_dir or os.path.join(args.save_dir, "runs", f"{args.save_weight}-{time.strftime('%Y%m%d-%H%M%S')}")
-    return run_dir, MetricsWriter(run_dir, args.use_wandb, args.wandb_project, os.path.basename(run_dir), vars(args))
+def open_metrics(args, progress):
+    """(run_dir, MetricsWriter): ``--run_dir``, else the resumed run's folder, else
+    ``{save_dir}/runs/{save_weight}-TIME``; a resumed run appends to its metrics and wandb run."""
+    run_dir = args.run_dir or progress.get("run_dir") or os.path.join(
+        args.save_dir, "runs", f"{args.save_weight}-{time.strftime('%Y%m%d-%H%M%S')}")
+    writer = MetricsWriter(run_dir, args.use_wandb, args.wandb_project, os.path.basename(run_dir), vars(args),
+                           wandb_id=progress.get("wandb_id"))
+    return run_dir, writer
 
 
-def optimizer_step(model, optimizer, scheduler, grad_clip):
-    """Clip the gradient norm, step the optimizer and the schedule, clear gradients; returns the grad norm."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+def start_or_resume(args, script, run, objects, steps_per_epoch):
+    """Where the run starts: step 0, or (``--from_resume 1`` and a resume file exists) the saved step, with
+    ``objects`` (policy, optimizer, schedule, ...) and this rank's random state restored.
+
+    The reference model is not in ``objects``: it stays the initial ``--from_weight`` weights.
+    Returns a progress dict: step, epoch, batch_in_epoch, run_dir, wandb_id, bad_steps_in_a_row.
+    Raises:
+        ValueError: a resume file from another script, format or architecture (see ``load_resume``).
+    """
+    progress = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "run_dir": None, "wandb_id": None,
+                "bad_steps_in_a_row": 0}
+    if not args.from_resume:
+        return progress
+    path = resume_path(args.save_weight, args.save_dir, args.hidden_size, args.use_moe)
+    checkpoint = load_resume(path, script, args)
+    if checkpoint is None:
+        Logger(f"--from_resume 1: no resume file at {path}, starting at step 0")
+        return progress
+    load_training_states(objects, checkpoint["states"], path)
+    resumed, rng_state = resume_progress(checkpoint, run["world_size"], steps_per_epoch, run["rank"])
+    progress.update(resumed)
+    if rng_state is not None:
+        set_rng_state(rng_state)
+    else:
+        saved_world_size = checkpoint["progress"]["world_size"]
+        setup_seed(args.seed + run["rank"] + 1000 * progress["step"])
+        Logger(f"world size changed from {saved_world_size} to {run['world_size']}: step rescaled to "
+               f"{progress['step']}, data position to batch {progress['batch_in_epoch']} of epoch "
+               f"{progress['epoch']}; random states reseeded, so this resume is not bit-exact")
+    for change in describe_changed_flags(checkpoint["args"], args):
+        Logger(f"warning: resuming with a changed flag: {change}")
+    Logger(f"resumed from {path} at step {progress['step']} (epoch {progress['epoch']}, "
+           f"batch {progress['batch_in_epoch']})")
+    return progress
+
+
+def save_checkpoint(args, script, lm_config, objects, progress, weights):
+    """Save at a safe point: the policy (and critic) weights as MiniMind fp16 ``.pth`` files (rank 0) and the
+    resume file with everything ``start_or_resume`` needs (a collective: every rank calls it).
+
+    Args:
+        objects: name -> model / optimizer / schedule / generator (see ``training_states``).
+        progress: step, epoch, batch_in_epoch, run_dir, wandb_id, bad_steps_in_a_row.
+        weights: name in ``save_dir`` -> module, e.g. {"grpo": policy} or {"ppo": actor, "ppo_critic": critic}.
+    Returns the resume file's path.
+    Raises:
+        ValueError: a NaN or inf in the weights (nothing is written); OSError naming the path.
+    """
+    if is_main_process():
+        for name, module in weights.items():
+            path = weight_path(name, args.save_dir, lm_config.hidden_size, lm_config.use_moe)
+            state_dict = half_state_dict(module)
+            check_finite_state(state_dict, path)
+            atomic_save(state_dict, path)
+    path = resume_path(args.save_weight, args.save_dir, args.hidden_size, args.use_moe)
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    save_resume(path, script, args, dict(progress, world_size=world_size), training_states(objects))
+    return path
+
+
+def optimizer_step(model, optimizer, scheduler, grad_clip, problems, device):
+    """Clip the gradient norm, then step the optimizer and the schedule -- unless something was non-finite.
+
+    Args:
+        problems: names of non-finite values seen since the last update on this rank (e.g. ['rewards']).
+    Returns:
+        (grad_norm float, problems list): a non-finite grad norm adds 'gradients'; when any rank has a
+        problem the update is skipped on every rank (gradients cleared, optimizer and schedule untouched)
+        and the list is non-empty.
+    """
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
+    problems = list(problems) + ([] if math.isfinite(grad_norm) else ["gradients"])
+    if any_rank(bool(problems), device):
+        optimizer.zero_grad(set_to_none=True)
+        return grad_norm, problems or ["values on another rank"]
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(grad_norm)
-
-
-def save_weights(model, args, lm_config):
-    """Write the policy as MiniMind fp16 weights ``{save_dir}/{save_weight}_{hidden}[_moe].pth`` (atomic)."""
-    path = weight_path(args.save_weight, args.save_dir, lm_config.hidden_size, lm_config.use_moe)
-    atomic_save(half_state_dict(model), path)
-    return path
+    return grad_norm, []
 
 
 def main(argv=None):
     args = parse_args(argv)
     run = build_run(args, "GRPO")
     device, model, ref_model, tokenizer = run["device"], run["model"], run["ref_model"], run["tokenizer"]
-    lm_config, loader, sampler = run["lm_config"], run["loader"], run["sampler"]
+    lm_config, loader, batch_sampler = run["lm_config"], run["loader"], run["batch_sampler"]
 
     steps_per_epoch = len(loader)
     total_steps = count_total_steps(args.max_steps, args.epochs, steps_per_epoch)
@@ -386,23 +483,34 @@ def main(argv=None):
     scheduler = build_cosine_scheduler(optimizer, -(-total_steps // args.accumulation_steps))  # ceil
     ddp_model = wrap_ddp(model, device, run["local_rank"])
     rollout_engine = create_rollout_engine(args.rollout_engine, model, tokenizer, top_p=args.top_p, top_k=args.top_k)
-    run_dir, writer = open_metrics(args)
+    objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+    progress = start_or_resume(args, "grpo", run, objects, steps_per_epoch)
+    rollout_engine.update_policy(model)  # the engine samples from the (restored) policy
+    run_dir, writer = open_metrics(args, progress)
     Logger(f"GRPO: {total_steps} steps, {args.batch_size} prompts x {args.num_generations} answers per step, "
            f"loss {args.loss_type}, metrics in {run_dir}")
 
-    timer = StepTimer(total_steps)
-    step = 0
+    stop_signal = StopSignal()
+    guard = BadStepGuard(args.max_bad_steps, progress["bad_steps_in_a_row"])
+    timer = StepTimer(total_steps, start_step=progress["step"])
+    step, problems = progress["step"], []
     ddp_model.train()
-    for epoch in range(args.epochs):
-        if sampler is not None:
-            sampler.set_epoch(epoch)
-        for batch in loader:
+    for epoch in range(progress["epoch"], args.epochs):
+        if step >= total_steps:
+            break
+        batch_sampler.set_epoch(epoch, progress["batch_in_epoch"] if epoch == progress["epoch"] else 0)
+        for batch_in_epoch, batch in enumerate(loader, start=batch_sampler.skip_batches + 1):
             step += 1
             loss, metrics, debug = grpo_step(batch, ddp_model, ref_model, rollout_engine, run["reward_model"],
                                              tokenizer, args, device)
+            problems += nonfinite_parts(rewards=debug["reward_parts"]["rewards"], loss=loss)
             loss.backward()
             if step % args.accumulation_steps == 0 or step == total_steps:
-                metrics["grad_norm"] = optimizer_step(ddp_model, optimizer, scheduler, args.grad_clip)
+                metrics["grad_norm"], problems = optimizer_step(ddp_model, optimizer, scheduler, args.grad_clip,
+                                                                problems, device)
+                metrics["skipped_update"] = float(bool(problems))
+                guard.record(step, problems)
+                problems = []
                 rollout_engine.update_policy(model)
             metrics = mean_over_ranks(metrics, device)
             if args.debug_mode and step % args.debug_interval == 0:
@@ -411,21 +519,30 @@ def main(argv=None):
             if step % args.log_interval == 0 or step == total_steps:
                 elapsed, remaining = timer.eta(step)
                 metrics.update(step=step, total_steps=total_steps, epoch=epoch,
-                               learning_rate=optimizer.param_groups[0]["lr"], elapsed_s=time.time() - timer.start)
+                               learning_rate=optimizer.param_groups[0]["lr"], elapsed_s=time.time() - timer.start,
+                               sample_indices=batch["index"].tolist())
                 Logger(f"step {step}/{total_steps} | reward {metrics['reward']:.3f} "
                        f"(answer {metrics['answer_reward']:.3f}) | kl_ref {metrics['kl_ref']:.4f} | "
                        f"adv mean {metrics['advantages_mean']:.3f} std {metrics['advantages_std']:.3f} | "
                        f"policy_loss {metrics['policy_loss']:.4f} | len {metrics['response_len']:.1f} | "
                        f"lr {metrics['learning_rate']:.2e} | {elapsed} elapsed, {remaining} left")
                 writer.log(metrics)
-            if (step % args.save_interval == 0 or step == total_steps) and is_main_process():
-                path = save_weights(unwrap_model(ddp_model), args, lm_config)
-                Logger(f"saved {path}")
+            stop = stop_signal.requested(device)
+            if step % args.save_interval == 0 or step == total_steps or stop:
+                progress.update(step=step, epoch=epoch, batch_in_epoch=batch_in_epoch, run_dir=run_dir,
+                                wandb_id=writer.wandb_id, bad_steps_in_a_row=guard.in_a_row)
+                path = save_checkpoint(args, "grpo", lm_config, objects, progress, {args.save_weight: model})
+                Logger(f"saved step {step}: weights and {path}")
+            if stop:
+                Logger(f"stopped by {stop_signal.signal_name} at step {step}; resume with:\n"
+                       f"  {resume_command(__file__, sys.argv[1:] if argv is None else argv, run['world_size'])}")
+                break
             if step >= total_steps:
                 break
-        if step >= total_steps:
+        if step >= total_steps or stop_signal.signal_name:
             break
     writer.close()
+    stop_signal.restore()
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -20,6 +20,7 @@ Other examples:
     torchrun --nproc_per_node 2 trainer/train_ppo.py
 """
 import argparse
+import math
 import os
 import sys
 import time
@@ -34,11 +35,11 @@ from model.model_minimind import CriticModel  # noqa: E402
 from trainer.rollout_engine import compute_per_token_logps, create_rollout_engine  # noqa: E402
 from trainer.train_grpo import (  # noqa: E402
     add_common_rl_args, build_run, check_common_rl_args, count_total_steps, mean_over_ranks, open_metrics,
-    print_debug_samples, save_weights, tokenize_prompts, wrap_ddp,
+    print_debug_samples, save_checkpoint, start_or_resume, tokenize_prompts, wrap_ddp,
 )
 from trainer.trainer_utils import (  # noqa: E402
-    Logger, StepTimer, atomic_save, build_cosine_scheduler, calculate_rewards, half_state_dict,
-    is_main_process, k3_kl, masked_mean, unwrap_model, weight_path,
+    BadStepGuard, Logger, StepTimer, StopSignal, any_rank, build_cosine_scheduler, calculate_rewards, k3_kl,
+    masked_mean, nonfinite_parts, resume_command, unwrap_model, weight_path,
 )
 
 
@@ -249,14 +250,21 @@ def ppo_rollout(batch, actor, ref_model, critic, rollout_engine, reward_model, t
     }
 
 
-def step_actor_and_critic(actor, critic, actor_optimizer, critic_optimizer, grad_clip):
-    """Clip both gradient norms, step both optimizers, clear both gradients."""
-    torch.nn.utils.clip_grad_norm_(actor.parameters(), grad_clip)
-    torch.nn.utils.clip_grad_norm_(critic.parameters(), grad_clip)
-    actor_optimizer.step()
-    critic_optimizer.step()
+def step_actor_and_critic(actor, critic, actor_optimizer, critic_optimizer, grad_clip, device):
+    """Clip both gradient norms, step both optimizers, clear both gradients.
+
+    Returns True when the step was taken; False when a gradient norm is NaN/inf on any rank, in which case
+    nothing is stepped on any rank (the gradients are cleared).
+    """
+    actor_norm = float(torch.nn.utils.clip_grad_norm_(actor.parameters(), grad_clip))
+    critic_norm = float(torch.nn.utils.clip_grad_norm_(critic.parameters(), grad_clip))
+    skip = any_rank(not (math.isfinite(actor_norm) and math.isfinite(critic_norm)), device)
+    if not skip:
+        actor_optimizer.step()
+        critic_optimizer.step()
     actor_optimizer.zero_grad(set_to_none=True)
     critic_optimizer.zero_grad(set_to_none=True)
+    return not skip
 
 
 def ppo_update(data, actor, critic, actor_optimizer, critic_optimizer, actor_scheduler, critic_scheduler, args,
@@ -264,11 +272,12 @@ def ppo_update(data, actor, critic, actor_optimizer, critic_optimizer, actor_sch
     """Step 5: ``ppo_update_iters`` epochs over shuffled minibatches (chapter 8.4.3-8.4.4).
 
     Every rank draws the same permutation, and the approx-KL early stop uses the mean over ranks, so all
-    ranks stop on the same minibatch. Returns a dict of averaged stats and the number of optimizer steps.
+    ranks stop on the same minibatch. An optimizer step whose gradient norm is NaN/inf is skipped on every
+    rank. Returns a dict of averaged stats, the number of optimizer steps taken and skipped.
     """
     batch_size = data["output_ids"].size(0)
     gen_len = data["completion_mask"].size(1)
-    sums, count, optimizer_steps, stop_ppo, micro = {}, 0, 0, False, 0
+    sums, count, optimizer_steps, skipped_steps, stop_ppo, micro = {}, 0, 0, 0, False, 0
     for _ in range(args.ppo_update_iters):
         permutation = torch.randperm(batch_size, generator=generator)
         for start in range(0, batch_size, args.mini_batch_size):
@@ -292,8 +301,10 @@ def ppo_update(data, actor, critic, actor_optimizer, critic_optimizer, actor_sch
             (loss / args.accumulation_steps).backward()
             micro += 1
             if micro % args.accumulation_steps == 0:
-                step_actor_and_critic(actor, critic, actor_optimizer, critic_optimizer, args.grad_clip)
-                optimizer_steps += 1
+                stepped = step_actor_and_critic(actor, critic, actor_optimizer, critic_optimizer, args.grad_clip,
+                                                device)
+                optimizer_steps += int(stepped)
+                skipped_steps += int(not stepped)
             for key, value in {"policy_loss": policy_loss, "value_loss": value_loss, "value_clipfrac": value_clipfrac,
                                "approx_kl": stats["approx_kl"], "clipfrac": stats["clipfrac"],
                                "kl_ref": stats["kl_ref"]}.items():
@@ -302,8 +313,9 @@ def ppo_update(data, actor, critic, actor_optimizer, critic_optimizer, actor_sch
         if stop_ppo:
             break
     if micro % args.accumulation_steps != 0 and not stop_ppo:  # apply a last partial accumulation
-        step_actor_and_critic(actor, critic, actor_optimizer, critic_optimizer, args.grad_clip)
-        optimizer_steps += 1
+        stepped = step_actor_and_critic(actor, critic, actor_optimizer, critic_optimizer, args.grad_clip, device)
+        optimizer_steps += int(stepped)
+        skipped_steps += int(not stepped)
     actor_optimizer.zero_grad(set_to_none=True)  # an early stop drops its partial accumulation
     critic_optimizer.zero_grad(set_to_none=True)
     actor_scheduler.step()
@@ -311,6 +323,7 @@ def ppo_update(data, actor, critic, actor_optimizer, critic_optimizer, actor_sch
     result = {k: v / max(count, 1) for k, v in sums.items() if k != "early_stops"}
     result["early_stop"] = float(stop_ppo)
     result["optimizer_steps"] = float(optimizer_steps)
+    result["skipped_steps"] = float(skipped_steps)
     return result
 
 
@@ -318,7 +331,7 @@ def main(argv=None):
     args = parse_args(argv)
     run = build_run(args, "PPO")
     device, actor, ref_model, tokenizer = run["device"], run["model"], run["ref_model"], run["tokenizer"]
-    lm_config, loader, sampler = run["lm_config"], run["loader"], run["sampler"]
+    lm_config, loader, batch_sampler = run["lm_config"], run["loader"], run["batch_sampler"]
     critic = build_critic(lm_config, args, device)
 
     steps_per_epoch = len(loader)
@@ -331,24 +344,39 @@ def main(argv=None):
     ddp_actor = wrap_ddp(actor, device, run["local_rank"])
     ddp_critic = wrap_ddp(critic, device, run["local_rank"])
     rollout_engine = create_rollout_engine(args.rollout_engine, actor, tokenizer, top_p=args.top_p, top_k=args.top_k)
-    run_dir, writer = open_metrics(args)
     minibatch_generator = torch.Generator().manual_seed(args.seed)  # the same on every rank
+    objects = {"model": actor, "optimizer": actor_optimizer, "scheduler": actor_scheduler, "critic": critic,
+               "critic_optimizer": critic_optimizer, "critic_scheduler": critic_scheduler,
+               "minibatch_generator": minibatch_generator}
+    progress = start_or_resume(args, "ppo", run, objects, steps_per_epoch)
+    rollout_engine.update_policy(actor)  # the engine samples from the (restored) actor
+    run_dir, writer = open_metrics(args, progress)
     Logger(f"PPO: {total_steps} steps, {args.batch_size} prompts per step, {args.ppo_update_iters} epochs of "
            f"minibatches of {args.mini_batch_size}, metrics in {run_dir}")
 
-    timer = StepTimer(total_steps)
-    step = 0
+    stop_signal = StopSignal()
+    guard = BadStepGuard(args.max_bad_steps, progress["bad_steps_in_a_row"])
+    timer = StepTimer(total_steps, start_step=progress["step"])
+    step = progress["step"]
     ddp_actor.train()
     ddp_critic.train()
-    for epoch in range(args.epochs):
-        if sampler is not None:
-            sampler.set_epoch(epoch)
-        for batch in loader:
+    for epoch in range(progress["epoch"], args.epochs):
+        if step >= total_steps:
+            break
+        batch_sampler.set_epoch(epoch, progress["batch_in_epoch"] if epoch == progress["epoch"] else 0)
+        for batch_in_epoch, batch in enumerate(loader, start=batch_sampler.skip_batches + 1):
             step += 1
             data = ppo_rollout(batch, ddp_actor, ref_model, ddp_critic, rollout_engine, run["reward_model"],
                                tokenizer, args, device)
-            update = ppo_update(data, ddp_actor, ddp_critic, actor_optimizer, critic_optimizer, actor_scheduler,
-                                critic_scheduler, args, device, minibatch_generator)
+            problems = nonfinite_parts(rewards=data["rewards"])
+            if any_rank(bool(problems), device):  # skip the whole update: GAE would spread the NaN
+                update = {"optimizer_steps": 0.0, "skipped_steps": float(args.ppo_update_iters)}
+                problems = problems or ["rewards on another rank"]
+            else:
+                update = ppo_update(data, ddp_actor, ddp_critic, actor_optimizer, critic_optimizer,
+                                    actor_scheduler, critic_scheduler, args, device, minibatch_generator)
+                problems = ["gradients"] if update["skipped_steps"] else []
+            guard.record(step, problems)
             rollout_engine.update_policy(actor)
             mask = data["completion_mask"]
             metrics = {
@@ -361,6 +389,7 @@ def main(argv=None):
                 "explained_variance": explained_variance(data["old_resp_values"], data["returns"], mask),
                 "response_len": mask.sum(dim=1).float().mean().item(),
                 "truncated_prompts": data["truncated"],
+                "skipped_update": float(bool(problems)),
                 **update,
             }
             metrics = mean_over_ranks(metrics, device)
@@ -371,7 +400,7 @@ def main(argv=None):
                 metrics.update(step=step, total_steps=total_steps, epoch=epoch,
                                learning_rate=actor_optimizer.param_groups[0]["lr"],
                                critic_learning_rate=critic_optimizer.param_groups[0]["lr"],
-                               elapsed_s=time.time() - timer.start)
+                               elapsed_s=time.time() - timer.start, sample_indices=batch["index"].tolist())
                 Logger(f"step {step}/{total_steps} | reward {metrics['reward']:.3f} "
                        f"(answer {metrics['answer_reward']:.3f}) | kl_ref {metrics.get('kl_ref', 0.0):.4f} | "
                        f"approx_kl {metrics.get('approx_kl', 0.0):.4f} | clipfrac {metrics.get('clipfrac', 0.0):.3f} | "
@@ -380,17 +409,23 @@ def main(argv=None):
                        f"lr {metrics['learning_rate']:.2e}/{metrics['critic_learning_rate']:.2e} | "
                        f"{elapsed} elapsed, {remaining} left")
                 writer.log(metrics)
-            if (step % args.save_interval == 0 or step == total_steps) and is_main_process():
-                path = save_weights(unwrap_model(ddp_actor), args, lm_config)
-                critic_path = weight_path(f"{args.save_weight}_critic", args.save_dir, lm_config.hidden_size,
-                                          lm_config.use_moe)
-                atomic_save(half_state_dict(ddp_critic), critic_path)
-                Logger(f"saved {path} and {critic_path}")
+            stop = stop_signal.requested(device)
+            if step % args.save_interval == 0 or step == total_steps or stop:
+                progress.update(step=step, epoch=epoch, batch_in_epoch=batch_in_epoch, run_dir=run_dir,
+                                wandb_id=writer.wandb_id, bad_steps_in_a_row=guard.in_a_row)
+                weights = {args.save_weight: actor, f"{args.save_weight}_critic": critic}
+                path = save_checkpoint(args, "ppo", lm_config, objects, progress, weights)
+                Logger(f"saved step {step}: actor and critic weights and {path}")
+            if stop:
+                Logger(f"stopped by {stop_signal.signal_name} at step {step}; resume with:\n"
+                       f"  {resume_command(__file__, sys.argv[1:] if argv is None else argv, run['world_size'])}")
+                break
             if step >= total_steps:
                 break
-        if step >= total_steps:
+        if step >= total_steps or stop_signal.signal_name:
             break
     writer.close()
+    stop_signal.restore()
     if dist.is_initialized():
         dist.destroy_process_group()
 

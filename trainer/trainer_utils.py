@@ -3,15 +3,19 @@ atomic checkpoints, the reward functions of chapter 8.3 and the k3 KL of chapter
 
 Nothing here reads a global: every function takes what it needs as arguments.
 """
+import errno
 import glob
+import hashlib
 import json
 import math
 import os
 import random
 import re
+import signal
 import sys
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
@@ -57,10 +61,33 @@ def init_distributed_mode():
 
 
 def setup_seed(seed):
-    """Seed Python, torch (CPU and CUDA) RNGs."""
+    """Seed the Python, NumPy and torch (CPU and CUDA) RNGs."""
     random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
     torch.manual_seed(seed)
     torch.cuda.manual_seed_all(seed)
+
+
+def get_rng_state():
+    """This process's random states (Python, NumPy, torch CPU, torch CUDA) as a picklable dict."""
+    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        # NumPy's key array as a tensor, so the resume file loads with torch.load(weights_only=True)
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached_gaussian),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state):
+    """Restore what ``get_rng_state`` returned (the CUDA states only when CUDA is present)."""
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached_gaussian))
+    torch.set_rng_state(state["torch"].cpu())
+    if torch.cuda.is_available() and state["cuda"]:
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 def format_duration(seconds):
@@ -76,17 +103,22 @@ class MetricsWriter:
     (``WANDB_MODE=offline`` works without a network).
     """
 
-    def __init__(self, run_dir, use_wandb=False, wandb_project="MiniMind-RL", run_name=None, config=None):
+    def __init__(self, run_dir, use_wandb=False, wandb_project="MiniMind-RL", run_name=None, config=None,
+                 wandb_id=None):
         self.enabled = is_main_process()
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.wandb = None
+        self.wandb_id = wandb_id
         if not self.enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
         if use_wandb:
             import wandb
             self.wandb = wandb
-            wandb.init(project=wandb_project, name=run_name, config=config, dir=run_dir)
+            # a resumed run passes its saved id, so wandb continues the same run
+            run = wandb.init(project=wandb_project, name=run_name, config=config, dir=run_dir, id=wandb_id,
+                             resume="allow" if wandb_id else None)
+            self.wandb_id = run.id
 
     def log(self, metrics):
         """metrics: dict of str -> float/int (must include 'step')."""
@@ -171,12 +203,15 @@ def init_model(lm_config, from_weight="none", save_dir=DEFAULT_SAVE_DIR, tokeniz
 def atomic_save(obj, path):
     """torch.save to ``path`` through a temporary file in the same folder, fsync, then os.replace.
 
-    A crash or a full disk leaves the previous file at ``path`` intact.
+    A crash, a SIGKILL or a full disk leaves the previous file at ``path`` intact (a temporary file left by a
+    killed writer is removed by the next save to ``path``).
     Raises:
         OSError: naming ``path`` when the folder is not writable or the write fails.
     """
     folder = os.path.dirname(os.path.abspath(path))
     tmp = f"{path}.tmp{os.getpid()}"
+    for stale in glob.glob(glob.escape(path) + ".tmp*"):  # left by a process killed mid-write
+        os.remove(stale)
     try:
         os.makedirs(folder, exist_ok=True)
         with open(tmp, "wb") as f:
@@ -184,10 +219,11 @@ def atomic_save(obj, path):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as err:
+    except (OSError, RuntimeError) as err:  # torch's zip writer reports a full disk as a RuntimeError
         if os.path.exists(tmp):
             os.remove(tmp)
-        raise OSError(err.errno, f"could not save checkpoint to {path}: {err.strerror}") from err
+        reason = getattr(err, "strerror", None) or str(err)
+        raise OSError(getattr(err, "errno", None) or errno.EIO, f"could not save checkpoint to {path}: {reason}") from err
 
 
 def half_state_dict(model):
@@ -200,6 +236,299 @@ def unwrap_model(model):
     """The module inside a DistributedDataParallel (or torch.compile) wrapper."""
     model = getattr(model, "module", model)
     return getattr(model, "_orig_mod", model)
+
+
+# ----------------------------------------------------------------------------- resume, signals, bad steps
+RESUME_FORMAT_VERSION = 1
+ARCHITECTURE_FLAGS = ("hidden_size", "num_hidden_layers", "use_moe")
+
+
+def resume_path(save_weight, save_dir, hidden_size, use_moe):
+    """MiniMind's resume file name: ``{save_dir}/{save_weight}_{hidden}[_moe]_resume.pth``."""
+    suffix = "_moe" if use_moe else ""
+    return os.path.join(save_dir, f"{save_weight}_{hidden_size}{suffix}_resume.pth")
+
+
+def check_finite_state(state_dict, what):
+    """Raise ValueError naming ``what`` and the first tensor that holds a NaN or inf (checkpoints never do)."""
+    for name, tensor in state_dict.items():
+        if torch.is_tensor(tensor) and tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise ValueError(f"refusing to save {what}: {name} holds a NaN or inf")
+
+
+def gather_rng_states():
+    """Every rank's ``get_rng_state()`` as a list indexed by rank (a collective: all ranks must call it)."""
+    state = get_rng_state()
+    if not dist.is_initialized():
+        return [state]
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, state)
+    return states
+
+
+def save_resume(path, script, args, progress, states):
+    """Write a resume checkpoint (atomically, rank 0). A collective: every rank must call it.
+
+    Args:
+        path: the resume file (``resume_path``).
+        script: 'grpo' or 'ppo'; a resume by another script is refused.
+        args: the run's argparse namespace (stored as a dict, checked on resume).
+        progress: dict with step, epoch, batch_in_epoch (batches of ``epoch`` already trained on),
+            world_size, run_dir, wandb_id, ... (plain values).
+        states: name -> state_dict (model fp32, optimizer, scheduler, critic, generator states ...).
+    Raises:
+        ValueError: if a model/critic state holds a NaN or inf (nothing is written).
+        OSError: naming ``path`` when it cannot be written (the previous file stays as it was).
+    """
+    rng_states = gather_rng_states()
+    if not is_main_process():
+        return
+    for name, state in states.items():
+        if name in ("model", "critic"):
+            check_finite_state(state, f"{name} to {path}")
+    checkpoint = {
+        "format_version": RESUME_FORMAT_VERSION,
+        "script": script,
+        "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},
+        "progress": dict(progress),
+        "rng_states": rng_states,
+        "states": states,
+    }
+    atomic_save(checkpoint, path)
+
+
+def load_resume(path, script, args):
+    """Read and check a resume checkpoint written by ``save_resume``.
+
+    Returns:
+        the checkpoint dict, or None when ``path`` does not exist (the run then starts at step 0).
+    Raises:
+        ValueError: naming the file and the mismatch -- another format version, another script, or an
+            architecture flag (``--hidden_size``, ``--num_hidden_layers``, ``--use_moe``) with both values.
+    """
+    if not os.path.isfile(path):
+        return None
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # a truncated or foreign file
+        raise ValueError(f"{path} is not a readable resume checkpoint ({type(err).__name__}: {err})") from err
+    if not isinstance(checkpoint, dict) or checkpoint.get("format_version") != RESUME_FORMAT_VERSION:
+        found = checkpoint.get("format_version") if isinstance(checkpoint, dict) else type(checkpoint).__name__
+        raise ValueError(f"{path} has resume format {found!r}, this code reads format {RESUME_FORMAT_VERSION}")
+    if checkpoint["script"] != script:
+        raise ValueError(f"{path} was written by train_{checkpoint['script']}.py, not train_{script}.py; "
+                         f"use another --save_weight or --save_dir for this run")
+    saved_args = checkpoint["args"]
+    for flag in ARCHITECTURE_FLAGS:
+        if saved_args.get(flag) != getattr(args, flag):
+            raise ValueError(f"{path} was saved with --{flag} {saved_args.get(flag)} but this run has "
+                             f"--{flag} {getattr(args, flag)}; pass --{flag} {saved_args.get(flag)} to resume it")
+    return checkpoint
+
+
+def describe_changed_flags(saved_args, args, ignore=("from_resume", "run_dir", "use_wandb")):
+    """'--flag old -> new' for every flag whose value differs from the saved run's (announced on resume)."""
+    changes = []
+    for flag, value in sorted(vars(args).items()):
+        if flag in ignore or flag not in saved_args or saved_args[flag] == value:
+            continue
+        changes.append(f"--{flag} {saved_args[flag]} -> {value}")
+    return changes
+
+
+def resume_progress(checkpoint, world_size, steps_per_epoch, rank):
+    """Where a resumed run starts, and this rank's random state.
+
+    With the saved world size, every rank gets its own saved RNG state back and the run continues exactly.
+    With another world size, step and batch_in_epoch are rescaled by old/new world size (MiniMind's rule:
+    the number of prompts seen stays the same), the RNG states cannot be matched to ranks, and the caller
+    must announce it.
+    Returns:
+        (progress dict with step, epoch, batch_in_epoch; rng_state of this rank or None)
+    """
+    progress = dict(checkpoint["progress"])
+    saved_world_size = progress["world_size"]
+    rng_state = None
+    if saved_world_size == world_size:
+        rng_state = checkpoint["rng_states"][rank]
+    else:
+        progress["step"] = progress["step"] * saved_world_size // world_size
+        progress["batch_in_epoch"] = progress["batch_in_epoch"] * saved_world_size // world_size
+    if progress["batch_in_epoch"] >= steps_per_epoch:  # saved at the end of an epoch
+        progress["epoch"] += 1
+        progress["batch_in_epoch"] = 0
+    return progress, rng_state
+
+
+def resume_command(script, argv, world_size):
+    """The command line that resumes this run: ``script`` with ``argv`` and ``--from_resume 1``."""
+    argv = list(argv)
+    if "--from_resume" in argv:
+        i = argv.index("--from_resume")
+        del argv[i:i + 2]
+    argv += ["--from_resume", "1"]
+    launcher = f"torchrun --nproc_per_node {world_size}" if world_size > 1 else "python"
+    script = os.path.relpath(script) if not os.path.relpath(script).startswith("..") else script
+    return " ".join([launcher, script] + argv)
+
+
+def check_writable_dir(path):
+    """Create ``path`` if needed and prove a file can be written there.
+
+    Raises:
+        OSError: naming ``path`` (not a folder, no permission, read-only or full disk).
+    """
+    probe = os.path.join(path, f".write_probe{os.getpid()}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"ok")
+        os.remove(probe)
+    except OSError as err:
+        raise OSError(err.errno, f"{path} is not a writable folder: {err.strerror}") from err
+
+
+def any_rank(flag, device):
+    """True when ``flag`` is true on at least one rank (all_reduce MAX); the plain bool when not distributed."""
+    if not dist.is_initialized():
+        return bool(flag)
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item() > 0)
+
+
+class StopSignal:
+    """Turns SIGTERM / SIGINT (Ctrl-C) into a request that the loop honours at its next safe point.
+
+    The loop calls ``requested(device)`` once per step; it agrees across ranks (any rank signalled), so every
+    rank saves and exits at the same step. A second Ctrl-C aborts at once, without saving.
+    """
+
+    def __init__(self):
+        self.signal_name = None
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.signal_name is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal_name = signal.Signals(signum).name
+        Logger(f"{self.signal_name} received: saving a resume checkpoint after this step "
+               f"(Ctrl-C again aborts without saving)")
+
+    def requested(self, device):
+        """True when any rank has received SIGTERM or SIGINT."""
+        return any_rank(self.signal_name is not None, device)
+
+    def restore(self):
+        """Give SIGTERM / SIGINT back their default behaviour."""
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def nonfinite_parts(**tensors):
+    """Names of the given tensors (or floats) that hold a NaN or inf, e.g. ['rewards', 'loss']."""
+    bad = []
+    for name, value in tensors.items():
+        value = torch.as_tensor(value)
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            bad.append(name)
+    return bad
+
+
+class BadStepGuard:
+    """Counts updates that were skipped because of a NaN or inf (in the rewards, the loss or the gradients).
+
+    ``record(step, problems)`` logs a skipped update and raises ``SystemExit`` (exit code 1, a clear message)
+    once ``max_bad_steps`` updates in a row were skipped; a good step resets the count.
+    """
+
+    def __init__(self, max_bad_steps, in_a_row=0, total=0):
+        self.max_bad_steps = max_bad_steps
+        self.in_a_row = in_a_row
+        self.total = total
+
+    def record(self, step, problems):
+        """problems: list of what was non-finite at ``step`` (empty for a good step)."""
+        if not problems:
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        self.total += 1
+        Logger(f"step {step}: update skipped, non-finite {', '.join(problems)} "
+               f"({self.in_a_row} in a row, --max_bad_steps {self.max_bad_steps})")
+        if self.in_a_row >= self.max_bad_steps:
+            raise SystemExit(f"stopping at step {step}: {self.in_a_row} updates in a row had non-finite "
+                             f"{', '.join(problems)}; the weights were not changed by them, and the last saved "
+                             f"checkpoint holds no NaN. Lower --learning_rate or check the reward function.")
+
+
+class ResumableBatchSampler(torch.utils.data.Sampler):
+    """Batches of one epoch's prompt indices for this rank, skipping the batches a resumed run already saw.
+
+    The order of epoch ``e`` is DistributedSampler's (a permutation seeded by ``seed + e``, split over ranks;
+    world size 1 when not distributed), so it does not depend on whether or where the run was interrupted.
+    ``set_epoch(e, skip_batches)`` picks the epoch; the last partial batch is dropped.
+    """
+
+    def __init__(self, dataset, batch_size, world_size, rank, seed):
+        self.sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=world_size, rank=rank,
+                                                           shuffle=True, seed=seed, drop_last=True)
+        self.batch_size = batch_size
+        self.skip_batches = 0
+
+    def set_epoch(self, epoch, skip_batches=0):
+        self.sampler.set_epoch(epoch)
+        self.skip_batches = skip_batches
+
+    def __iter__(self):
+        indices = list(self.sampler)
+        full = len(indices) // self.batch_size * self.batch_size
+        for start in range(self.skip_batches * self.batch_size, full, self.batch_size):
+            yield indices[start:start + self.batch_size]
+
+    def __len__(self):
+        return len(self.sampler) // self.batch_size - self.skip_batches
+
+
+def training_states(objects):
+    """name -> state for a resume file: ``state_dict()`` of models (fp32, unwrapped), optimizers and schedules,
+    ``get_state()`` of ``torch.Generator`` objects."""
+    states = {}
+    for name, obj in objects.items():
+        if isinstance(obj, torch.Generator):
+            states[name] = obj.get_state()
+        elif isinstance(obj, torch.nn.Module):
+            states[name] = {k: v.detach().cpu().clone() for k, v in unwrap_model(obj).state_dict().items()}
+        else:
+            states[name] = obj.state_dict()
+    return states
+
+
+def load_training_states(objects, states, path):
+    """Inverse of ``training_states``: load each saved state into the object of the same name (strictly).
+
+    Raises:
+        ValueError: naming ``path`` and the missing entry when the file lacks a state this run needs.
+    """
+    for name, obj in objects.items():
+        if name not in states:
+            raise ValueError(f"{path} has no saved {name!r}; it was written by a different kind of run")
+        if isinstance(obj, torch.Generator):
+            obj.set_state(states[name])
+        elif isinstance(obj, torch.nn.Module):
+            unwrap_model(obj).load_state_dict(states[name], strict=True)
+        else:
+            obj.load_state_dict(states[name])
+
+
+def parameter_digest(model):
+    """sha256 over every parameter's name and bytes: equal digests mean bit-identical weights."""
+    digest = hashlib.sha256()
+    for name, param in unwrap_model(model).state_dict().items():
+        digest.update(name.encode())
+        digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def cosine_lr(step, total_steps, learning_rate, min_lr_ratio=0.1):

@@ -1,0 +1,183 @@
+"""Resume (--from_resume 1): bit-exact continuation after SIGKILL, atomic checkpoints, refusals, SIGTERM."""
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT
+
+from trainer.trainer_utils import (
+    ResumableBatchSampler, get_rng_state, load_resume, resume_progress, set_rng_state,
+)
+
+TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--from_weight", "tiny", "--max_gen_len", "8"]
+GRPO = TINY + ["--batch_size", "2", "--num_generations", "3", "--max_steps", "6", "--save_interval", "3"]
+PPO = TINY + ["--batch_size", "2", "--mini_batch_size", "1", "--max_steps", "6", "--save_interval", "3"]
+
+
+def harness(script, harness_flags, script_flags, timeout=300):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, os.path.join(ROOT, "tests", "run_patched.py"), script] + harness_flags + ["--"] + script_flags
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def new_run_dir(tmp_path, name, tiny_weights):
+    folder = tmp_path / name
+    folder.mkdir()
+    shutil.copy(os.path.join(tiny_weights[0], "tiny_64.pth"), folder / "tiny_64.pth")
+    return folder
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in open(path).read().splitlines()]
+
+
+def straight_and_resumed(script, flags, tmp_path, tiny_weights, small_data, kill_flag):
+    """Run 6 steps straight; run again, killed by SIGKILL at step 3 (kill_flag), then resumed to step 6."""
+    runs = {}
+    for name in ("straight", "resumed"):
+        folder = new_run_dir(tmp_path, name, tiny_weights)
+        common = flags + ["--save_dir", str(folder), "--run_dir", str(folder / "run"), "--data_path", small_data]
+        trace = ["--text_reward", "--trace_dir", str(folder / "trace")]
+        if name == "straight":
+            result = harness(script, trace, common)
+            assert result.returncode == 0, result.stderr[-3000:]
+        else:
+            killed = harness(script, trace + kill_flag, common)
+            assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+            result = harness(script, trace, common + ["--from_resume", "1"])
+            assert result.returncode == 0, result.stderr[-3000:]
+            assert "resumed from" in result.stdout
+        runs[name] = folder
+    return runs
+
+
+@pytest.mark.parametrize("script, flags", [("grpo", GRPO), ("ppo", PPO)])
+def test_sigkill_then_resume_equals_straight_run(script, flags, tmp_path, tiny_weights, small_data):
+    runs = straight_and_resumed(script, flags, tmp_path, tiny_weights, small_data, ["--kill_after_save", "3"])
+    straight_indices = read_jsonl(runs["straight"] / "trace" / "indices_rank0.jsonl")
+    resumed_indices = read_jsonl(runs["resumed"] / "trace" / "indices_rank0.jsonl")
+    assert len(straight_indices) == 6 and len(resumed_indices) == 6  # 3 before the kill, 3 after the resume
+    assert resumed_indices[3:] == straight_indices[3:]  # steps 4-6 see the same prompts in the same order
+    straight_digests = read_jsonl(runs["straight"] / "trace" / "digest_rank0.txt")
+    resumed_digests = read_jsonl(runs["resumed"] / "trace" / "digest_rank0.txt")
+    assert [d["step"] for d in resumed_digests] == [3, 6]
+    assert resumed_digests[-1] == straight_digests[-1]  # bit-identical final policy (and critic)
+    assert straight_digests[0]["model"] != straight_digests[1]["model"]  # the weights did change in steps 4-6
+    straight_rows = read_jsonl(runs["straight"] / "run" / "metrics.jsonl")
+    resumed_rows = read_jsonl(runs["resumed"] / "run" / "metrics.jsonl")
+    for a, b in zip(straight_rows[3:], resumed_rows[3:]):
+        assert a["step"] == b["step"] and a["reward"] == b["reward"] and a["sample_indices"] == b["sample_indices"]
+
+
+def test_sigkill_while_writing_checkpoint_keeps_previous_one(tmp_path, tiny_weights, small_data):
+    runs = straight_and_resumed("grpo", GRPO, tmp_path, tiny_weights, small_data, ["--kill_during_save", "6"])
+    resume_file = runs["resumed"] / "grpo_64_resume.pth"
+    # the run killed mid-write at step 6 resumed from the intact step-3 file and ended like the straight run
+    assert read_jsonl(runs["resumed"] / "trace" / "digest_rank0.txt")[-1] == \
+        read_jsonl(runs["straight"] / "trace" / "digest_rank0.txt")[-1]
+    assert torch.load(resume_file, weights_only=True)["progress"]["step"] == 6
+    assert not [p for p in os.listdir(runs["resumed"]) if ".tmp" in p]  # the partial file was cleaned up
+
+
+def test_killed_mid_write_leaves_step3_file_loadable(tmp_path, tiny_weights, small_data):
+    folder = new_run_dir(tmp_path, "run", tiny_weights)
+    common = GRPO + ["--save_dir", str(folder), "--run_dir", str(folder / "run"), "--data_path", small_data]
+    killed = harness("grpo", ["--kill_during_save", "6"], common)
+    assert killed.returncode == -signal.SIGKILL
+    assert [p for p in os.listdir(folder) if ".tmp" in p]  # the half-written file is there ...
+    checkpoint = torch.load(folder / "grpo_64_resume.pth", weights_only=True)  # ... and the previous one loads
+    assert checkpoint["progress"]["step"] == 3
+
+
+def test_resume_refuses_another_script_and_overwrites_nothing(tmp_path, tiny_weights, small_data):
+    folder = new_run_dir(tmp_path, "run", tiny_weights)
+    common = TINY + ["--save_dir", str(folder), "--data_path", small_data, "--batch_size", "2"]
+    grpo = harness("grpo", [], common + ["--num_generations", "2", "--max_steps", "1", "--run_dir", str(folder / "a")])
+    assert grpo.returncode == 0, grpo.stderr[-3000:]
+    before = {p: (folder / p).read_bytes() for p in os.listdir(folder) if p.endswith(".pth")}
+    ppo = harness("ppo", [], common + ["--save_weight", "grpo", "--from_resume", "1", "--max_steps", "1",
+                                       "--run_dir", str(folder / "b")])
+    assert ppo.returncode != 0
+    assert "grpo_64_resume.pth was written by train_grpo.py, not train_ppo.py" in ppo.stderr
+    assert {p: (folder / p).read_bytes() for p in os.listdir(folder) if p.endswith(".pth")} == before
+
+
+def test_resume_refuses_other_architecture_naming_both_values(tmp_path, tiny_weights, small_data):
+    folder = new_run_dir(tmp_path, "run", tiny_weights)
+    common = ["--hidden_size", "64", "--from_weight", "none", "--max_gen_len", "4", "--save_dir", str(folder),
+              "--data_path", small_data, "--batch_size", "2", "--num_generations", "2", "--max_steps", "1"]
+    first = harness("grpo", [], common + ["--num_hidden_layers", "2", "--run_dir", str(folder / "a")])
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = harness("grpo", [], common + ["--num_hidden_layers", "3", "--from_resume", "1",
+                                           "--run_dir", str(folder / "b")])
+    assert second.returncode != 0
+    assert "was saved with --num_hidden_layers 2 but this run has --num_hidden_layers 3" in second.stderr
+
+
+def test_sigterm_saves_and_prints_resume_command(tmp_path, tiny_weights, small_data):
+    folder = new_run_dir(tmp_path, "run", tiny_weights)
+    cmd = [sys.executable, "trainer/train_grpo.py"] + TINY + [
+        "--batch_size", "2", "--num_generations", "2", "--max_steps", "200", "--save_interval", "1000",
+        "--save_dir", str(folder), "--run_dir", str(folder / "run"), "--data_path", small_data]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and not os.path.exists(folder / "run" / "metrics.jsonl"):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "stopped by SIGTERM at step" in stdout
+    assert "--from_resume 1" in stdout.split("resume with:")[1]
+    last_logged = read_jsonl(folder / "run" / "metrics.jsonl")[-1]["step"]
+    checkpoint = torch.load(folder / "grpo_64_resume.pth", weights_only=True)
+    assert checkpoint["progress"]["step"] == last_logged < 200
+
+
+def test_resume_progress_rescales_step_for_another_world_size():
+    checkpoint = {"progress": {"step": 10, "epoch": 0, "batch_in_epoch": 10, "world_size": 2},
+                  "rng_states": [{"r": 0}, {"r": 1}]}
+    progress, rng_state = resume_progress(checkpoint, world_size=4, steps_per_epoch=50, rank=0)
+    assert (progress["step"], progress["batch_in_epoch"], rng_state) == (5, 5, None)  # 10 * 2 / 4
+    progress, rng_state = resume_progress(checkpoint, world_size=2, steps_per_epoch=50, rank=1)
+    assert (progress["step"], rng_state) == (10, {"r": 1})
+    progress, _ = resume_progress(checkpoint, world_size=2, steps_per_epoch=10, rank=0)  # saved at an epoch's end
+    assert (progress["epoch"], progress["batch_in_epoch"]) == (1, 0)
+
+
+def test_batch_sampler_order_and_skip():
+    # DistributedSampler's documented order: randperm(n) seeded with seed + epoch, rank r takes every world_size-th
+    dataset = list(range(10))
+    expected = torch.randperm(10, generator=torch.Generator().manual_seed(7 + 2)).tolist()
+    sampler = ResumableBatchSampler(dataset, batch_size=2, world_size=2, rank=1, seed=7)
+    sampler.set_epoch(2)
+    mine = expected[1::2]  # 5 indices for rank 1
+    assert list(sampler) == [mine[0:2], mine[2:4]]  # the partial last batch is dropped
+    sampler.set_epoch(2, skip_batches=1)
+    assert list(sampler) == [mine[2:4]] and len(sampler) == 1
+
+
+def test_rng_state_round_trip():
+    state = get_rng_state()
+    expected = (random.random(), float(np.random.rand()), torch.rand(3).tolist())
+    random.seed(123), np.random.seed(123), torch.manual_seed(123)
+    set_rng_state(state)
+    assert (random.random(), float(np.random.rand()), torch.rand(3).tolist()) == expected
+
+
+def test_load_resume_missing_file_starts_fresh_and_garbage_is_named(tmp_path):
+    args = type("Args", (), {"hidden_size": 64, "num_hidden_layers": 2, "use_moe": 0})()
+    assert load_resume(str(tmp_path / "none.pth"), "grpo", args) is None
+    bad = tmp_path / "bad_resume.pth"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="bad_resume.pth is not a readable resume checkpoint"):
+        load_resume(str(bad), "grpo", args)
