@@ -266,7 +266,9 @@ def grpo_walkthrough(batch, grpo_args, model, ref_model, tokenizer, seed, stages
                                   weight_decay=grpo_args.weight_decay)
     scheduler = build_cosine_scheduler(optimizer, grpo_args.max_steps)
     policy_loss.backward()
-    grad_norm = train_grpo.optimizer_step(model, optimizer, scheduler, grpo_args.grad_clip)
+    grad_norm, problems = train_grpo.optimizer_step(model, optimizer, scheduler, grpo_args.grad_clip, [], "cpu")
+    if problems:
+        raise RuntimeError(f"the GRPO step produced non-finite {', '.join(problems)}")
     with torch.no_grad():
         new_per_token_logps = compute_per_token_logps(model, output_ids, R, full_mask,
                                                       grpo_args.temperature)  # [B*G, R]
