@@ -24,7 +24,7 @@ from trainer.rollout_engine import TorchRolloutEngine, decode_completions  # noq
 from trainer.train_grpo import tokenize_prompts  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
     DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, LMForRewardModel, build_config, calculate_rewards,
-    completion_mask_from_ids, init_model,
+    completion_mask_from_ids, init_model, prompt_to_messages,
 )
 
 
@@ -44,7 +44,8 @@ def evaluate(model, tokenizer, dataset, num_prompts, batch_size, max_gen_len, te
 
     Returns:
         dict with accuracy, reward, rule_reward, reward_model_score, answer_reward, response_len (tokens),
-        distinct_2, and "samples" (list of (prompt, completion, reference)).
+        distinct_2, and "samples": one dict per prompt with prompt, completion, reference, rule_reward,
+        reward_model_score, answer_reward.
     """
     model.eval()
     generator = torch.Generator().manual_seed(seed)
@@ -73,13 +74,45 @@ def evaluate(model, tokenizer, dataset, num_prompts, batch_size, max_gen_len, te
         totals["reward_model_score"] += parts["reward_model_scores"].sum().item()
         totals["answer_reward"] += parts["answer_rewards"].sum().item()
         totals["response_len"] += completion_mask.sum().item()
-        samples.extend(zip(prompts, completions, answers))
+        for i, (prompt, completion, reference) in enumerate(zip(prompts, completions, answers)):
+            samples.append({"prompt": prompt, "completion": completion, "reference": reference,
+                            "rule_reward": parts["rule_rewards"][i].item(),
+                            "reward_model_score": parts["reward_model_scores"][i].item(),
+                            "answer_reward": parts["answer_rewards"][i].item()})
         completions_all.extend(completions)
     result = {k: v / count for k, v in totals.items()}
     result["accuracy"] = result["answer_reward"]
     result["distinct_2"] = distinct_n(completions_all, 2)
     result["samples"] = samples
     return result
+
+
+def question_of(prompt):
+    """The last user turn of a chat-templated prompt, or the prompt itself when it has none."""
+    users = [m["content"] for m in prompt_to_messages(prompt) if m["role"] == "user"]
+    return users[-1] if users else prompt
+
+
+def side_by_side(results, num_samples):
+    """Text blocks with the same held-out prompt answered by every checkpoint, for the first ``num_samples`` prompts.
+
+    results: {name: ``evaluate`` result}, all on the same prompts. Each block: the question and its reference,
+    then one line per checkpoint: correct or wrong, rule reward, and the answer (newlines shown as \\n).
+    """
+    names = list(results)
+    width = max(len(name) for name in names)
+    count = min([num_samples] + [len(r["samples"]) for r in results.values()])
+    blocks = []
+    for i in range(count):
+        first = results[names[0]]["samples"][i]
+        lines = [f"--- prompt {i}: {question_of(first['prompt'])}  (reference {first['reference']})"]
+        for name in names:
+            sample = results[name]["samples"][i]
+            verdict = "correct" if sample["answer_reward"] > 0 else "wrong  "
+            lines.append(f"[{name:<{width}}] {verdict} rule {sample['rule_reward']:+.2f} | "
+                         f"{sample['completion']!r}")
+        blocks.append("\n".join(lines))
+    return blocks
 
 
 def main(argv=None):
@@ -100,11 +133,13 @@ def main(argv=None):
     parser.add_argument("--thinking_ratio", type=float, default=1.0)
     parser.add_argument("--reward_model_path", default="none")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--show_samples", type=int, default=3)
+    parser.add_argument("--show_samples", type=int, default=3, help="prompts shown with every checkpoint's answer")
     parser.add_argument("--json_out", default="", help="also write the table as JSON here")
     args = parser.parse_args(argv)
     if args.num_prompts < 1 or args.batch_size < 1 or args.max_gen_len < 1:
         parser.error("--num_prompts, --batch_size and --max_gen_len must be >= 1")
+    if args.show_samples < 0:
+        parser.error(f"--show_samples must be >= 0, got {args.show_samples}")
     if not os.path.isfile(args.data_path):
         parser.error(f"--data_path {args.data_path} does not exist")
 
@@ -126,11 +161,10 @@ def main(argv=None):
     for name, r in results.items():
         print(f"{name:<28} {r['accuracy']:>9.3f} {r['reward']:>8.3f} {r['rule_reward']:>7.3f} "
               f"{r['reward_model_score']:>6.2f} {r['response_len']:>7.1f} {r['distinct_2']:>10.3f}")
-    for i in range(min(args.show_samples, len(next(iter(results.values()))["samples"]))):
-        first = next(iter(results.values()))["samples"][i]
-        print(f"\n--- prompt {i} (reference {first[2]}): {first[0].splitlines()[1] if len(first[0].splitlines()) > 1 else first[0]}")
-        for name, r in results.items():
-            print(f"[{name}] {r['samples'][i][1]!r}")
+    if args.show_samples:
+        print(f"\nthe same prompts, answered by each checkpoint (first {args.show_samples}):")
+    for block in side_by_side(results, args.show_samples):
+        print("\n" + block)
     if args.json_out:
         table = {name: {k: v for k, v in r.items() if k != "samples"} for name, r in results.items()}
         with open(args.json_out, "w", encoding="utf-8") as f:
