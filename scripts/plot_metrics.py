@@ -40,7 +40,8 @@ X_KEYS = ("step", "elapsed_s")
 
 
 def read_metrics(path):
-    """Rows of a ``metrics.jsonl`` (a run folder or the file itself) as a list of dicts.
+    """Rows of a ``metrics.jsonl`` (a run folder or the file itself) as a list of dicts, one per step in step
+    order (for a step logged twice, as by a resumed run, the last row).
 
     Raises:
         FileNotFoundError: naming the missing file.
@@ -64,7 +65,9 @@ def read_metrics(path):
             rows.append(row)
     if not rows:
         raise ValueError(f"{path} has no rows")
-    return rows
+    # a run resumed from a checkpoint logs again the steps after that checkpoint: keep the last row of each step
+    last_row_of_step = {row["step"]: row for row in rows}
+    return [last_row_of_step[step] for step in sorted(last_row_of_step)]
 
 
 def moving_average(values, window):

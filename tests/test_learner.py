@@ -301,3 +301,13 @@ def test_walkthrough_prints_every_stage_with_consistent_numbers(tiny_weights, tm
     again = tmp_path / "again.md"
     main(["--out", str(again)] + flags)
     assert again.read_text(encoding="utf-8").split("\n", 3)[3] == text.split("\n", 3)[3]
+
+
+def test_read_metrics_keeps_the_last_row_of_a_step_logged_twice(tmp_path):
+    # a run killed after logging step 3 and resumed from its step-2 checkpoint logs step 3 again
+    rows = [{"step": 1, "reward": 0.1}, {"step": 2, "reward": 0.2}, {"step": 3, "reward": 0.9},
+            {"step": 3, "reward": 0.3}, {"step": 4, "reward": 0.4}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from plot_metrics import read_metrics
+    assert [(r["step"], r["reward"]) for r in read_metrics(str(tmp_path))] == [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4)]
