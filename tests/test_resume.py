@@ -181,3 +181,17 @@ def test_load_resume_missing_file_starts_fresh_and_garbage_is_named(tmp_path):
     bad.write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="bad_resume.pth is not a readable resume checkpoint"):
         load_resume(str(bad), "grpo", args)
+
+
+def test_wandb_run_id_is_kept_on_resume(tmp_path, monkeypatch):
+    from trainer.trainer_utils import MetricsWriter
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    first = MetricsWriter(str(tmp_path / "run"), use_wandb=True, wandb_project="test")
+    first.log({"step": 1, "reward": 0.5})
+    first.close()
+    resumed = MetricsWriter(str(tmp_path / "run"), use_wandb=True, wandb_project="test", wandb_id=first.wandb_id)
+    resumed.log({"step": 2, "reward": 0.6})
+    resumed.close()
+    assert first.wandb_id and resumed.wandb_id == first.wandb_id
+    assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
