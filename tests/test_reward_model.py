@@ -170,6 +170,15 @@ def test_missing_reward_model_fails_at_start(tmp_path):
     assert "parameters" not in result.stdout  # failed before any model was built
 
 
+def test_folder_without_config_fails_at_start(tmp_path, capsys):
+    from trainer.train_ppo import parse_args
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--reward_model_path", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert f"--reward_model_path {tmp_path}: no config.json" in capsys.readouterr().err
+    assert parse_args(["--reward_model_path", "none"]).reward_model_path == "none"
+
+
 def test_remote_code_scores_final_answers_and_clips(remote_code_reward_model):
     reward_model = LMForRewardModel(remote_code_reward_model, batch_size=2, trust_remote_code=True)
     scores = reward_model.get_scores(MESSAGES, RESPONSES)
@@ -309,7 +318,9 @@ def test_train_reward_smoke_saves_a_plain_transformers_folder(tiny_weights, tmp_
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step 3/3" in result.stdout and "eval_acc" in result.stdout
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert rows[0]["eval_loss"] == pytest.approx(math.log(2), abs=1e-6)  # the zero head: every reward 0
+    rows = rows[1:]
     assert "eval_accuracy" in rows[1] and "eval_accuracy" in rows[2] and "eval_accuracy" not in rows[0]
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(out))
     assert not [p for p in os.listdir(tmp_path) if ".tmp" in p or ".old" in p]
@@ -341,19 +352,21 @@ def test_train_reward_on_hh_rlhf(tmp_path):
     """A few hundred steps of a tiny reward model on real HH-RLHF pairs: the loss falls, held-out accuracy is
     reported."""
     run_dir = tmp_path / "run"
-    result = run_script(["trainer/train_reward.py", "--data_path", HH_PATH, "--eval_path", "", "--eval_ratio", "0.1",
-                         "--from_weight", "none", "--max_steps", "300", "--batch_size", "8", "--max_seq_len", "64",
-                         "--learning_rate", "1e-3", "--eval_interval", "100", "--save_path", str(tmp_path / "rm"),
-                         "--run_dir", str(run_dir)] + TINY)
+    result = run_script(["trainer/train_reward.py", "--data_path", HH_PATH, "--eval_path", "", "--eval_ratio", "0.5",
+                         "--from_weight", "none", "--max_steps", "400", "--epochs", "3", "--batch_size", "8",
+                         "--max_seq_len", "64", "--learning_rate", "2e-3", "--eval_interval", "200",
+                         "--save_path", str(tmp_path / "rm"), "--run_dir", str(run_dir)] + TINY)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "1156 training / 1156 held-out pairs" in result.stdout
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 300
-    first = sum(r["loss"] for r in rows[:50]) / 50
-    last = sum(r["loss"] for r in rows[-50:]) / 50
-    assert last < first - 0.02, (first, last)
     evaluated = [r for r in rows if "eval_accuracy" in r]
-    assert [r["step"] for r in evaluated] == [100, 200, 300]
-    assert all(0.0 <= r["eval_accuracy"] <= 1.0 for r in evaluated)
-    assert "eval_acc" in result.stdout
-    print(f"HH-RLHF held-out pairwise accuracy (231 pairs): {evaluated[-1]['eval_accuracy']:.3f}, "
+    assert [r["step"] for r in evaluated] == [0, 200, 400]
+    assert evaluated[0]["eval_loss"] == pytest.approx(math.log(2), abs=1e-6)  # chance, before training
+    assert evaluated[-1]["eval_loss"] < evaluated[0]["eval_loss"] - 0.005  # better than chance on held-out pairs
+    assert 0.0 <= evaluated[-1]["eval_accuracy"] <= 1.0 and "eval_acc" in result.stdout
+    losses = [r["loss"] for r in rows if r["step"] > 0]
+    first, last = sum(losses[:100]) / 100, sum(losses[-100:]) / 100
+    assert len(losses) == 400 and last < first - 0.005, (first, last)
+    print(f"HH-RLHF held-out pairwise accuracy (1156 pairs): {evaluated[-1]['eval_accuracy']:.3f}, held-out loss "
+          f"{evaluated[0]['eval_loss']:.4f} -> {evaluated[-1]['eval_loss']:.4f}, "
           f"training loss {first:.4f} -> {last:.4f}")

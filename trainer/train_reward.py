@@ -265,7 +265,9 @@ def main(argv=None):
     model = build_reward_model(lm_config, pad_token_id, weights).to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     steps_per_epoch = len(train_encoded) // args.batch_size
-    total_steps = min(args.max_steps, args.epochs * steps_per_epoch) if args.max_steps else args.epochs * steps_per_epoch
+    total_steps = args.epochs * steps_per_epoch
+    if args.max_steps:
+        total_steps = min(args.max_steps, total_steps)
     scheduler = build_cosine_scheduler(optimizer, total_steps)
     run_dir = args.run_dir or os.path.join(args.save_dir, "runs", f"reward-{time.strftime('%Y%m%d-%H%M%S')}")
     writer = MetricsWriter(run_dir, config=vars(args))
@@ -274,6 +276,7 @@ def main(argv=None):
            f"metrics in {run_dir}")
     before = evaluate(model, eval_encoded, args.batch_size, pad_token_id, args.device)
     Logger(f"step 0/{total_steps} | eval_loss {before['eval_loss']:.4f} | eval_acc {before['eval_accuracy']:.3f}")
+    writer.log({"step": 0, "total_steps": total_steps, **before})  # before training: a zero head scores log 2
 
     timer = StepTimer(total_steps)
     step = 0
