@@ -231,6 +231,8 @@ def parse_args(argv=None):
             parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     if args.max_steps < 0:
         parser.error(f"--max_steps must be >= 0, got {args.max_steps}")
+    if args.use_moe:
+        parser.error("--use_moe 1: the reward model is a dense Qwen3ForSequenceClassification; use --use_moe 0")
     if args.learning_rate <= 0:
         parser.error(f"--learning_rate must be > 0, got {args.learning_rate}")
     if not 0 < args.eval_ratio < 1:
