@@ -277,7 +277,8 @@ def main(argv=None):
            f"{len(train_encoded)} training / {len(eval_encoded)} held-out pairs, {total_steps} steps, "
            f"metrics in {run_dir}")
     before = evaluate(model, eval_encoded, args.batch_size, pad_token_id, args.device)
-    Logger(f"step 0/{total_steps} | eval_loss {before['eval_loss']:.4f} | eval_acc {before['eval_accuracy']:.3f}")
+    Logger(f"step 0/{total_steps} | eval_loss {before['eval_loss']:.4f} | eval_acc {before['eval_accuracy']:.3f} "
+           f"(a tie counts as wrong)")
     writer.log({"step": 0, "total_steps": total_steps, **before})  # before training: a zero head scores log 2
 
     timer = StepTimer(total_steps)
@@ -314,8 +315,8 @@ def main(argv=None):
                 break
     writer.close()
     path = save_reward_model(model, tokenizer, args.save_path, resolve_dtype(args.save_dtype, torch.float16))
-    Logger(f"saved {path} (held-out pairwise accuracy {before['eval_accuracy']:.3f} -> "
-           f"{metrics.get('eval_accuracy', float('nan')):.3f})")
+    Logger(f"saved {path} (held-out pairwise accuracy {metrics['eval_accuracy']:.3f}, held-out loss "
+           f"{before['eval_loss']:.4f} -> {metrics['eval_loss']:.4f})")
 
 
 if __name__ == "__main__":
