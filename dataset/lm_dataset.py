@@ -1,11 +1,14 @@
-"""Datasets: chat SFT conversations and RL prompts, from JSONL files in MiniMind's formats.
+"""Datasets: chat SFT conversations, RL prompts and reward-model preference pairs, from JSONL files.
 
-Each line is ``{"conversations": [{"role": "user" | "assistant" | "system", "content": str}, ...]}``.
+SFT and RL lines are ``{"conversations": [{"role": "user" | "assistant" | "system", "content": str}, ...]}``
+(MiniMind's format); preference pairs are described in ``read_preference_pairs``.
 Files are parsed line by line (so a bad line is reported with its file and line number) and held in a
 ``datasets.Dataset``.
 """
+import gzip
 import json
 import random
+import re
 import sys
 
 import torch
@@ -190,3 +193,80 @@ class RLAIFDataset(torch.utils.data.Dataset):
             conversations, tokenize=False, add_generation_prompt=True, open_thinking=open_thinking
         )
         return {"prompt": prompt, "answer": answer, "index": index}
+
+
+HH_TURN_PATTERN = re.compile(r"\n\n(Human|Assistant):")
+HH_ROLES = {"Human": "user", "Assistant": "assistant"}
+
+
+def parse_hh_transcript(text):
+    """An HH-RLHF transcript "\\n\\nHuman: ...\\n\\nAssistant: ..." -> [{"role", "content"}] (Bai et al. 2022).
+
+    Human turns become "user", Assistant turns "assistant"; contents are stripped.
+    Raises:
+        ValueError: if the text does not start with a "\\n\\nHuman:" turn or does not end with an Assistant turn.
+    """
+    parts = HH_TURN_PATTERN.split(text)  # ['', 'Human', ' q', 'Assistant', ' a', ...]
+    if len(parts) < 3 or parts[0].strip() or parts[1] != "Human":
+        raise ValueError("an HH-RLHF transcript starts with '\\n\\nHuman:'")
+    messages = [{"role": HH_ROLES[parts[i]], "content": parts[i + 1].strip()} for i in range(1, len(parts), 2)]
+    if messages[-1]["role"] != "assistant":
+        raise ValueError("an HH-RLHF transcript ends with an '\\n\\nAssistant:' turn")
+    return messages
+
+
+def preference_side(value):
+    """One side of a preference pair (a message list or an HH-RLHF transcript) -> validated [{"role", "content"}].
+
+    Raises:
+        ValueError: if it is neither, a turn lacks string role/content, or the last turn is not the assistant's.
+    """
+    if isinstance(value, str):
+        return parse_hh_transcript(value)
+    if not isinstance(value, list) or not value:
+        raise ValueError("expected a non-empty list of messages or an HH-RLHF transcript string")
+    for turn in value:
+        if not (isinstance(turn, dict) and isinstance(turn.get("role"), str) and isinstance(turn.get("content"), str)):
+            raise ValueError("each message needs string 'role' and 'content'")
+    if value[-1]["role"] != "assistant":
+        raise ValueError(f"the last message is the answer and must be the assistant's, not {value[-1]['role']!r}")
+    return [{"role": t["role"], "content": t["content"]} for t in value]
+
+
+def read_preference_pairs(path):
+    """Read preference pairs from JSONL (``.gz`` too) in either format, one pair per line:
+    ``{"chosen": [messages], "rejected": [messages]}`` or HH-RLHF's ``{"chosen": "\\n\\nHuman: ...", "rejected": ...}``.
+
+    Returns:
+        list of {"chosen": [{"role", "content"}, ...], "rejected": [...]}, each ending in the assistant's answer.
+    Raises:
+        FileNotFoundError: if ``path`` does not exist.
+        DataFormatError: naming file and line, for non-UTF-8 bytes, invalid JSON, a missing side, or a side that
+            ``preference_side`` rejects.
+    """
+    opener = gzip.open if path.endswith(".gz") else open
+    pairs = []
+    with opener(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataFormatError(f"{path}:{line_no}: not valid UTF-8 ({err.reason} at byte {err.start})") from err
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataFormatError(f"{path}:{line_no}: invalid JSON ({err.msg} at column {err.colno})") from err
+            if not isinstance(row, dict) or "chosen" not in row or "rejected" not in row:
+                raise DataFormatError(f"{path}:{line_no}: expected an object with 'chosen' and 'rejected'")
+            pair = {}
+            for side in ("chosen", "rejected"):
+                try:
+                    pair[side] = preference_side(row[side])
+                except ValueError as err:
+                    raise DataFormatError(f"{path}:{line_no}: '{side}': {err}") from err
+            pairs.append(pair)
+    if not pairs:
+        raise DataFormatError(f"{path}: no preference pairs")
+    return pairs

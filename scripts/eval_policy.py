@@ -24,7 +24,7 @@ from trainer.rollout_engine import TorchRolloutEngine, decode_completions  # noq
 from trainer.train_grpo import tokenize_prompts  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
     DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, LMForRewardModel, build_config, calculate_rewards,
-    completion_mask_from_ids, init_model, prompt_to_messages,
+    completion_mask_from_ids, init_model, prompt_to_messages, read_reward_model_config,
 )
 
 
@@ -131,7 +131,8 @@ def main(argv=None):
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--greedy", action="store_true")
     parser.add_argument("--thinking_ratio", type=float, default=1.0)
-    parser.add_argument("--reward_model_path", default="none")
+    parser.add_argument("--reward_model_path", default="none", help="e.g. out/reward_model_256 (as in training)")
+    parser.add_argument("--trust_remote_code", action="store_true", help="allow a get_score remote-code reward model")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--show_samples", type=int, default=3, help="prompts shown with every checkpoint's answer")
     parser.add_argument("--json_out", default="", help="also write the table as JSON here")
@@ -142,9 +143,16 @@ def main(argv=None):
         parser.error(f"--show_samples must be >= 0, got {args.show_samples}")
     if not os.path.isfile(args.data_path):
         parser.error(f"--data_path {args.data_path} does not exist")
+    if args.reward_model_path != "none":
+        try:
+            read_reward_model_config(args.reward_model_path, args.trust_remote_code)
+        except (OSError, ValueError) as err:
+            parser.error(str(err))
 
     lm_config = build_config(args.hidden_size, args.num_hidden_layers, args.use_moe)
-    reward_model = LMForRewardModel(args.reward_model_path) if args.reward_model_path != "none" else None
+    reward_model = None
+    if args.reward_model_path != "none":
+        reward_model = LMForRewardModel(args.reward_model_path, trust_remote_code=args.trust_remote_code)
     results = {}
     tokenizer = None
     for name in args.weights:

@@ -8,8 +8,15 @@ Outputs (in ``dataset/``):
     sft_data.jsonl          chat SFT conversations {"conversations": [{"role", "content"}, ...]}
     rlaif_train.jsonl       RL prompts in MiniMind's RLAIF format; the assistant turn holds the answer
     rlaif_heldout.jsonl     held-out RL prompts (disjoint problems) for scripts/eval_policy.py
+    reward_train.jsonl      preference pairs {"chosen": [messages], "rejected": [messages]} for
+                            trainer/train_reward.py: correct vs wrong answer, well-formed vs broken <think>
+                            format, concise vs repetitive answer
+    reward_heldout.jsonl    held-out preference pairs (problems disjoint from the training pairs)
+
+The pairs come from their own random stream (seed + 1), so adding them left the other files unchanged.
 
 Usage: python scripts/make_demo_data.py [--seed 42] [--num_sft 12000] [--num_rl 4000] [--num_heldout 300]
+       [--num_pairs 2000] [--num_heldout_pairs 200]
 """
 import argparse
 import json
@@ -90,6 +97,37 @@ def make_problem(rng):
     return question, trace, final, str(result), (a, op, b)
 
 
+def wrong_result(result, rng):
+    """A plausible wrong answer: off by one digit's worth (a dropped carry or borrow, a slip in the ones), never
+    the result itself, never negative."""
+    while True:
+        wrong = result + rng.choice([-100, -10, 10, 100, -1, 1, -2, 2, rng.randint(-50, 50)])
+        if wrong != result and wrong >= 0:
+            return wrong
+
+
+def preference_pair(problem, rng):
+    """One preference pair for a problem: the chosen answer is the SFT format (trace in <think>, then the
+    correct answer); the rejected one, drawn at random (half of the pairs are the first kind):
+      wrong:      the same trace, a wrong final number;
+      format:     no '</think>' (the trace leaks into the answer) or nothing after '</think>';
+      repetitive: the final sentence repeated 3-6 times.
+    Returns {"chosen": [user, assistant], "rejected": [user, assistant]}.
+    """
+    question, trace, final, answer, _ = problem
+    think = f"<think>\n{trace}\n</think>\n\n"
+    kind = rng.choice(["wrong", "wrong", "format", "repetitive"])
+    if kind == "wrong":
+        rejected = think + final.replace(answer, str(wrong_result(int(answer), rng)))
+    elif kind == "format":
+        rejected = rng.choice([f"<think>\n{trace}\n\n{final}", f"{trace}\n\n{final}", think])
+    else:
+        rejected = think + " ".join([final] * rng.randint(3, 6))
+    user = {"role": "user", "content": question}
+    return {"chosen": [user, {"role": "assistant", "content": think + final}],
+            "rejected": [user, {"role": "assistant", "content": rejected}]}
+
+
 def write_jsonl(path, rows):
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
@@ -104,6 +142,8 @@ def main():
     parser.add_argument("--num_sft", type=int, default=12000)
     parser.add_argument("--num_rl", type=int, default=4000)
     parser.add_argument("--num_heldout", type=int, default=300)
+    parser.add_argument("--num_pairs", type=int, default=2000, help="reward-model training pairs")
+    parser.add_argument("--num_heldout_pairs", type=int, default=200)
     parser.add_argument("--no_think_ratio", type=float, default=0.1,
                         help="share of SFT answers with an empty <think></think> block")
     parser.add_argument("--out_dir", default=os.path.join(ROOT, "dataset"))
@@ -135,11 +175,23 @@ def main():
     rl = [{"conversations": [{"role": "user", "content": q}, {"role": "assistant", "content": ans}]}
           for q, _, _, ans, _ in fresh_problems(args.num_rl)]
 
+    pair_rng = random.Random(args.seed + 1)
+    pair_problems, pair_keys = [], set(heldout_keys)  # no pair on the policy's held-out problems
+    while len(pair_problems) < args.num_pairs + args.num_heldout_pairs:
+        problem = make_problem(pair_rng)
+        if problem[4] not in pair_keys:
+            pair_keys.add(problem[4])
+            pair_problems.append(problem)
+    pairs = [preference_pair(problem, pair_rng) for problem in pair_problems]
+
     os.makedirs(args.out_dir, exist_ok=True)
     write_jsonl(os.path.join(args.out_dir, "sft_data.jsonl"), sft)
     write_jsonl(os.path.join(args.out_dir, "rlaif_train.jsonl"), rl)
     write_jsonl(os.path.join(args.out_dir, "rlaif_heldout.jsonl"), heldout)
-    print(f"wrote {len(sft)} SFT, {len(rl)} RL and {len(heldout)} held-out rows to {args.out_dir}")
+    write_jsonl(os.path.join(args.out_dir, "reward_train.jsonl"), pairs[:args.num_pairs])
+    write_jsonl(os.path.join(args.out_dir, "reward_heldout.jsonl"), pairs[args.num_pairs:])
+    print(f"wrote {len(sft)} SFT, {len(rl)} RL, {len(heldout)} held-out rows and {args.num_pairs} + "
+          f"{args.num_heldout_pairs} preference pairs to {args.out_dir}")
 
 
 if __name__ == "__main__":

@@ -35,12 +35,12 @@ from torch.utils.data import DataLoader  # noqa: E402
 from dataset.lm_dataset import RLAIFDataset  # noqa: E402
 from trainer.rollout_engine import ROLLOUT_ENGINES, compute_per_token_logps, create_rollout_engine  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
-    DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, BadStepGuard, LMForRewardModel, Logger, MetricsWriter,
-    ResumableBatchSampler, StepTimer, StopSignal, any_rank, atomic_save, build_config, build_cosine_scheduler,
-    calculate_rewards, check_finite_state, check_writable_dir, describe_changed_flags, half_state_dict,
-    init_distributed_mode, init_model, is_main_process, k3_kl, load_resume, load_training_states, masked_mean,
-    nonfinite_parts, resume_command, resume_path, resume_progress, save_resume, set_rng_state, setup_seed,
-    training_states, weight_path,
+    DEFAULT_REWARD_MODEL_PATH, DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, DTYPES, BadStepGuard, LMForRewardModel,
+    Logger, MetricsWriter, ResumableBatchSampler, StepTimer, StopSignal, any_rank, atomic_save, build_config,
+    build_cosine_scheduler, calculate_rewards, check_finite_state, check_writable_dir, describe_changed_flags,
+    half_state_dict, init_distributed_mode, init_model, is_main_process, k3_kl, load_resume, load_training_states,
+    masked_mean, nonfinite_parts, read_reward_model_config, resolve_dtype, resume_command, resume_path,
+    resume_progress, save_resume, set_rng_state, setup_seed, training_states, weight_path,
 )
 
 LOSS_TYPES = ("cispo", "grpo")
@@ -142,8 +142,14 @@ def add_common_rl_args(parser):
     parser.add_argument("--top_p", type=float, default=1.0)
     parser.add_argument("--top_k", type=int, default=0)
     parser.add_argument("--thinking_ratio", type=float, default=0.9, help="share of prompts that open <think>")
-    parser.add_argument("--reward_model_path", default="none", help="sequence-classification reward model, or none")
-    parser.add_argument("--reward_batch_size", type=int, default=16)
+    parser.add_argument("--reward_model_path", default=DEFAULT_REWARD_MODEL_PATH,
+                        help="reward model folder (sequence classification, or get_score remote code), or none")
+    parser.add_argument("--reward_batch_size", type=int, default=16, help="answers per reward-model forward")
+    parser.add_argument("--reward_device", default="", help="device of the reward model (default: the policy's)")
+    parser.add_argument("--reward_dtype", default="", choices=["", *DTYPES],
+                        help="dtype of the reward model (default: the policy's)")
+    parser.add_argument("--trust_remote_code", action="store_true",
+                        help="allow a reward model that runs its own Python code (e.g. internlm2-1_8b-reward)")
     parser.add_argument("--answer_reward_weight", type=float, default=2.0,
                         help="weight of the 0/1 reward for a correct final number")
     parser.add_argument("--rollout_engine", default="torch", help=f"one of {', '.join(ROLLOUT_ENGINES)}")
@@ -184,8 +190,11 @@ def check_common_rl_args(parser, args):
         parser.error(f"--grad_clip must be > 0, got {args.grad_clip}")
     if args.top_k < 0:
         parser.error(f"--top_k must be >= 0 (0 = off), got {args.top_k}")
-    if args.reward_model_path != "none" and not os.path.exists(args.reward_model_path):
-        parser.error(f"--reward_model_path {args.reward_model_path} does not exist (use 'none' to disable)")
+    if args.reward_model_path != "none":
+        try:
+            read_reward_model_config(args.reward_model_path, args.trust_remote_code)
+        except (OSError, ValueError) as err:
+            parser.error(str(err))
     try:
         check_writable_dir(args.save_dir)
     except OSError as err:
@@ -271,7 +280,9 @@ def build_run(args, script_name):
     ref_model.eval().requires_grad_(False)
     reward_model = None
     if args.reward_model_path != "none":
-        reward_model = LMForRewardModel(args.reward_model_path, device=device, batch_size=args.reward_batch_size)
+        reward_model = LMForRewardModel(args.reward_model_path, device=args.reward_device or device,
+                                        dtype=resolve_dtype(args.reward_dtype, next(model.parameters()).dtype),
+                                        batch_size=args.reward_batch_size, trust_remote_code=args.trust_remote_code)
     batch_sampler = ResumableBatchSampler(dataset, args.batch_size, world_size, rank, args.seed)
     # its own generator: creating the loader's iterator must not draw from the global RNG (exact resume)
     loader = DataLoader(dataset, batch_sampler=batch_sampler, generator=torch.Generator().manual_seed(args.seed))
@@ -522,7 +533,8 @@ def main(argv=None):
                                learning_rate=optimizer.param_groups[0]["lr"], elapsed_s=time.time() - timer.start,
                                sample_indices=batch["index"].tolist())
                 Logger(f"step {step}/{total_steps} | reward {metrics['reward']:.3f} "
-                       f"(answer {metrics['answer_reward']:.3f}) | kl_ref {metrics['kl_ref']:.4f} | "
+                       f"(rule {metrics['rule_reward']:.3f}, rm {metrics['reward_model_score']:.3f}, "
+                       f"answer {metrics['answer_reward']:.3f}) | kl_ref {metrics['kl_ref']:.4f} | "
                        f"adv mean {metrics['advantages_mean']:.3f} std {metrics['advantages_std']:.3f} | "
                        f"policy_loss {metrics['policy_loss']:.4f} | len {metrics['response_len']:.1f} | "
                        f"lr {metrics['learning_rate']:.2e} | {elapsed} elapsed, {remaining} left")

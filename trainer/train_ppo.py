@@ -403,7 +403,8 @@ def main(argv=None):
                                critic_learning_rate=critic_optimizer.param_groups[0]["lr"],
                                elapsed_s=time.time() - timer.start, sample_indices=batch["index"].tolist())
                 Logger(f"step {step}/{total_steps} | reward {metrics['reward']:.3f} "
-                       f"(answer {metrics['answer_reward']:.3f}) | kl_ref {metrics.get('kl_ref', 0.0):.4f} | "
+                       f"(rule {metrics['rule_reward']:.3f}, rm {metrics['reward_model_score']:.3f}, "
+                       f"answer {metrics['answer_reward']:.3f}) | kl_ref {metrics.get('kl_ref', 0.0):.4f} | "
                        f"approx_kl {metrics.get('approx_kl', 0.0):.4f} | clipfrac {metrics.get('clipfrac', 0.0):.3f} | "
                        f"value_loss {metrics.get('value_loss', 0.0):.4f} | "
                        f"explained_var {metrics['explained_variance']:.3f} | len {metrics['response_len']:.1f} | "

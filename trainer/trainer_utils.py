@@ -28,6 +28,7 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E4
 
 DEFAULT_TOKENIZER_PATH = os.path.join(ROOT, "model")
 DEFAULT_SAVE_DIR = os.path.join(ROOT, "out")
+DEFAULT_REWARD_MODEL_PATH = os.path.join(ROOT, "out", "reward_model_256")  # trainer/train_reward.py, committed
 
 
 # ----------------------------------------------------------------------------- processes and logging
@@ -652,52 +653,178 @@ CHAT_TURN_PATTERN = re.compile(r"<\|im_start\|>(system|user|assistant)\s+(.*?)<\
 
 
 def prompt_to_messages(prompt):
-    """Rebuild [{"role", "content"}] from a chat-templated prompt (the chapter 8.3 regex)."""
+    """Rebuild [{"role", "content"}] from a chat-templated prompt (the chapter 8.3 regex).
+
+    Every closed ``<|im_start|>role ... <|im_end|>`` turn (system, user, assistant; any number of turns) becomes
+    one message with its content stripped; the open generation prompt at the end is not a turn.
+    """
     return [{"role": role, "content": content.strip()} for role, content in CHAT_TURN_PATTERN.findall(prompt)]
 
 
-class LMForRewardModel:
-    """External reward model: a transformers sequence-classification model with one label (chapter 8.3).
+HISTORY_HEADER = "The lines above are the conversation so far. The new question:"
 
-    ``get_scores(messages_list, responses)`` -> list of floats, each clipped to [-3, 3]. The conversation
-    is the prompt's messages plus the response as the assistant turn, rendered with the reward model's
-    own chat template (or 'role: content' lines when it has none), scored in padded batches of
-    ``batch_size``.
+
+def reward_model_messages(messages, response):
+    """The two-turn conversation that the external reward model scores (chapter 8.3, MiniMind's LMForRewardModel).
+
+    Every turn before the last becomes a "role: content" line of history (an assistant turn keeps only its
+    answer, the text after '</think>'); the history, a header line and the last turn's content form one user
+    turn. The assistant turn is the final answer of ``response`` (``split_thinking``).
+
+    Args:
+        messages: list of {"role", "content"} of the prompt (``prompt_to_messages``); may be empty.
+        response: the sampled completion (str), with or without a thinking part.
+    Returns:
+        [{"role": "user", "content": str}, {"role": "assistant", "content": str}].
+    """
+    history = [f"{m['role']}: {split_thinking(m['content'])[1] if m['role'] == 'assistant' else m['content']}"
+               for m in messages[:-1]]
+    last_query = messages[-1]["content"] if messages else ""
+    context = "\n".join(history + [HISTORY_HEADER, last_query]) if history else last_query
+    return [{"role": "user", "content": context}, {"role": "assistant", "content": split_thinking(response)[1]}]
+
+
+def render_reward_text(tokenizer, conversation):
+    """(text, add_special_tokens) for a sequence-classification reward model.
+
+    With a chat template the text is ``apply_chat_template(conversation, tokenize=False)`` and the template already
+    holds any BOS token (add_special_tokens False); without one, "role: content" lines and the tokenizer's own
+    special tokens.
+    """
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template(conversation, tokenize=False), False
+    return "\n".join(f"{m['role']}: {m['content']}" for m in conversation), True
+
+
+def read_reward_model_config(path, trust_remote_code):
+    """Check a reward-model folder before anything is loaded; returns its config.json as a dict.
 
     Raises:
-        FileNotFoundError: if ``path`` does not exist (checked before anything is loaded).
+        FileNotFoundError: if ``path`` or its config.json does not exist.
+        ValueError: if config.json is not JSON, or the model needs remote code (an ``auto_map`` in config.json)
+            and ``trust_remote_code`` is false.
+    """
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--reward_model_path {path} does not exist (use 'none' to disable)")
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"--reward_model_path {path}: no config.json, not a transformers model folder")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config_path}:{err.lineno}: invalid JSON ({err.msg})") from err
+    if config.get("auto_map") and not trust_remote_code:
+        raise ValueError(f"--reward_model_path {path} runs its own Python code (auto_map in config.json: "
+                         f"{sorted(config['auto_map'])}); pass --trust_remote_code to allow it "
+                         f"(after reading that code)")
+    return config
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name, default):
+    """torch dtype of a --*_dtype flag value ("float32", "bfloat16", "float16"), or ``default`` for "".
+
+    Raises:
+        ValueError: for any other name, listing the valid ones.
+    """
+    if not name:
+        return default
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; valid: {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+class LMForRewardModel:
+    """External reward model of chapter 8.3: ``get_scores`` -> one score per answer, clipped to [-3, 3].
+
+    Two kinds load:
+      (a) a transformers sequence-classification model with one label (``AutoModelForSequenceClassification``,
+          e.g. ``Qwen3ForSequenceClassification`` as written by ``trainer/train_reward.py``): the conversation of
+          ``reward_model_messages`` is rendered with the reward model's own chat template and scored in
+          right-padded forwards of at most ``batch_size`` answers; the score is the logit at the last non-pad token;
+      (b) a remote-code model exposing ``get_score(tokenizer, messages)`` (and optionally the batched
+          ``get_scores(tokenizer, list of messages)``), as internlm2's reward models do; loaded with
+          ``AutoModel.from_pretrained(..., trust_remote_code=True)`` only when ``trust_remote_code`` is true.
+
+    Args:
+        path: model folder. device: e.g. "cpu", "cuda:0". dtype: torch dtype of the weights.
+        batch_size: answers per forward (``--reward_batch_size``). max_length: tokens kept per answer (from the right,
+            so the answer is never cut). trust_remote_code: allow kind (b).
+    Raises:
+        FileNotFoundError / ValueError: see ``read_reward_model_config``; ValueError also for a sequence-classification
+            model with more than one label, or a remote-code model without ``get_score``.
     """
 
-    def __init__(self, path, device="cpu", dtype=torch.float32, batch_size=16):
-        from transformers import AutoModelForSequenceClassification
+    def __init__(self, path, device="cpu", dtype=torch.float32, batch_size=16, max_length=2048,
+                 trust_remote_code=False):
+        from transformers import AutoModel, AutoModelForSequenceClassification
 
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"--reward_model_path {path} does not exist (use 'none' to disable)")
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        if self.tokenizer.pad_token_id is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype).to(device).eval()
-        self.model.config.pad_token_id = self.tokenizer.pad_token_id  # batched scoring finds each last token
+        config = read_reward_model_config(path, trust_remote_code)
+        auto_map = config.get("auto_map") or {}
+        self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        self.remote = bool(auto_map) and "AutoModelForSequenceClassification" not in auto_map
+        if self.remote:
+            self.model = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=True)
+            if not callable(getattr(self.model, "get_score", None)):
+                raise ValueError(f"--reward_model_path {path}: {type(self.model).__name__} has no "
+                                 f"get_score(tokenizer, messages) and is not a sequence-classification model")
+        else:
+            self.model = AutoModelForSequenceClassification.from_pretrained(
+                path, dtype=dtype, trust_remote_code=trust_remote_code)
+            if self.model.config.num_labels != 1:
+                raise ValueError(f"--reward_model_path {path}: a reward model has one output label, this one has "
+                                 f"{self.model.config.num_labels}")
+            if self.tokenizer.pad_token_id is None:
+                self.tokenizer.pad_token = self.tokenizer.eos_token
+            self.tokenizer.padding_side = "right"  # real tokens keep their positions: batched == one by one
+            self.tokenizer.truncation_side = "left"  # a long history loses its start, never the answer
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id  # the head reads the last non-pad token
+        self.model = self.model.to(device).eval()
         self.model.requires_grad_(False)
         self.device = device
         self.batch_size = batch_size
-
-    def render(self, messages, response):
-        conversation = messages + [{"role": "assistant", "content": response}]
-        if self.tokenizer.chat_template:
-            return self.tokenizer.apply_chat_template(conversation, tokenize=False)
-        return "\n".join(f"{m['role']}: {m['content']}" for m in conversation)
+        self.max_length = max_length
 
     @torch.no_grad()
-    def get_scores(self, messages_list, responses):
-        texts = [self.render(m, r) for m, r in zip(messages_list, responses)]
+    def raw_scores(self, conversations):
+        """Unclipped fp32 scores (list of floats) of conversations ([user, assistant] messages), in chunks."""
         scores = []
-        for start in range(0, len(texts), self.batch_size):
-            enc = self.tokenizer(texts[start:start + self.batch_size], return_tensors="pt", padding=True,
-                                 truncation=True, max_length=2048).to(self.device)
-            logits = self.model(**enc).logits[:, 0].float()
-            scores.extend(logits.clamp(-3.0, 3.0).tolist())
+        for start in range(0, len(conversations), self.batch_size):
+            chunk = conversations[start:start + self.batch_size]
+            if self.remote and callable(getattr(self.model, "get_scores", None)):
+                scores.extend(float(s) for s in self.model.get_scores(self.tokenizer, chunk))
+            elif self.remote:
+                scores.extend(float(self.model.get_score(self.tokenizer, c)) for c in chunk)
+            else:
+                scores.extend(self.classifier_scores(chunk))
         return scores
+
+    def classifier_scores(self, conversations):
+        """One right-padded forward of a sequence-classification model over ``conversations`` -> list of floats."""
+        rendered = [render_reward_text(self.tokenizer, c) for c in conversations]
+        enc = self.tokenizer([text for text, _ in rendered], return_tensors="pt", padding=True, truncation=True,
+                             max_length=self.max_length, add_special_tokens=rendered[0][1]).to(self.device)
+        logits = self.model(**enc).logits  # [b, 1]
+        return logits[:, 0].float().tolist()
+
+    def get_scores(self, messages_list, responses):
+        """Scores of a batch of answers (chapter 8.3), each clipped to [-3, 3].
+
+        Args:
+            messages_list: list of N message lists (the prompts, ``prompt_to_messages``).
+            responses: list of N completions; only the final answer (after '</think>') is scored.
+        Returns:
+            list of N floats in [-3, 3].
+        """
+        conversations = [reward_model_messages(m, r) for m, r in zip(messages_list, responses)]
+        return [max(min(score, 3.0), -3.0) for score in self.raw_scores(conversations)]
+
+    def get_score(self, messages, response):
+        """The score of one answer, clipped to [-3, 3] (the chapter's one-sample interface)."""
+        return self.get_scores([messages], [response])[0]
 
 
 def calculate_rewards(prompts, responses, answers, reward_model, answer_reward_weight):
@@ -719,9 +846,8 @@ def calculate_rewards(prompts, responses, answers, reward_model, answer_reward_w
     reward_model_scores = torch.zeros(len(responses), dtype=torch.float32)  # [N]
     if reward_model is not None:
         messages_list = [prompt_to_messages(p) for p in prompts]
-        final_answers = [split_thinking(r)[1] for r in responses]
-        reward_model_scores = torch.tensor(reward_model.get_scores(messages_list, final_answers),
-                                           dtype=torch.float32)
+        reward_model_scores = torch.tensor(reward_model.get_scores(messages_list, responses),
+                                           dtype=torch.float32)  # [N], one batched call
     rewards = rule_rewards + reward_model_scores + answer_reward_weight * answer_rewards  # [N]
     return {"rewards": rewards, "rule_rewards": rule_rewards, "reward_model_scores": reward_model_scores,
             "answer_rewards": answer_rewards}
