@@ -235,3 +235,16 @@ def test_two_steps_with_rollout_engine_sglang(script, start_standin, tokenizer, 
     assert len(server.loaded_paths) == 1 + 1 + 2  # launch, start-up push, one push per step
     assert os.listdir(shared) == ["policy_v2"]
     assert os.path.isfile(os.path.join(save_dir, f"{script}_64.pth"))
+
+
+def test_check_sglang_script_against_the_standin(start_standin, tiny_weights, tmp_path):
+    """scripts/check_sglang.py (meant for a GPU + SGLang machine) runs its comparison and GRPO steps end to end."""
+    from scripts.check_sglang import main as check_main
+    save_dir, name = tiny_weights
+    server = start_standin(make_policy(3))
+    summary = check_main(["--sglang_url", server.url, "--save_dir", save_dir, "--from_weight", name,
+                          "--work_dir", str(tmp_path / "check"), "--num_prompts", "2", "--num_generations", "2",
+                          "--max_gen_len", "6", "--grpo_steps", "2"] + TINY)
+    assert summary["sglang_tokens_per_s"] > 0 and summary["torch_tokens_per_s"] > 0
+    assert summary["sglang_logprob_gap"] < 1e-3 and len(summary["grpo_logprob_gap"]) == 2
+    assert max(summary["grpo_logprob_gap"]) < 1e-3

@@ -205,6 +205,8 @@ def check_common_rl_args(parser, args):
         parser.error(f"--save_dir: {err.strerror}")
     if args.sglang_sync_interval < 1:
         parser.error(f"--sglang_sync_interval must be >= 1, got {args.sglang_sync_interval}")
+    if args.rollout_engine == "sglang" and args.use_moe:
+        parser.error("--rollout_engine sglang needs a dense model (--use_moe 0): MoE weights have no Qwen3 export")
     if not args.sglang_url.startswith(("http://", "https://")):
         parser.error(f"--sglang_url must start with http:// or https://, got {args.sglang_url!r}")
 
