@@ -248,3 +248,49 @@ def test_check_sglang_script_against_the_standin(start_standin, tiny_weights, tm
     assert summary["sglang_tokens_per_s"] > 0 and summary["torch_tokens_per_s"] > 0
     assert summary["sglang_logprob_gap"] < 1e-3 and len(summary["grpo_logprob_gap"]) == 2
     assert max(summary["grpo_logprob_gap"]) < 1e-3
+
+
+def push_on_two_ranks(rank, init_file, url, shared_path, bad_folder, out_dir):
+    """torch.multiprocessing worker: a 2-rank gloo group syncs once, then tries a folder the server rejects."""
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+    from conftest import ROOT
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
+    policy = make_policy(1)
+    engine = SGLangRolloutEngine(policy, tokenizer, url, shared_path, sync_at_start=False, **FAST)
+    engine.update_policy(policy)
+    try:
+        engine.push_weights(policy, folder=bad_folder)
+        outcome = "no error"
+    except RuntimeError as err:
+        outcome = str(err)
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(outcome)
+    dist.destroy_process_group()
+
+
+def test_two_ranks_rank0_syncs_and_every_rank_learns_a_failure(start_standin, tmp_path):
+    server = start_standin(make_policy(0))
+    shared, bad = str(tmp_path / "shared"), str(tmp_path / "missing")
+    torch.multiprocessing.spawn(push_on_two_ranks, args=(str(tmp_path / "init"), server.url, shared, bad,
+                                                         str(tmp_path)), nprocs=2)
+    updates = [payload["model_path"] for path, payload in server.requests if path == "/update_weights_from_disk"]
+    assert updates == [os.path.join(shared, "policy_v0"), bad]  # rank 0 alone talks to /update_weights_from_disk
+    rank0 = (tmp_path / "rank0.txt").read_text()
+    rank1 = (tmp_path / "rank1.txt").read_text()
+    assert "update_weights_from_disk failed" in rank0 and "no config.json" in rank0
+    assert rank1.startswith("rank 0 could not sync the policy to SGLang") and "no config.json" in rank1
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--sglang_sync_interval", "0"], "--sglang_sync_interval must be >= 1"),
+    (["--sglang_url", "127.0.0.1:30000"], "--sglang_url must start with http://"),
+    (["--rollout_engine", "sglang", "--use_moe", "1"], "needs a dense model"),
+    (["--sglang_logprobs", "both"], "invalid choice: 'both'"),
+])
+def test_bad_sglang_flags_fail_at_start(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        grpo_main(flags)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

@@ -13,6 +13,7 @@ returns; a server started with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` returns soft
 import os
 import shutil
 import time
+import urllib.parse
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -353,7 +354,7 @@ class SGLangRolloutEngine(RolloutEngine):
             if response.status_code == 200:
                 return
             last_error = f"HTTP {response.status_code}"
-        port = requests.utils.urlparse(self.url).port or 30000
+        port = urllib.parse.urlparse(self.url).port or 30000
         raise RuntimeError(
             f"no SGLang server answers at {self.url}/health after {health_retries} attempts ({last_error}). "
             f"Start one on the policy's weights (pip install sglang; needs a CUDA GPU), e.g.\n"
