@@ -10,7 +10,7 @@ import torch
 from model.hf_qwen3 import save_qwen3_folder
 from model.model_minimind import MiniMindForCausalLM
 from sglang_standin import SGLangStandin
-from trainer.rollout_engine import SGLangRolloutEngine, create_rollout_engine
+from trainer.rollout_engine import SGLangRolloutEngine, create_rollout_engine, parse_sglang_output
 from trainer.train_grpo import main as grpo_main
 from trainer.train_grpo import tokenize_prompts
 from trainer.train_ppo import main as ppo_main
@@ -294,3 +294,32 @@ def test_bad_sglang_flags_fail_at_start(flags, message, capsys):
         grpo_main(flags)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def answer(output_ids, triples, finish_reason, completion_tokens=None):
+    """An SGLang /generate answer element as documented (io_struct.py / tokenizer_manager.py)."""
+    meta_info = {"finish_reason": finish_reason, "output_token_logprobs": triples, "prompt_tokens": 5,
+                 "completion_tokens": len(output_ids) if completion_tokens is None else completion_tokens}
+    return {"text": "", "output_ids": output_ids, "meta_info": meta_info}
+
+
+def test_parse_a_well_formed_answer():
+    good = answer([7, 9, 2], [[-0.5, 7, None], [-1.25, 9, None], [-0.125, 2, None]], {"type": "stop", "matched": 2})
+    assert parse_sglang_output(good, 0, max_new_tokens=4, eos_token_id=2) == ([7, 9, 2], [-0.5, -1.25, -0.125])
+    cut = answer([7, 9], [[-0.5, 7, None], [-1.0, 9, None]], {"type": "length", "length": 2})
+    assert parse_sglang_output(cut, 0, max_new_tokens=2, eos_token_id=2) == ([7, 9], [-0.5, -1.0])
+
+
+@pytest.mark.parametrize("bad, message", [
+    (answer([7, 9], [[-0.5, 7, None], [None, 9, None]], {"type": "length", "length": 2}),
+     r"log-probs missing at completion positions \[1\]"),
+    (answer([7, 9], [[-0.5, 7, None], [-1.0, 9, None]], {"type": "length", "length": 2}, 3), "completion_tokens 3"),
+    (answer([7, 9], [[-0.5, 7, None]], {"type": "length", "length": 2}), "differ from the token ids"),
+    (answer([7, 9], [[-0.5, 7, None], [-1.0, 9, None]], {"type": "stop", "matched": 2}), "do not end with it"),
+    (answer([], [], {"type": "abort", "message": "Abort before prefill"}), "aborted.*Abort before prefill"),
+    (answer([7, 9, 8], [[-0.5, 7, None], [-1.0, 9, None], [-1.0, 8, None]], {"type": "length"}), "3 tokens for"),
+    ({"text": "hi", "meta_info": {}}, "expected a dict with output_ids and meta_info"),
+])
+def test_parse_refuses_bad_answers(bad, message):
+    with pytest.raises(RuntimeError, match=message):
+        parse_sglang_output(bad, 3, max_new_tokens=2, eos_token_id=2)
