@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -47,7 +48,7 @@ def launch_server(folder, port, server_args, timeout_s):
     command = [sys.executable, "-m", "sglang.launch_server", "--model-path", folder, "--port", str(port),
                "--host", "127.0.0.1"] + shlex.split(server_args)
     print("launching:", " ".join(command), flush=True)
-    process = subprocess.Popen(command, env=env)
+    process = subprocess.Popen(command, env=env, start_new_session=True)  # its own process group
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + timeout_s
     while time.time() < deadline:
@@ -59,8 +60,15 @@ def launch_server(folder, port, server_args, timeout_s):
         except requests.RequestException:
             pass
         time.sleep(5)
-    process.terminate()
+    stop_server(process)
     raise RuntimeError(f"the SGLang server did not answer {url}/health within {timeout_s} s")
+
+
+def stop_server(process):
+    """SIGTERM to the server's process group (sglang.launch_server starts scheduler and detokenizer children)."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=120)
 
 
 def timed_rollout(engine, prompt_ids, attention_mask, args):
@@ -154,8 +162,7 @@ def main(argv=None):
         rows = run_grpo_steps(args, url, work_dir)
     finally:
         if process is not None:
-            process.terminate()
-            process.wait(timeout=60)
+            stop_server(process)
     summary["grpo_logprob_gap"] = [row["logprob_gap"] for row in rows]
     summary["grpo_reward"] = [row["reward"] for row in rows]
     print(json.dumps(summary, indent=2))

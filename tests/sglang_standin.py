@@ -57,11 +57,11 @@ class SGLangStandin:
     Args:
         model_path: a Qwen3ForCausalLM folder (``model/hf_qwen3.py``), as ``--model-path``.
         return_original_logprob: None reads SGLANG_RETURN_ORIGINAL_LOGPROB from the environment.
-        seed: seed of the sampling generator.
+        seed: seed of the sampling generator; port: 0 picks a free one.
     ``requests`` records (path, payload) of every POST; ``loaded_paths`` every folder loaded.
     """
 
-    def __init__(self, model_path, return_original_logprob=None, seed=0):
+    def __init__(self, model_path, return_original_logprob=None, seed=0, port=0):
         if return_original_logprob is None:
             return_original_logprob = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "0").lower() in ("1", "true")
         self.return_original_logprob = return_original_logprob
@@ -75,7 +75,7 @@ class SGLangStandin:
         self.model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
         self.loaded_paths.append(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self.handler_class())
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), self.handler_class())
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = None
 

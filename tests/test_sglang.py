@@ -250,6 +250,39 @@ def test_check_sglang_script_against_the_standin(start_standin, tiny_weights, tm
     assert max(summary["grpo_logprob_gap"]) < 1e-3
 
 
+FAKE_LAUNCH_SERVER = """
+import argparse
+from sglang_standin import SGLangStandin
+parser = argparse.ArgumentParser()
+parser.add_argument("--model-path")
+parser.add_argument("--port", type=int)
+args, _ = parser.parse_known_args()
+SGLangStandin(args.model_path, port=args.port).httpd.serve_forever()
+"""
+
+
+def test_check_sglang_launches_and_stops_the_server(tiny_weights, tmp_path, monkeypatch):
+    """Without --sglang_url the script runs `python -m sglang.launch_server` (here a fake package that serves
+    the stand-in) on the exported folder, and stops it at the end."""
+    from conftest import ROOT
+    from scripts.check_sglang import main as check_main
+    fake = tmp_path / "fake" / "sglang"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "launch_server.py").write_text(FAKE_LAUNCH_SERVER)
+    tests_dir = os.path.join(ROOT, "tests")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "fake"), tests_dir, ROOT]))
+    save_dir, name = tiny_weights
+    port = free_port()
+    summary = check_main(["--port", str(port), "--server_args", "", "--launch_timeout", "300", "--save_dir", save_dir,
+                          "--from_weight", name, "--work_dir", str(tmp_path / "check"), "--num_prompts", "1",
+                          "--num_generations", "2", "--max_gen_len", "4", "--grpo_steps", "1"] + TINY)
+    assert summary["sglang_logprob_gap"] < 1e-3
+    assert os.path.isfile(tmp_path / "check" / "launch" / "config.json")
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"http://127.0.0.1:{port}/health", timeout=5)
+
+
 def push_on_two_ranks(rank, init_file, url, shared_path, bad_folder, out_dir):
     """torch.multiprocessing worker: a 2-rank gloo group syncs once, then tries a folder the server rejects."""
     import torch.distributed as dist
