@@ -1,19 +1,28 @@
 """Rollout engines (chapter 8.2): sample completions and record their per-token log-probs.
 
 ``RolloutEngine`` is a small abstract base with two methods, ``rollout`` and ``update_policy``;
-``TorchRolloutEngine`` samples with the policy's own ``generate``; ``create_rollout_engine`` picks one
-from the ``--rollout_engine`` flag.
+``TorchRolloutEngine`` samples with the policy's own ``generate``; ``SGLangRolloutEngine`` sends the prompts
+to an SGLang server over HTTP and syncs the policy's weights to it through a shared folder;
+``create_rollout_engine`` picks one from the ``--rollout_engine`` flag.
 
 Log-prob convention (one for old, new and reference log-probs): log pi(token | prefix) of the
 temperature-scaled distribution, softmax(logits / temperature), without top-p / top-k truncation.
-With temperature 1 this is the model's plain distribution.
+With temperature 1 this is the model's plain distribution. It is also SGLang's default for the log-probs it
+returns; a server started with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` returns softmax(logits) instead.
 """
+import os
+import shutil
+import time
+import urllib.parse
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import requests
 import torch
+import torch.distributed as dist
 
-from trainer.trainer_utils import completion_mask_from_ids, unwrap_model
+from model.hf_qwen3 import save_qwen3_folder
+from trainer.trainer_utils import completion_mask_from_ids, is_main_process, masked_mean, unwrap_model
 
 
 def selective_log_softmax(logits, index, temperature=1.0):
@@ -65,6 +74,8 @@ class RolloutResult:
     prompt_lens: long [N], real (unpadded) prompt lengths.
     completion_mask: long [N, R], 1 through the first EOS (see ``completion_mask_from_ids``).
     prompt_mask: long [N, P], the prompts' attention mask.
+    metrics: dict of floats the engine measured for this batch (logged with the step's metrics), e.g. the
+        SGLang engine's ``logprob_gap``.
     """
     output_ids: torch.Tensor
     completion_ids: torch.Tensor
@@ -73,6 +84,7 @@ class RolloutResult:
     prompt_lens: torch.Tensor
     completion_mask: torch.Tensor
     prompt_mask: torch.Tensor
+    metrics: dict = field(default_factory=dict)
 
     @property
     def attention_mask(self):
@@ -149,15 +161,351 @@ class TorchRolloutEngine(RolloutEngine):
         self.policy_model = model
 
 
-ROLLOUT_ENGINES = ("torch",)
+# ----------------------------------------------------------------------------- SGLang over HTTP (chapter 8.2)
+SGLANG_LOGPROB_MODES = ("recompute", "server")
+RETRIED_HTTP_STATUSES = (502, 503, 504)
+
+
+def sglang_sampling_params(temperature, top_p, top_k, max_new_tokens, eos_token_id):
+    """The ``sampling_params`` of an SGLang ``/generate`` request, every field explicit.
+
+    A server fills missing fields from the model folder's generation config, so nothing is left to it.
+    Field names and meanings follow SGLang's ``SamplingParams`` (docs: "Sampling Parameters"): top_k = -1
+    means no top-k (this project's flag uses 0 for that); generation stops on ``stop_token_ids``.
+    """
+    return {
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k if top_k > 0 else -1,
+        "min_p": 0.0,
+        "max_new_tokens": max_new_tokens,
+        "min_new_tokens": 0,
+        "stop_token_ids": [eos_token_id],
+        "ignore_eos": False,
+        "skip_special_tokens": False,
+        "repetition_penalty": 1.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+    }
+
+
+def parse_sglang_output(output, index, max_new_tokens, eos_token_id):
+    """Completion token ids and their log-probs from one element of SGLang's ``/generate`` answer.
+
+    SGLang answers a batched request with a JSON list in input order; each element holds ``output_ids``
+    (the generated ids, ending with the EOS id when generation stopped on it) and ``meta_info`` with
+    ``output_token_logprobs`` ([logprob, token_id, text or null] per generated token), ``finish_reason``
+    ({"type": "stop" | "length" | "abort", ...}) and ``completion_tokens`` (SGLang ``io_struct.py`` /
+    ``tokenizer_manager.py``).
+
+    Args:
+        output: one decoded JSON element; index: its position in the batch (for messages).
+    Returns:
+        (token_ids list[int], logps list[float]) of equal length.
+    Raises:
+        RuntimeError: for an aborted request, missing log-probs (never padded), or token ids in the log-prob
+            triples that differ from ``output_ids`` (older servers put prompt tokens into ``output_ids``),
+            counts that disagree, or more than ``max_new_tokens`` tokens.
+    """
+    where = f"SGLang /generate answer {index}"
+    if not isinstance(output, dict) or "output_ids" not in output or "meta_info" not in output:
+        keys = sorted(output) if isinstance(output, dict) else type(output).__name__
+        raise RuntimeError(f"{where}: expected a dict with output_ids and meta_info, got {keys}")
+    meta_info = output["meta_info"]
+    finish_reason = meta_info.get("finish_reason") or {}
+    if finish_reason.get("type") == "abort":
+        raise RuntimeError(f"{where}: the server aborted the request ({finish_reason.get('message', finish_reason)});"
+                           " an aborted rollout is not an empty answer, so the step stops here")
+    triples = meta_info.get("output_token_logprobs")
+    if triples is None:
+        raise RuntimeError(f"{where}: no meta_info.output_token_logprobs (the request sets return_logprob: true; "
+                           "is this an SGLang /generate endpoint?)")
+    token_ids = [int(t) for t in output["output_ids"]]
+    triple_ids = [int(triple[1]) for triple in triples]
+    if triple_ids != token_ids:
+        raise RuntimeError(f"{where}: output_ids ({len(token_ids)} ids, starting {token_ids[:8]}) differ from the "
+                           f"token ids of output_token_logprobs ({len(triple_ids)} ids, starting {triple_ids[:8]}); "
+                           "older SGLang servers return stray prompt tokens in output_ids: upgrade SGLang")
+    logps = [triple[0] for triple in triples]
+    if any(logp is None for logp in logps):
+        missing = [i for i, logp in enumerate(logps) if logp is None]
+        raise RuntimeError(f"{where}: log-probs missing at completion positions {missing[:8]}; they are never "
+                           "filled with zeros")
+    if meta_info.get("completion_tokens", len(token_ids)) != len(token_ids):
+        raise RuntimeError(f"{where}: completion_tokens {meta_info['completion_tokens']} != {len(token_ids)} "
+                           "output_ids")
+    if len(token_ids) > max_new_tokens:
+        raise RuntimeError(f"{where}: {len(token_ids)} tokens for max_new_tokens {max_new_tokens}")
+    if finish_reason.get("type") == "stop" and finish_reason.get("matched") == eos_token_id \
+            and token_ids[-1:] != [eos_token_id]:
+        raise RuntimeError(f"{where}: stopped on EOS {eos_token_id} but output_ids do not end with it")
+    return token_ids, [float(logp) for logp in logps]
+
+
+class SGLangRolloutEngine(RolloutEngine):
+    """Rollouts from an SGLang server over its HTTP API; weights synced through a shared folder (chapter 8.2).
+
+    ``rollout`` sends one batched ``/generate`` request (each prompt's unpadded ids, repeated in place,
+    P0,P0,..,P1,..; every sampling parameter explicit; ``return_logprob: true``) and checks the answer
+    (``parse_sglang_output``). The old log-probs follow ``logprobs_mode``:
+      * "recompute" (default): recomputed by the local policy with ``compute_per_token_logps``, the
+        project's convention, whatever the server's settings;
+      * "server": the server's own; on the first batch they are checked against a local recomputation and
+        the run stops with instructions when the masked mean |gap| exceeds ``logprob_tolerance``.
+    ``metrics["logprob_gap"]`` (masked mean |server - local|) is measured on every batch in recompute mode and
+    on the checked batch in server mode.
+
+    ``update_policy`` counts its calls and on every ``sync_interval``-th one: rank 0 writes the policy as a
+    Qwen3ForCausalLM folder ``{shared_path}/policy_v{n}`` (n = weights pushed before; ``model/hf_qwen3.py``,
+    written then renamed) and
+    POSTs ``/update_weights_from_disk`` {model_path, flush_cache: true}; a reply without ``success`` raises
+    with the server's ``message``; the other ranks learn the outcome by a broadcast. The previous folder is
+    removed after a successful update. With ``sync_at_start`` the starting policy is pushed at construction,
+    so the server never samples from other weights than the trainer's.
+
+    Network errors (and HTTP 502/503/504) are retried ``max_retries`` times with exponential backoff
+    (``backoff_s``, 2 x backoff_s, ...); then a RuntimeError names the URL and ``resume_hint``.
+
+    Args:
+        policy_model: the policy (or its DDP wrapper); tokenizer: its tokenizer (eos / pad ids, decoding).
+        url: the server, e.g. "http://127.0.0.1:30000"; shared_path: a folder both trainer and server read.
+        export_dtype: storage dtype of the synced weights.
+        health_retries: /health attempts at start-up before the error with the launch command.
+        session: a ``requests.Session`` (default: a new one).
+    Raises:
+        ValueError: for an unknown ``logprobs_mode`` or ``sync_interval`` < 1.
+        RuntimeError: at start-up when no server answers /health (naming the URL and the launch command).
+    """
+
+    def __init__(self, policy_model, tokenizer, url, shared_path, logprobs_mode="recompute", sync_interval=1,
+                 top_p=1.0, top_k=0, export_dtype=torch.float32, logprob_tolerance=0.05, max_retries=5,
+                 backoff_s=1.0, timeout_s=600.0, health_retries=5, sync_at_start=True, resume_hint="",
+                 session=None):
+        if logprobs_mode not in SGLANG_LOGPROB_MODES:
+            raise ValueError(f"unknown SGLang log-prob mode {logprobs_mode!r}; "
+                             f"valid: {', '.join(SGLANG_LOGPROB_MODES)}")
+        if sync_interval < 1:
+            raise ValueError(f"sync_interval must be >= 1, got {sync_interval}")
+        self.policy_model = policy_model
+        self.tokenizer = tokenizer
+        self.eos_token_id = tokenizer.eos_token_id
+        self.pad_token_id = tokenizer.pad_token_id
+        self.url = url.rstrip("/")
+        self.shared_path = os.path.abspath(shared_path)
+        self.logprobs_mode = logprobs_mode
+        self.sync_interval = sync_interval
+        self.top_p = top_p
+        self.top_k = top_k
+        self.export_dtype = export_dtype
+        self.logprob_tolerance = logprob_tolerance
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.timeout_s = timeout_s
+        self.resume_hint = resume_hint
+        self.session = session or requests.Session()
+        self.num_update_calls = 0
+        self.weight_version = 0
+        self.synced_folder = None
+        self.server_logps_checked = False
+        launch_folder = os.path.join(self.shared_path, "policy_v0")
+        if sync_at_start and is_main_process():
+            self.export_policy(policy_model, launch_folder)
+        self.wait_for_server(health_retries, launch_folder)
+        if sync_at_start:
+            self.push_weights(policy_model, launch_folder)
+
+    # -- HTTP
+    def request(self, method, path, payload=None):
+        """One HTTP call with bounded retries on network errors and 502/503/504; returns the ``Response``.
+
+        Raises:
+            RuntimeError: after ``max_retries`` retries, naming the URL, the last error and ``resume_hint``.
+        """
+        last_error = None
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                response = self.session.request(method, self.url + path, json=payload, timeout=self.timeout_s)
+            except (requests.ConnectionError, requests.Timeout) as err:
+                last_error = f"{type(err).__name__}: {err}"
+                continue
+            if response.status_code not in RETRIED_HTTP_STATUSES:
+                return response
+            last_error = f"HTTP {response.status_code}: {response.text[:200]}"
+        raise RuntimeError(f"SGLang server {self.url}{path} failed {self.max_retries + 1} times ({last_error}). "
+                           f"Start the server again, then resume the run. {self.resume_hint}".rstrip())
+
+    def wait_for_server(self, health_retries, launch_folder):
+        """GET /health up to ``health_retries`` times with backoff (a starting server answers 503).
+
+        Raises:
+            RuntimeError: naming the URL and the command that starts a server on ``launch_folder``.
+        """
+        last_error = None
+        for attempt in range(health_retries):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                response = self.session.get(self.url + "/health", timeout=10)
+            except (requests.ConnectionError, requests.Timeout) as err:
+                last_error = f"{type(err).__name__}: {err}"
+                continue
+            if response.status_code == 200:
+                return
+            last_error = f"HTTP {response.status_code}"
+        port = urllib.parse.urlparse(self.url).port or 30000
+        raise RuntimeError(
+            f"no SGLang server answers at {self.url}/health after {health_retries} attempts ({last_error}). "
+            f"Start one on the policy's weights (pip install sglang; needs a CUDA GPU), e.g.\n"
+            f"  python -m sglang.launch_server --model-path {launch_folder} --port {port} --host 127.0.0.1\n"
+            f"(the folder is written by the trainer at start-up; for other weights use "
+            f"python scripts/convert_model.py to_hf --weight ... --out FOLDER), or pass --sglang_url.")
+
+    # -- rollout
+    @torch.no_grad()
+    def rollout(self, prompt_ids, attention_mask, num_generations, max_new_tokens, temperature=1.0):
+        model = unwrap_model(self.policy_model)
+        device = prompt_ids.device
+        prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
+        prompt_mask = attention_mask.repeat_interleave(num_generations, dim=0)  # [N, P]
+        input_ids = [row[mask.bool()].tolist() for row, mask in zip(prompt_ids, prompt_mask)]  # N unpadded lists
+        payload = {
+            "input_ids": input_ids,
+            "sampling_params": sglang_sampling_params(temperature, self.top_p, self.top_k, max_new_tokens,
+                                                      self.eos_token_id),
+            "return_logprob": True,
+        }
+        response = self.request("POST", "/generate", payload)
+        if response.status_code != 200:
+            raise RuntimeError(f"SGLang {self.url}/generate answered HTTP {response.status_code}: "
+                               f"{response.text[:500]}")
+        outputs = response.json()
+        if not isinstance(outputs, list) or len(outputs) != len(input_ids):
+            got = len(outputs) if isinstance(outputs, list) else type(outputs).__name__
+            raise RuntimeError(f"SGLang {self.url}/generate: expected a list of {len(input_ids)} answers, got {got}")
+        parsed = [parse_sglang_output(output, i, max_new_tokens, self.eos_token_id) for i, output in enumerate(outputs)]
+
+        gen_len = max(len(token_ids) for token_ids, _ in parsed)  # R
+        completion_ids = torch.full((len(parsed), gen_len), self.pad_token_id, dtype=torch.long)  # [N, R]
+        server_per_token_logps = torch.zeros((len(parsed), gen_len), dtype=torch.float32)  # [N, R], 0 = no token
+        length_mask = torch.zeros((len(parsed), gen_len), dtype=torch.long)  # [N, R]
+        for i, (token_ids, logps) in enumerate(parsed):
+            completion_ids[i, :len(token_ids)] = torch.tensor(token_ids, dtype=torch.long)
+            server_per_token_logps[i, :len(logps)] = torch.tensor(logps, dtype=torch.float32)
+            length_mask[i, :len(token_ids)] = 1
+        completion_ids = completion_ids.to(device)
+        server_per_token_logps = server_per_token_logps.to(device)
+        completion_mask = completion_mask_from_ids(completion_ids, self.eos_token_id) * length_mask.to(device)
+        output_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [N, P + R]
+        full_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [N, P + R]
+
+        metrics = {}
+        per_token_logps = server_per_token_logps
+        if self.logprobs_mode == "recompute" or not self.server_logps_checked:
+            was_training = model.training
+            model.eval()
+            local_per_token_logps = compute_per_token_logps(model, output_ids, gen_len, full_mask,
+                                                            temperature)  # [N, R]
+            model.train(was_training)
+            gap = masked_mean((server_per_token_logps - local_per_token_logps).abs(), completion_mask).item()
+            metrics["logprob_gap"] = gap
+            if self.logprobs_mode == "recompute":
+                per_token_logps = local_per_token_logps
+            else:
+                self.check_server_logps(gap, temperature)
+        return RolloutResult(
+            output_ids=output_ids,
+            completion_ids=completion_ids,
+            per_token_logps=per_token_logps,
+            completions=decode_completions(self.tokenizer, completion_ids, completion_mask, self.eos_token_id),
+            prompt_lens=prompt_mask.sum(dim=1),
+            completion_mask=completion_mask,
+            prompt_mask=prompt_mask,
+            metrics=metrics,
+        )
+
+    def check_server_logps(self, gap, temperature):
+        """First batch of ``--sglang_logprobs server``: stop unless the server's log-probs are the trainer's.
+
+        Raises:
+            RuntimeError: when ``gap`` (masked mean |server - local|) exceeds ``logprob_tolerance``.
+        """
+        if gap > self.logprob_tolerance:
+            raise RuntimeError(
+                f"--sglang_logprobs server: the server's log-probs differ from the trainer's by a mean of {gap:.4f} "
+                f"per token (tolerance {self.logprob_tolerance}) at temperature {temperature}. The trainer uses "
+                f"log softmax(logits / temperature), SGLang's default: start the server WITHOUT "
+                f"SGLANG_RETURN_ORIGINAL_LOGPROB=1, sync the same weights in full precision (--sglang_export_dtype "
+                f"float32, server --dtype float32), or run with --sglang_logprobs recompute (the default).")
+        self.server_logps_checked = True
+
+    # -- weight sync
+    def export_policy(self, model, folder):
+        """Write ``model``'s weights (and the tokenizer) as a Qwen3ForCausalLM folder (rank 0 only)."""
+        raw = unwrap_model(model)
+        return save_qwen3_folder(raw.state_dict(), raw.config, folder, tokenizer=self.tokenizer,
+                                 dtype=self.export_dtype)
+
+    def post_update(self, folder):
+        """POST /update_weights_from_disk {model_path, flush_cache: true}.
+
+        Raises:
+            RuntimeError: with the server's ``message`` unless the JSON answer says ``success``.
+        """
+        response = self.request("POST", "/update_weights_from_disk", {"model_path": folder, "flush_cache": True})
+        try:
+            body = response.json()
+        except ValueError:
+            body = {"success": False, "message": response.text[:500]}
+        if response.status_code != 200 or not body.get("success"):
+            raise RuntimeError(f"SGLang {self.url}/update_weights_from_disk failed for {folder} "
+                               f"(HTTP {response.status_code}): {body.get('message')}")
+
+    def push_weights(self, model, folder=None):
+        """Rank 0 exports (unless ``folder`` is already written) and asks the server to load; every rank raises
+        on failure (the outcome is broadcast from rank 0)."""
+        error, caught = None, None
+        if is_main_process():
+            try:
+                if folder is None:
+                    folder = self.export_policy(model, os.path.join(self.shared_path,
+                                                                    f"policy_v{self.weight_version}"))
+                self.post_update(folder)
+                if self.synced_folder and self.synced_folder != folder:
+                    shutil.rmtree(self.synced_folder, ignore_errors=True)
+                self.synced_folder = folder
+            except (RuntimeError, OSError, ValueError) as err:
+                error, caught = f"{type(err).__name__}: {err}", err
+        if dist.is_initialized():
+            outcome = [error]
+            dist.broadcast_object_list(outcome, src=0)
+            error = outcome[0]
+        if caught is not None:
+            raise caught
+        if error is not None:
+            raise RuntimeError(f"rank 0 could not sync the policy to SGLang: {error}")
+        self.weight_version += 1
+
+    def update_policy(self, model):
+        """Every ``sync_interval``-th call, push ``model``'s weights to the server (see the class docstring)."""
+        self.policy_model = model
+        self.num_update_calls += 1
+        if self.num_update_calls % self.sync_interval == 0:
+            self.push_weights(model)
+
+
+ROLLOUT_ENGINES = ("torch", "sglang")
 
 
 def create_rollout_engine(engine_type, policy_model, tokenizer, **kwargs):
-    """Factory for ``--rollout_engine`` (chapter 8.2).
+    """Factory for ``--rollout_engine`` (chapter 8.2); ``kwargs`` go to the engine's constructor.
 
     Raises:
         ValueError: for an unknown engine type, naming the valid ones.
     """
     if engine_type == "torch":
         return TorchRolloutEngine(policy_model, tokenizer, **kwargs)
+    if engine_type == "sglang":
+        return SGLangRolloutEngine(policy_model, tokenizer, **kwargs)
     raise ValueError(f"unknown --rollout_engine {engine_type!r}; valid: {', '.join(ROLLOUT_ENGINES)}")

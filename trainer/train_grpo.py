@@ -33,7 +33,10 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from dataset.lm_dataset import RLAIFDataset  # noqa: E402
-from trainer.rollout_engine import ROLLOUT_ENGINES, compute_per_token_logps, create_rollout_engine  # noqa: E402
+from model.hf_qwen3 import DTYPES  # noqa: E402
+from trainer.rollout_engine import (  # noqa: E402
+    ROLLOUT_ENGINES, SGLANG_LOGPROB_MODES, compute_per_token_logps, create_rollout_engine,
+)
 from trainer.trainer_utils import (  # noqa: E402
     DEFAULT_REWARD_MODEL_PATH, DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, DTYPES, BadStepGuard, LMForRewardModel,
     Logger, MetricsWriter, ResumableBatchSampler, StepTimer, StopSignal, any_rank, atomic_save, build_config,
@@ -153,6 +156,16 @@ def add_common_rl_args(parser):
     parser.add_argument("--answer_reward_weight", type=float, default=2.0,
                         help="weight of the 0/1 reward for a correct final number")
     parser.add_argument("--rollout_engine", default="torch", help=f"one of {', '.join(ROLLOUT_ENGINES)}")
+    parser.add_argument("--sglang_url", default="http://127.0.0.1:30000", help="server of --rollout_engine sglang")
+    parser.add_argument("--sglang_shared_path", default="",
+                        help="folder the trainer writes synced weights to and the server reads "
+                             "(default {save_dir}/sglang_policy)")
+    parser.add_argument("--sglang_logprobs", default="recompute", choices=SGLANG_LOGPROB_MODES,
+                        help="old log-probs: recomputed by the local policy, or the server's (checked at batch 1)")
+    parser.add_argument("--sglang_sync_interval", type=int, default=1,
+                        help="push weights to SGLang every N policy updates (N > 1: rollouts up to N-1 updates old)")
+    parser.add_argument("--sglang_export_dtype", default="float32", choices=sorted(DTYPES),
+                        help="dtype of the weights synced to SGLang")
     parser.add_argument("--log_interval", type=int, default=1)
     parser.add_argument("--save_interval", type=int, default=50)
     parser.add_argument("--seed", type=int, default=42)
@@ -199,6 +212,12 @@ def check_common_rl_args(parser, args):
         check_writable_dir(args.save_dir)
     except OSError as err:
         parser.error(f"--save_dir: {err.strerror}")
+    if args.sglang_sync_interval < 1:
+        parser.error(f"--sglang_sync_interval must be >= 1, got {args.sglang_sync_interval}")
+    if args.rollout_engine == "sglang" and args.use_moe:
+        parser.error("--rollout_engine sglang needs a dense model (--use_moe 0): MoE weights have no Qwen3 export")
+    if not args.sglang_url.startswith(("http://", "https://")):
+        parser.error(f"--sglang_url must start with http:// or https://, got {args.sglang_url!r}")
 
 
 def parse_args(argv=None):
@@ -248,6 +267,20 @@ def count_long_prompts(dataset, tokenizer, max_seq_len):
     prompts = [dataset[i]["prompt"] for i in range(len(dataset))]
     lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
     return sum(length > max_seq_len for length in lengths)
+
+
+def rollout_engine_kwargs(args):
+    """Constructor arguments of the ``--rollout_engine`` chosen (chapter 8.2)."""
+    kwargs = dict(top_p=args.top_p, top_k=args.top_k)
+    if args.rollout_engine == "sglang":
+        kwargs.update(
+            url=args.sglang_url, shared_path=args.sglang_shared_path or os.path.join(args.save_dir, "sglang_policy"),
+            logprobs_mode=args.sglang_logprobs, sync_interval=args.sglang_sync_interval,
+            export_dtype=DTYPES[args.sglang_export_dtype],
+            resume_hint=f"A checkpoint is saved every --save_interval {args.save_interval} steps: rerun the same "
+                        f"command with --from_resume 1 to continue from the last one.",
+        )
+    return kwargs
 
 
 def build_run(args, script_name):
@@ -381,6 +414,7 @@ def grpo_step(batch, model, ref_model, rollout_engine, reward_model, tokenizer, 
         "ratio_mean": masked_mean(ratio, completion_mask).item(),
         "response_len": completion_mask.sum(dim=1).float().mean().item(),
         "truncated_prompts": truncated,
+        **rollout.metrics,
     }
     debug = {"prompts": repeated_prompts, "completions": rollout.completions, "reward_parts": reward_parts}
     return loss, metrics, debug
@@ -493,10 +527,10 @@ def main(argv=None):
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = build_cosine_scheduler(optimizer, -(-total_steps // args.accumulation_steps))  # ceil
     ddp_model = wrap_ddp(model, device, run["local_rank"])
-    rollout_engine = create_rollout_engine(args.rollout_engine, model, tokenizer, top_p=args.top_p, top_k=args.top_k)
     objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
     progress = start_or_resume(args, "grpo", run, objects, steps_per_epoch)
-    rollout_engine.update_policy(model)  # the engine samples from the (restored) policy
+    # made after the restore: the SGLang engine pushes the (restored) policy to its server at start-up
+    rollout_engine = create_rollout_engine(args.rollout_engine, model, tokenizer, **rollout_engine_kwargs(args))
     run_dir, writer = open_metrics(args, progress)
     Logger(f"GRPO: {total_steps} steps, {args.batch_size} prompts x {args.num_generations} answers per step, "
            f"loss {args.loss_type}, metrics in {run_dir}")

@@ -35,7 +35,7 @@ from model.model_minimind import CriticModel  # noqa: E402
 from trainer.rollout_engine import compute_per_token_logps, create_rollout_engine  # noqa: E402
 from trainer.train_grpo import (  # noqa: E402
     add_common_rl_args, build_run, check_common_rl_args, count_total_steps, mean_over_ranks, open_metrics,
-    print_debug_samples, save_checkpoint, start_or_resume, tokenize_prompts, wrap_ddp,
+    print_debug_samples, rollout_engine_kwargs, save_checkpoint, start_or_resume, tokenize_prompts, wrap_ddp,
 )
 from trainer.trainer_utils import (  # noqa: E402
     BadStepGuard, Logger, StepTimer, StopSignal, any_rank, build_cosine_scheduler, calculate_rewards, k3_kl,
@@ -246,7 +246,7 @@ def ppo_rollout(batch, actor, ref_model, critic, rollout_engine, reward_model, t
         "old_per_token_logps": rollout.per_token_logps, "ref_per_token_logps": ref_per_token_logps,
         "old_resp_values": old_resp_values * completion_mask, "advantages": advantages, "returns": returns,
         "rewards": rewards, "reward_parts": reward_parts, "completions": rollout.completions, "prompts": prompts,
-        "truncated": truncated,
+        "truncated": truncated, "rollout_metrics": rollout.metrics,
     }
 
 
@@ -344,13 +344,13 @@ def main(argv=None):
     critic_scheduler = build_cosine_scheduler(critic_optimizer, total_steps)
     ddp_actor = wrap_ddp(actor, device, run["local_rank"])
     ddp_critic = wrap_ddp(critic, device, run["local_rank"])
-    rollout_engine = create_rollout_engine(args.rollout_engine, actor, tokenizer, top_p=args.top_p, top_k=args.top_k)
     minibatch_generator = torch.Generator().manual_seed(args.seed)  # the same on every rank
     objects = {"model": actor, "optimizer": actor_optimizer, "scheduler": actor_scheduler, "critic": critic,
                "critic_optimizer": critic_optimizer, "critic_scheduler": critic_scheduler,
                "minibatch_generator": minibatch_generator}
     progress = start_or_resume(args, "ppo", run, objects, steps_per_epoch)
-    rollout_engine.update_policy(actor)  # the engine samples from the (restored) actor
+    # made after the restore: the SGLang engine pushes the (restored) actor to its server at start-up
+    rollout_engine = create_rollout_engine(args.rollout_engine, actor, tokenizer, **rollout_engine_kwargs(args))
     run_dir, writer = open_metrics(args, progress)
     Logger(f"PPO: {total_steps} steps, {args.batch_size} prompts per step, {args.ppo_update_iters} epochs of "
            f"minibatches of {args.mini_batch_size}, metrics in {run_dir}")
@@ -391,6 +391,7 @@ def main(argv=None):
                 "response_len": mask.sum(dim=1).float().mean().item(),
                 "truncated_prompts": data["truncated"],
                 "skipped_update": float(bool(problems)),
+                **data["rollout_metrics"],
                 **update,
             }
             metrics = mean_over_ranks(metrics, device)

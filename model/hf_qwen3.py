@@ -1,0 +1,189 @@
+"""MiniMind weights <-> a transformers ``Qwen3ForCausalLM`` folder (config.json + safetensors).
+
+This is the one place that maps between the two formats; ``scripts/convert_model.py`` (for users) and
+``SGLangRolloutEngine.update_policy`` (every weight sync) both use it.
+
+The mapping: MiniMind's dense model is the Qwen3 layout and its parameter names are those of
+``Qwen3ForCausalLM`` (``tests/test_model.py`` checks equal logits), so the state-dict keys pass through
+unchanged. Two things differ:
+  * with tied embeddings the folder holds no ``lm_head.weight`` (transformers and SGLang tie it to
+    ``model.embed_tokens.weight`` from ``tie_word_embeddings``); loading adds it back;
+  * the config: ``MiniMindConfig`` fields become ``Qwen3Config`` fields (``qwen3_config_from_minimind``).
+The MoE variant (``use_moe``) has no ``Qwen3ForCausalLM`` counterpart and is refused.
+
+Folders are written atomically: into a temporary sibling folder, files fsynced, then renamed into place.
+"""
+import glob
+import json
+import os
+import shutil
+import uuid
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import Qwen3Config
+
+from model.model_minimind import MiniMindConfig
+
+TIED_LM_HEAD_KEY = "lm_head.weight"
+EMBED_KEY = "model.embed_tokens.weight"
+WEIGHTS_NAME = "model.safetensors"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def qwen3_config_from_minimind(config):
+    """``Qwen3Config`` (architectures = ["Qwen3ForCausalLM"]) with the same architecture as a ``MiniMindConfig``.
+
+    Raises:
+        ValueError: for a MoE config (``use_moe``), which Qwen3ForCausalLM cannot hold.
+    """
+    if config.use_moe:
+        raise ValueError("use_moe=True: MiniMind's MoE model has no Qwen3ForCausalLM counterpart; "
+                         "only dense models (--use_moe 0) can be exported")
+    return Qwen3Config(
+        architectures=["Qwen3ForCausalLM"],
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim, hidden_act=config.hidden_act, rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        tie_word_embeddings=config.tie_word_embeddings, attention_bias=False,
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
+    )
+
+
+def minimind_config_from_qwen3(qwen_config, source="config.json"):
+    """``MiniMindConfig`` for a dense ``Qwen3Config``; ``source`` names the file in errors.
+
+    Raises:
+        ValueError: if the config is not a Qwen3 causal LM MiniMind can represent (model_type, attention bias,
+            sliding window).
+    """
+    if qwen_config.model_type != "qwen3":
+        raise ValueError(f"{source}: model_type is {qwen_config.model_type!r}, expected 'qwen3'")
+    if qwen_config.attention_bias or qwen_config.use_sliding_window:
+        raise ValueError(f"{source}: attention_bias / use_sliding_window are set; MiniMind supports neither")
+    rope_theta = (qwen_config.rope_parameters or {}).get("rope_theta", getattr(qwen_config, "rope_theta", 1e6))
+    return MiniMindConfig(
+        hidden_size=qwen_config.hidden_size, num_hidden_layers=qwen_config.num_hidden_layers,
+        num_attention_heads=qwen_config.num_attention_heads, num_key_value_heads=qwen_config.num_key_value_heads,
+        head_dim=qwen_config.head_dim, intermediate_size=qwen_config.intermediate_size,
+        vocab_size=qwen_config.vocab_size, hidden_act=qwen_config.hidden_act,
+        max_position_embeddings=qwen_config.max_position_embeddings, rms_norm_eps=qwen_config.rms_norm_eps,
+        rope_theta=rope_theta, tie_word_embeddings=qwen_config.tie_word_embeddings,
+        bos_token_id=qwen_config.bos_token_id, eos_token_id=qwen_config.eos_token_id,
+        pad_token_id=qwen_config.pad_token_id,
+    )
+
+
+def qwen3_state_dict(minimind_state_dict, tie_word_embeddings, dtype=torch.float32):
+    """MiniMind state dict -> the tensors a Qwen3ForCausalLM folder stores: same keys, contiguous CPU copies in
+    ``dtype``, without ``lm_head.weight`` when the embeddings are tied."""
+    tensors = {}
+    for name, tensor in minimind_state_dict.items():
+        if tie_word_embeddings and name == TIED_LM_HEAD_KEY:
+            continue
+        tensors[name] = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
+    return tensors
+
+
+def minimind_state_dict(qwen3_tensors, tie_word_embeddings):
+    """Tensors of a Qwen3ForCausalLM folder -> MiniMind state dict (adds the tied ``lm_head.weight``)."""
+    state_dict = dict(qwen3_tensors)
+    if tie_word_embeddings and TIED_LM_HEAD_KEY not in state_dict and EMBED_KEY in state_dict:
+        state_dict[TIED_LM_HEAD_KEY] = state_dict[EMBED_KEY]
+    return state_dict
+
+
+def _fsync_folder_files(folder):
+    for name in os.listdir(folder):
+        with open(os.path.join(folder, name), "rb") as f:
+            os.fsync(f.fileno())
+
+
+def write_folder_atomically(path, write_fn):
+    """Call ``write_fn(tmp_folder)``, fsync its files, then move the folder to ``path`` (replacing an old one).
+
+    The folder at ``path`` is either the old complete one or the new complete one; a failure removes the
+    temporary folder and leaves ``path`` untouched.
+    Raises:
+        OSError: naming ``path`` when the parent folder is not writable.
+    """
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        os.makedirs(parent, exist_ok=True)
+        os.makedirs(tmp)
+        write_fn(tmp)
+        _fsync_folder_files(tmp)
+        if os.path.exists(path):
+            old = f"{path}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(path, old)
+            os.rename(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, path)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OSError(err.errno, f"could not write model folder {path}: {err.strerror}") from err
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def save_qwen3_folder(state_dict, config, path, tokenizer=None, dtype=torch.float32):
+    """Write a transformers ``Qwen3ForCausalLM`` folder (config.json, model.safetensors[, tokenizer]) atomically.
+
+    Args:
+        state_dict: MiniMind state dict (any device / dtype).
+        config: the ``MiniMindConfig`` of those weights.
+        path: the folder to create or replace.
+        tokenizer: optional tokenizer saved alongside (SGLang loads it from the model folder).
+        dtype: storage dtype of the weights (torch.float32 keeps them exact).
+    Returns:
+        the absolute folder path.
+    Raises:
+        ValueError: for a MoE config; OSError: see ``write_folder_atomically``.
+    """
+    qwen_config = qwen3_config_from_minimind(config)
+    qwen_config.dtype = dtype
+    tensors = qwen3_state_dict(state_dict, config.tie_word_embeddings, dtype)
+
+    def write(folder):
+        qwen_config.save_pretrained(folder)
+        with open(os.path.join(folder, "config.json")) as f:
+            config_json = json.load(f)
+        # Older transformers/SGLang read these two keys; transformers 5 writes rope_parameters and dtype.
+        config_json["rope_theta"] = config.rope_theta
+        config_json["torch_dtype"] = str(dtype).replace("torch.", "")
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(config_json, f, indent=2)
+        save_file(tensors, os.path.join(folder, WEIGHTS_NAME), metadata={"format": "pt"})
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+
+    return write_folder_atomically(path, write)
+
+
+def load_qwen3_folder(path):
+    """Read a ``Qwen3ForCausalLM`` folder -> (MiniMindConfig, MiniMind state dict in the stored dtype).
+
+    Reads every ``*.safetensors`` file in the folder (single file or shards).
+    Raises:
+        FileNotFoundError: naming the folder when config.json or the weights are missing.
+        ValueError: see ``minimind_config_from_qwen3``.
+    """
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"{path}: no config.json (not a transformers model folder)")
+    weight_files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not weight_files:
+        raise FileNotFoundError(f"{path}: no *.safetensors weights")
+    config = minimind_config_from_qwen3(Qwen3Config.from_pretrained(path), config_path)
+    tensors = {}
+    for weight_file in weight_files:
+        tensors.update(load_file(weight_file))
+    return config, minimind_state_dict(tensors, config.tie_word_embeddings)

@@ -1,0 +1,358 @@
+"""--rollout_engine sglang against a stand-in SGLang server (tests/sglang_standin.py), no GPU needed."""
+import json
+import os
+import socket
+
+import pytest
+import requests
+import torch
+
+from model.hf_qwen3 import save_qwen3_folder
+from model.model_minimind import MiniMindForCausalLM
+from sglang_standin import SGLangStandin
+from trainer.rollout_engine import SGLangRolloutEngine, create_rollout_engine, parse_sglang_output
+from trainer.train_grpo import main as grpo_main
+from trainer.train_grpo import tokenize_prompts
+from trainer.train_ppo import main as ppo_main
+from trainer.trainer_utils import build_config
+
+PROMPTS = ["<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n<think>\n",
+           "<|im_start|>user\n5 加 7 是多少？<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"]
+FAST = dict(backoff_s=0.01, health_retries=2, max_retries=2)
+
+
+def make_policy(seed, std=0.3):
+    """Tiny MiniMind (hidden 64, 2 layers) with large weights, so different seeds give visibly different log-probs."""
+    torch.manual_seed(seed)
+    config = build_config(64, 2, 0)
+    config.initializer_range = std
+    return MiniMindForCausalLM(config).eval()
+
+
+@pytest.fixture
+def start_standin(tmp_path, tokenizer):
+    """start_standin(model, **options) -> a running SGLangStandin launched on ``model``'s exported folder;
+    every server started is stopped at teardown."""
+    servers = []
+
+    def start(model, **options):
+        folder = save_qwen3_folder(model.state_dict(), model.config, str(tmp_path / f"launch{len(servers)}"),
+                                   tokenizer=tokenizer)
+        server = SGLangStandin(folder, **options).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def plain_logps(model, prompt, completion, temperature):
+    """log softmax(logits / T) of each completion token, one unpadded row, plain forward (no project code)."""
+    sequence = torch.tensor([list(prompt) + list(completion)])
+    with torch.no_grad():
+        logits = model(sequence).logits[0, len(prompt) - 1:-1].float() / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1)
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_batched_request_group_order_and_result(start_standin, tokenizer, tmp_path):
+    policy = make_policy(0)
+    server = start_standin(policy)
+    engine = create_rollout_engine("sglang", policy, tokenizer, url=server.url, shared_path=str(tmp_path / "shared"),
+                                   top_k=50, **FAST)
+    prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, PROMPTS, 256, "cpu")
+    result = engine.rollout(prompt_ids, attention_mask, num_generations=3, max_new_tokens=10, temperature=0.7)
+
+    path, payload = server.requests[-1]
+    assert path == "/generate" and payload["return_logprob"] is True
+    own_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    assert payload["input_ids"] == [own_ids[0]] * 3 + [own_ids[1]] * 3  # unpadded, P0,P0,P0,P1,P1,P1
+    assert payload["sampling_params"] == {
+        "temperature": 0.7, "top_p": 1.0, "top_k": 50, "min_p": 0.0, "max_new_tokens": 10, "min_new_tokens": 0,
+        "stop_token_ids": [tokenizer.eos_token_id], "ignore_eos": False, "skip_special_tokens": False,
+        "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+
+    n, r = result.completion_ids.shape
+    assert n == 6 and result.output_ids.shape == (6, prompt_ids.size(1) + r)
+    assert result.prompt_lens.tolist() == [len(own_ids[0])] * 3 + [len(own_ids[1])] * 3
+    for i in range(n):
+        assert torch.equal(result.output_ids[i, :prompt_ids.size(1)], prompt_ids[i // 3])
+        completion = result.completion_ids[i][result.completion_mask[i].bool()].tolist()
+        first_eos = completion.index(tokenizer.eos_token_id) if tokenizer.eos_token_id in completion else None
+        assert first_eos in (None, len(completion) - 1)  # the mask runs through the first EOS
+        expected = plain_logps(policy, own_ids[i // 3], completion, 0.7)
+        assert (result.per_token_logps[i, :len(completion)] - expected).abs().max() <= 1e-4
+        text_ids = [t for t in completion if t != tokenizer.eos_token_id]
+        assert result.completions[i] == tokenizer.decode(text_ids)
+    assert result.metrics["logprob_gap"] < 1e-3  # the server holds the trainer's weights (pushed at start-up)
+
+
+def test_server_logps_match_after_update_policy_and_differ_before(start_standin, tokenizer, tmp_path):
+    server = start_standin(make_policy(0))
+    trainer_policy = make_policy(1)
+    engine = SGLangRolloutEngine(trainer_policy, tokenizer, server.url, str(tmp_path / "shared"), sync_at_start=False,
+                                 **FAST)
+    prompt = tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"]
+
+    def server_vs_trainer_gap():
+        answer = requests.post(server.url + "/generate", json={
+            "input_ids": prompt, "return_logprob": True,
+            "sampling_params": {"temperature": 0.8, "max_new_tokens": 12, "stop_token_ids": [2]}}).json()
+        completion = answer["output_ids"]
+        server_logps = torch.tensor([triple[0] for triple in answer["meta_info"]["output_token_logprobs"]])
+        return (server_logps - plain_logps(trainer_policy, prompt, completion, 0.8)).abs().max().item()
+
+    assert server_vs_trainer_gap() > 0.1
+    engine.update_policy(trainer_policy)
+    assert server_vs_trainer_gap() < 1e-3
+    assert server.loaded_paths[-1] == os.path.join(str(tmp_path / "shared"), "policy_v0")
+    assert server.requests[-2][1] == {"model_path": server.loaded_paths[-1], "flush_cache": True}
+
+
+def test_sync_interval_pushes_every_nth_update(start_standin, tokenizer, tmp_path):
+    policy = make_policy(0)
+    server = start_standin(policy)
+    engine = SGLangRolloutEngine(policy, tokenizer, server.url, str(tmp_path / "shared"), sync_interval=3, **FAST)
+    assert len(server.loaded_paths) == 2  # launch folder + the push at start-up
+    for _ in range(5):
+        engine.update_policy(policy)
+    assert len(server.loaded_paths) == 3  # only the 3rd of 5 calls pushed
+    assert os.listdir(tmp_path / "shared") == ["policy_v1"]  # older synced folders are removed
+
+
+@pytest.mark.parametrize("temperature, refused", [(0.5, True), (1.0, False)])
+def test_server_mode_refuses_other_logprob_convention_at_first_batch(start_standin, tokenizer, tmp_path,
+                                                                     temperature, refused):
+    """A server started with SGLANG_RETURN_ORIGINAL_LOGPROB=1 returns log softmax(logits), not the trainer's
+    log softmax(logits / T): server mode stops at the first batch unless T = 1, where both are the same."""
+    policy = make_policy(0)
+    server = start_standin(policy, return_original_logprob=True)
+    engine = SGLangRolloutEngine(policy, tokenizer, server.url, str(tmp_path / "shared"), logprobs_mode="server",
+                                 **FAST)
+    prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, PROMPTS, 256, "cpu")
+    if refused:
+        with pytest.raises(RuntimeError, match="SGLANG_RETURN_ORIGINAL_LOGPROB"):
+            engine.rollout(prompt_ids, attention_mask, 2, 8, temperature=temperature)
+    else:
+        result = engine.rollout(prompt_ids, attention_mask, 2, 8, temperature=temperature)
+        assert result.metrics["logprob_gap"] < 1e-3
+        assert engine.rollout(prompt_ids, attention_mask, 2, 8, temperature).metrics == {}  # checked once
+
+
+def test_server_mode_uses_the_servers_logps(start_standin, tokenizer, tmp_path):
+    policy = make_policy(0)
+    server = start_standin(policy)
+    engine = SGLangRolloutEngine(policy, tokenizer, server.url, str(tmp_path / "shared"), logprobs_mode="server",
+                                 **FAST)
+    prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, PROMPTS[:1], 256, "cpu")
+    result = engine.rollout(prompt_ids, attention_mask, 2, 8, temperature=0.6)
+    answers = server.requests[-1]
+    assert answers[0] == "/generate"
+    for i in range(2):
+        completion = result.completion_ids[i][result.completion_mask[i].bool()].tolist()
+        prompt = prompt_ids[0][attention_mask[0].bool()].tolist()
+        expected = plain_logps(policy, prompt, completion, 0.6)
+        assert (result.per_token_logps[i, :len(completion)] - expected).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("fault, message", [
+    ({"stray_prompt_tokens": 2}, "stray prompt tokens"),
+    ({"abort": True}, "aborted"),
+])
+def test_inconsistent_or_aborted_answers_are_refused(start_standin, tokenizer, tmp_path, fault, message):
+    policy = make_policy(0)
+    server = start_standin(policy)
+    engine = SGLangRolloutEngine(policy, tokenizer, server.url, str(tmp_path / "shared"), **FAST)
+    server.faults.update(fault)
+    prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, PROMPTS, 256, "cpu")
+    with pytest.raises(RuntimeError, match=message):
+        engine.rollout(prompt_ids, attention_mask, 2, 6)
+
+
+def test_server_down_gives_the_startup_error(tokenizer, tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(RuntimeError) as error:
+        SGLangRolloutEngine(make_policy(0), tokenizer, url, str(tmp_path / "shared"), **FAST)
+    message = str(error.value)
+    launch_folder = os.path.join(str(tmp_path / "shared"), "policy_v0")
+    assert f"no SGLang server answers at {url}/health" in message
+    assert f"python -m sglang.launch_server --model-path {launch_folder} --port {url.rsplit(':', 1)[1]}" in message
+    assert os.path.isfile(os.path.join(launch_folder, "config.json"))  # the folder the command names exists
+
+
+def test_failed_weight_update_raises_with_the_servers_message(start_standin, tokenizer, tmp_path):
+    policy = make_policy(0)
+    server = start_standin(policy)
+    answer = requests.post(server.url + "/update_weights_from_disk", json={"model_path": str(tmp_path / "nope")})
+    assert answer.status_code == 400 and answer.json()["success"] is False
+    engine = SGLangRolloutEngine(policy, tokenizer, server.url, str(tmp_path / "shared"), **FAST)
+    with pytest.raises(RuntimeError, match=r"update_weights_from_disk failed .*HTTP 400.*no config.json"):
+        engine.push_weights(policy, folder=str(tmp_path / "nope"))
+
+
+def test_network_errors_are_retried_then_fail(start_standin, tokenizer, tmp_path):
+    policy = make_policy(0)
+    server = start_standin(policy)
+    engine = SGLangRolloutEngine(policy, tokenizer, server.url, str(tmp_path / "shared"), resume_hint="RESUME-HINT",
+                                 **FAST)
+    prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, PROMPTS[:1], 256, "cpu")
+    server.faults["unavailable"] = 2  # two 503 answers, then the request goes through
+    assert engine.rollout(prompt_ids, attention_mask, 2, 4).completion_ids.size(0) == 2
+    server.faults["unavailable"] = 3  # more than max_retries = 2
+    with pytest.raises(RuntimeError, match=r"failed 3 times \(HTTP 503.*RESUME-HINT"):
+        engine.rollout(prompt_ids, attention_mask, 2, 4)
+
+
+TINY = ["--hidden_size", "64", "--num_hidden_layers", "2"]
+
+
+@pytest.mark.parametrize("script", ["grpo", "ppo"])
+def test_two_steps_with_rollout_engine_sglang(script, start_standin, tokenizer, tiny_weights, tmp_path):
+    save_dir, name = tiny_weights
+    server = start_standin(make_policy(5))  # launched on other weights: the engine pushes the policy at start-up
+    run_dir = tmp_path / "run"
+    shared = tmp_path / "shared"
+    argv = ["--max_steps", "2", "--save_dir", save_dir, "--from_weight", name, "--batch_size", "2",
+            "--max_gen_len", "8", "--run_dir", str(run_dir), "--rollout_engine", "sglang",
+            "--sglang_url", server.url, "--sglang_shared_path", str(shared), "--temperature", "0.8"] + TINY
+    if script == "grpo":
+        grpo_main(argv + ["--num_generations", "3"])
+        expected_rows = 6
+    else:
+        ppo_main(argv + ["--mini_batch_size", "1"])
+        expected_rows = 2
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["logprob_gap"] < 1e-3 for r in rows)  # synced before each rollout
+    generate_calls = [payload for path, payload in server.requests if path == "/generate"]
+    assert len(generate_calls) == 2 and all(len(p["input_ids"]) == expected_rows for p in generate_calls)
+    assert len(server.loaded_paths) == 1 + 1 + 2  # launch, start-up push, one push per step
+    assert os.listdir(shared) == ["policy_v2"]
+    assert os.path.isfile(os.path.join(save_dir, f"{script}_64.pth"))
+
+
+def test_check_sglang_script_against_the_standin(start_standin, tiny_weights, tmp_path):
+    """scripts/check_sglang.py (meant for a GPU + SGLang machine) runs its comparison and GRPO steps end to end."""
+    from scripts.check_sglang import main as check_main
+    save_dir, name = tiny_weights
+    server = start_standin(make_policy(3))
+    summary = check_main(["--sglang_url", server.url, "--save_dir", save_dir, "--from_weight", name,
+                          "--work_dir", str(tmp_path / "check"), "--num_prompts", "2", "--num_generations", "2",
+                          "--max_gen_len", "6", "--grpo_steps", "2"] + TINY)
+    assert summary["sglang_tokens_per_s"] > 0 and summary["torch_tokens_per_s"] > 0
+    assert summary["sglang_logprob_gap"] < 1e-3 and len(summary["grpo_logprob_gap"]) == 2
+    assert max(summary["grpo_logprob_gap"]) < 1e-3
+
+
+FAKE_LAUNCH_SERVER = """
+import argparse
+from sglang_standin import SGLangStandin
+parser = argparse.ArgumentParser()
+parser.add_argument("--model-path")
+parser.add_argument("--port", type=int)
+args, _ = parser.parse_known_args()
+SGLangStandin(args.model_path, port=args.port).httpd.serve_forever()
+"""
+
+
+def test_check_sglang_launches_and_stops_the_server(tiny_weights, tmp_path, monkeypatch):
+    """Without --sglang_url the script runs `python -m sglang.launch_server` (here a fake package that serves
+    the stand-in) on the exported folder, and stops it at the end."""
+    from conftest import ROOT
+    from scripts.check_sglang import main as check_main
+    fake = tmp_path / "fake" / "sglang"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "launch_server.py").write_text(FAKE_LAUNCH_SERVER)
+    tests_dir = os.path.join(ROOT, "tests")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "fake"), tests_dir, ROOT]))
+    save_dir, name = tiny_weights
+    port = free_port()
+    summary = check_main(["--port", str(port), "--server_args", "", "--launch_timeout", "300", "--save_dir", save_dir,
+                          "--from_weight", name, "--work_dir", str(tmp_path / "check"), "--num_prompts", "1",
+                          "--num_generations", "2", "--max_gen_len", "4", "--grpo_steps", "1"] + TINY)
+    assert summary["sglang_logprob_gap"] < 1e-3
+    assert os.path.isfile(tmp_path / "check" / "launch" / "config.json")
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"http://127.0.0.1:{port}/health", timeout=5)
+
+
+def push_on_two_ranks(rank, init_file, url, shared_path, bad_folder, out_dir):
+    """torch.multiprocessing worker: a 2-rank gloo group syncs once, then tries a folder the server rejects."""
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+    from conftest import ROOT
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
+    policy = make_policy(1)
+    engine = SGLangRolloutEngine(policy, tokenizer, url, shared_path, sync_at_start=False, **FAST)
+    engine.update_policy(policy)
+    try:
+        engine.push_weights(policy, folder=bad_folder)
+        outcome = "no error"
+    except RuntimeError as err:
+        outcome = str(err)
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(outcome)
+    dist.destroy_process_group()
+
+
+def test_two_ranks_rank0_syncs_and_every_rank_learns_a_failure(start_standin, tmp_path):
+    server = start_standin(make_policy(0))
+    shared, bad = str(tmp_path / "shared"), str(tmp_path / "missing")
+    torch.multiprocessing.spawn(push_on_two_ranks, args=(str(tmp_path / "init"), server.url, shared, bad,
+                                                         str(tmp_path)), nprocs=2)
+    updates = [payload["model_path"] for path, payload in server.requests if path == "/update_weights_from_disk"]
+    assert updates == [os.path.join(shared, "policy_v0"), bad]  # rank 0 alone talks to /update_weights_from_disk
+    rank0 = (tmp_path / "rank0.txt").read_text()
+    rank1 = (tmp_path / "rank1.txt").read_text()
+    assert "update_weights_from_disk failed" in rank0 and "no config.json" in rank0
+    assert rank1.startswith("rank 0 could not sync the policy to SGLang") and "no config.json" in rank1
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--sglang_sync_interval", "0"], "--sglang_sync_interval must be >= 1"),
+    (["--sglang_url", "127.0.0.1:30000"], "--sglang_url must start with http://"),
+    (["--rollout_engine", "sglang", "--use_moe", "1"], "needs a dense model"),
+    (["--sglang_logprobs", "both"], "invalid choice: 'both'"),
+])
+def test_bad_sglang_flags_fail_at_start(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        grpo_main(flags)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def answer(output_ids, triples, finish_reason, completion_tokens=None):
+    """An SGLang /generate answer element as documented (io_struct.py / tokenizer_manager.py)."""
+    meta_info = {"finish_reason": finish_reason, "output_token_logprobs": triples, "prompt_tokens": 5,
+                 "completion_tokens": len(output_ids) if completion_tokens is None else completion_tokens}
+    return {"text": "", "output_ids": output_ids, "meta_info": meta_info}
+
+
+def test_parse_a_well_formed_answer():
+    good = answer([7, 9, 2], [[-0.5, 7, None], [-1.25, 9, None], [-0.125, 2, None]], {"type": "stop", "matched": 2})
+    assert parse_sglang_output(good, 0, max_new_tokens=4, eos_token_id=2) == ([7, 9, 2], [-0.5, -1.25, -0.125])
+    cut = answer([7, 9], [[-0.5, 7, None], [-1.0, 9, None]], {"type": "length", "length": 2})
+    assert parse_sglang_output(cut, 0, max_new_tokens=2, eos_token_id=2) == ([7, 9], [-0.5, -1.0])
+
+
+@pytest.mark.parametrize("bad, message", [
+    (answer([7, 9], [[-0.5, 7, None], [None, 9, None]], {"type": "length", "length": 2}),
+     r"log-probs missing at completion positions \[1\]"),
+    (answer([7, 9], [[-0.5, 7, None], [-1.0, 9, None]], {"type": "length", "length": 2}, 3), "completion_tokens 3"),
+    (answer([7, 9], [[-0.5, 7, None]], {"type": "length", "length": 2}), "differ from the token ids"),
+    (answer([7, 9], [[-0.5, 7, None], [-1.0, 9, None]], {"type": "stop", "matched": 2}), "do not end with it"),
+    (answer([], [], {"type": "abort", "message": "Abort before prefill"}), "aborted.*Abort before prefill"),
+    (answer([7, 9, 8], [[-0.5, 7, None], [-1.0, 9, None], [-1.0, 8, None]], {"type": "length"}), "3 tokens for"),
+    ({"text": "hi", "meta_info": {}}, "expected a dict with output_ids and meta_info"),
+])
+def test_parse_refuses_bad_answers(bad, message):
+    with pytest.raises(RuntimeError, match=message):
+        parse_sglang_output(bad, 3, max_new_tokens=2, eos_token_id=2)
