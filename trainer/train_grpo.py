@@ -33,7 +33,6 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from dataset.lm_dataset import RLAIFDataset  # noqa: E402
-from model.hf_qwen3 import DTYPES  # noqa: E402
 from trainer.rollout_engine import (  # noqa: E402
     ROLLOUT_ENGINES, SGLANG_LOGPROB_MODES, compute_per_token_logps, create_rollout_engine,
 )

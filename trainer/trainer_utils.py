@@ -24,6 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from model.hf_qwen3 import DTYPES  # noqa: E402,F401 (the --*_dtype flag values, defined once)
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 
 DEFAULT_TOKENIZER_PATH = os.path.join(ROOT, "model")
@@ -719,9 +720,6 @@ def read_reward_model_config(path, trust_remote_code):
                          f"{sorted(config['auto_map'])}); pass --trust_remote_code to allow it "
                          f"(after reading that code)")
     return config
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_dtype(name, default):
