@@ -55,7 +55,7 @@ def test_rlaif_prompt_and_answer(tmp_path, tokenizer):
     path = write_lines(tmp_path / "rl.jsonl", [conv("What is 2+3?", "5")] * 50)
     always = RLAIFDataset(path, tokenizer, thinking_ratio=1.0)
     assert always[0] == {"prompt": "<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n<think>\n",
-                         "answer": "5"}
+                         "answer": "5", "index": 0}
     never = RLAIFDataset(path, tokenizer, thinking_ratio=0.0)
     assert never[0]["prompt"].endswith("<think>\n\n</think>\n\n")
     half = RLAIFDataset(path, tokenizer, thinking_ratio=0.5, seed=7)

@@ -96,8 +96,12 @@ DEBUG_ANSWER = re.compile(r"^\[debug\] answer (\d+): reward (\S+) \(rule (\S+), 
 LOG_LINE_ETA = re.compile(r"^step 1/1 \|.*\| (\d+:\d\d:\d\d) elapsed, (\d+:\d\d:\d\d) left$", re.M)
 
 
-def check_debug_output(stdout, metrics_path, num_prompts, answers_per_prompt, answer_reward_weight=2.0):
-    """The debug block of step 1: the prompts, every answer with its reward parts, consistent with metrics.jsonl."""
+def check_debug_output(stdout, metrics_path, num_prompts, answers_per_prompt, answer_reward_weight=2.0,
+                       reward_model=True):
+    """The debug block of step 1: the prompts, every answer with its reward parts, consistent with metrics.jsonl.
+
+    reward_model: the run used the default reward model (scores clipped to [-3, 3], chapter 8.3), else none (0).
+    """
     assert stdout.count("[debug] step 1 prompt:\n") == num_prompts
     for block in stdout.split("[debug] step 1 prompt:\n")[1:]:
         assert block.startswith("<|im_start|>") and "<|im_start|>user" in block  # the chat-templated prompt
@@ -107,8 +111,11 @@ def check_debug_output(stdout, metrics_path, num_prompts, answers_per_prompt, an
     for _, reward, rule, rm, answer in answers:
         # reward = rule reward + reward-model score + weight x answer reward (chapter 8.3), as printed (3 decimals)
         assert abs(float(reward) - (float(rule) + float(rm) + answer_reward_weight * float(answer))) < 2e-3
-        assert float(answer) in (0.0, 1.0) and float(rm) == 0.0
+        assert float(answer) in (0.0, 1.0)
+        assert -3.0 <= float(rm) <= 3.0 if reward_model else float(rm) == 0.0
         rewards.append(float(reward))
+    if reward_model:
+        assert any(float(a[3]) != 0.0 for a in answers)  # the reward model's scores are really in the sum
     logged = json.loads(metrics_path.read_text().splitlines()[0])
     assert logged["step"] == 1
     assert abs(sum(rewards) / len(rewards) - logged["reward"]) < 1e-3
@@ -133,9 +140,10 @@ def test_ppo_debug_mode_prints_prompts_answers_and_reward_parts(tiny_weights, tm
     run_dir = tmp_path / "run"
     result = run_script(["trainer/train_ppo.py", "--max_steps", "1", "--save_dir", save_dir, "--from_weight", name,
                          "--batch_size", "2", "--mini_batch_size", "2", "--max_gen_len", "8", "--run_dir",
-                         str(run_dir), "--debug_mode", "--debug_interval", "1"] + TINY)
+                         str(run_dir), "--debug_mode", "--debug_interval", "1", "--reward_model_path", "none"] + TINY)
     assert result.returncode == 0, result.stderr[-3000:]
-    check_debug_output(result.stdout, run_dir / "metrics.jsonl", num_prompts=2, answers_per_prompt=1)
+    check_debug_output(result.stdout, run_dir / "metrics.jsonl", num_prompts=2, answers_per_prompt=1,
+                       reward_model=False)
 
 
 def test_debug_interval_skips_steps(tiny_weights, tmp_path):
