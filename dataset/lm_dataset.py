@@ -19,6 +19,29 @@ class DataFormatError(ValueError):
     """A data file line that is not valid UTF-8 JSON in the expected format (names file and line)."""
 
 
+def iter_jsonl(path):
+    """Yield (line number, parsed JSON value) for each non-blank line of a JSONL file (``.gz`` too).
+
+    Raises:
+        FileNotFoundError: if ``path`` does not exist.
+        DataFormatError: ``file:line`` for a non-UTF-8 byte or invalid JSON.
+    """
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataFormatError(f"{path}:{line_no}: not valid UTF-8 ({err.reason} at byte {err.start})") from err
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataFormatError(f"{path}:{line_no}: invalid JSON ({err.msg} at column {err.colno})") from err
+            yield line_no, value
+
+
 def read_conversations_jsonl(path, require_user_turn=False):
     """Read a JSONL file of ``{"conversations": [...]}`` rows into a ``datasets.Dataset``.
 
@@ -33,29 +56,18 @@ def read_conversations_jsonl(path, require_user_turn=False):
             its last turn; the message names file and line.
     """
     rows = []
-    with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise DataFormatError(f"{path}:{line_no}: not valid UTF-8 ({err.reason} at byte {err.start})") from err
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataFormatError(f"{path}:{line_no}: invalid JSON ({err.msg} at column {err.colno})") from err
-            conversations = row.get("conversations") if isinstance(row, dict) else None
-            if not isinstance(conversations, list) or not conversations:
-                raise DataFormatError(f"{path}:{line_no}: expected a non-empty 'conversations' list")
-            for turn in conversations:
-                if not (isinstance(turn, dict) and isinstance(turn.get("role"), str)
-                        and isinstance(turn.get("content"), str)):
-                    raise DataFormatError(f"{path}:{line_no}: each turn needs string 'role' and 'content'")
-            if require_user_turn and not any(t["role"] == "user" for t in prompt_turns(conversations)):
-                raise DataFormatError(f"{path}:{line_no}: no user turn to use as the prompt")
-            turns = [{"role": t["role"], "content": t["content"]} for t in conversations]
-            rows.append({"conversations": turns, "line": line_no})
+    for line_no, row in iter_jsonl(path):
+        conversations = row.get("conversations") if isinstance(row, dict) else None
+        if not isinstance(conversations, list) or not conversations:
+            raise DataFormatError(f"{path}:{line_no}: expected a non-empty 'conversations' list")
+        for turn in conversations:
+            if not (isinstance(turn, dict) and isinstance(turn.get("role"), str)
+                    and isinstance(turn.get("content"), str)):
+                raise DataFormatError(f"{path}:{line_no}: each turn needs string 'role' and 'content'")
+        if require_user_turn and not any(t["role"] == "user" for t in prompt_turns(conversations)):
+            raise DataFormatError(f"{path}:{line_no}: no user turn to use as the prompt")
+        turns = [{"role": t["role"], "content": t["content"]} for t in conversations]
+        rows.append({"conversations": turns, "line": line_no})
     return Dataset.from_list(rows)
 
 
@@ -244,29 +256,17 @@ def read_preference_pairs(path):
         DataFormatError: naming file and line, for non-UTF-8 bytes, invalid JSON, a missing side, or a side that
             ``preference_side`` rejects.
     """
-    opener = gzip.open if path.endswith(".gz") else open
     pairs = []
-    with opener(path, "rb") as f:
-        for line_no, raw in enumerate(f, start=1):
+    for line_no, row in iter_jsonl(path):
+        if not isinstance(row, dict) or "chosen" not in row or "rejected" not in row:
+            raise DataFormatError(f"{path}:{line_no}: expected an object with 'chosen' and 'rejected'")
+        pair = {}
+        for side in ("chosen", "rejected"):
             try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise DataFormatError(f"{path}:{line_no}: not valid UTF-8 ({err.reason} at byte {err.start})") from err
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataFormatError(f"{path}:{line_no}: invalid JSON ({err.msg} at column {err.colno})") from err
-            if not isinstance(row, dict) or "chosen" not in row or "rejected" not in row:
-                raise DataFormatError(f"{path}:{line_no}: expected an object with 'chosen' and 'rejected'")
-            pair = {}
-            for side in ("chosen", "rejected"):
-                try:
-                    pair[side] = preference_side(row[side])
-                except ValueError as err:
-                    raise DataFormatError(f"{path}:{line_no}: '{side}': {err}") from err
-            pairs.append(pair)
+                pair[side] = preference_side(row[side])
+            except ValueError as err:
+                raise DataFormatError(f"{path}:{line_no}: '{side}': {err}") from err
+        pairs.append(pair)
     if not pairs:
         raise DataFormatError(f"{path}: no preference pairs")
     return pairs
