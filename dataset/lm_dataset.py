@@ -19,6 +19,15 @@ class DataFormatError(ValueError):
     """A data file line that is not valid UTF-8 JSON in the expected format (names file and line)."""
 
 
+def read_lines(f, path):
+    """The raw lines of an open file; a broken ``.gz`` becomes a DataFormatError naming ``path``."""
+    try:
+        yield from f
+    except (OSError, EOFError) as err:  # gzip.BadGzipFile is an OSError
+        raise DataFormatError(f"{path}: cannot be read as {'gzip' if path.endswith('.gz') else 'a file'} "
+                              f"({type(err).__name__}: {err})") from err
+
+
 def iter_jsonl(path):
     """Yield (line number, parsed JSON value) for each non-blank line of a JSONL file (``.gz`` too).
 
@@ -28,7 +37,7 @@ def iter_jsonl(path):
     """
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rb") as f:
-        for line_no, raw in enumerate(f, start=1):
+        for line_no, raw in enumerate(read_lines(f, path), start=1):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:

@@ -292,3 +292,11 @@ def test_fuzz_prompts_one_step_finite(script, extra, tiny_weights, tmp_path, mon
         assert math.isfinite(row[key]), key
     assert math.isfinite(row["policy_loss"])
     assert sorted(row["sample_indices"]) == list(range(16))
+
+
+def test_broken_gzip_data_names_the_file(tmp_path):
+    from dataset.lm_dataset import DataFormatError, iter_jsonl
+    path = tmp_path / "pairs.jsonl.gz"
+    path.write_text('{"chosen": "not gzip"}\n')
+    with pytest.raises(DataFormatError, match=r"pairs\.jsonl\.gz: cannot be read as gzip"):
+        list(iter_jsonl(str(path)))

@@ -60,7 +60,10 @@ def straight_and_resumed(script, flags, tmp_path, tiny_weights, small_data, kill
     return runs
 
 
-@pytest.mark.parametrize("script, flags", [("grpo", GRPO), ("ppo", PPO)])
+@pytest.mark.parametrize("script, flags", [
+    ("grpo", GRPO), ("ppo", PPO),
+    ("grpo", GRPO + ["--accumulation_steps", "2"]),  # killed after step 3: one step's gradients not yet applied
+])
 def test_sigkill_then_resume_equals_straight_run(script, flags, tmp_path, tiny_weights, small_data):
     runs = straight_and_resumed(script, flags, tmp_path, tiny_weights, small_data, ["--kill_after_save", "3"])
     straight_indices = read_jsonl(runs["straight"] / "trace" / "indices_rank0.jsonl")
@@ -195,3 +198,33 @@ def test_wandb_run_id_is_kept_on_resume(tmp_path, monkeypatch):
     resumed.close()
     assert first.wandb_id and resumed.wandb_id == first.wandb_id
     assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
+
+
+def test_resume_refuses_when_from_weight_is_the_saved_policy(tmp_path, tiny_weights, small_data, monkeypatch):
+    from trainer import train_grpo
+    common = TINY + ["--save_dir", tiny_weights[0], "--data_path", small_data, "--batch_size", "2",
+                     "--num_generations", "2", "--max_steps", "1", "--save_weight", "tiny",
+                     "--reward_model_path", "none", "--run_dir", str(tmp_path / "run")]
+    try:
+        train_grpo.main(common)  # starts from tiny_64.pth and saves the trained policy over it
+        with pytest.raises(ValueError, match="the reference model would be the step-1 policy"):
+            train_grpo.main(common + ["--from_resume", "1"])
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def test_resume_command_quotes_arguments():
+    from trainer.trainer_utils import resume_command
+    command = resume_command(os.path.join(ROOT, "trainer", "train_grpo.py"),
+                             ["--run_dir", "my runs/a", "--from_resume", "0"], world_size=2)
+    assert command.startswith("torchrun --nproc_per_node 2 ")
+    assert command.endswith("--run_dir 'my runs/a' --from_resume 1")
+
+
+def test_saves_never_take_the_load_shortcut(tmp_path, monkeypatch):
+    from trainer.trainer_utils import weight_path
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "grpo").write_text("a file that happens to share the weight's name")
+    assert weight_path("grpo", "out", 256, 0) == "grpo"  # loading accepts a path
+    assert weight_path("grpo", "out", 256, 0, allow_file=False) == os.path.join("out", "grpo_256.pth")

@@ -438,10 +438,13 @@ def start_or_resume(args, script, run, objects, steps_per_epoch):
     """Where the run starts: step 0, or (``--from_resume 1`` and a resume file exists) the saved step, with
     ``objects`` (policy, optimizer, schedule, ...) and this rank's random state restored.
 
-    The reference model is not in ``objects``: it stays the initial ``--from_weight`` weights.
+    The reference model is not in ``objects``: it stays the initial ``--from_weight`` weights (a resume whose
+    ``--from_weight`` is the file the run saves to is refused, since that file holds the trained policy).
+    Under torchrun every rank must find the same file: ranks that would start from different steps stop.
     Returns a progress dict: step, epoch, batch_in_epoch, run_dir, wandb_id, bad_steps_in_a_row.
     Raises:
-        ValueError: a resume file from another script, format or architecture (see ``load_resume``).
+        ValueError: a resume file from another script, format or architecture (see ``load_resume``), a
+            ``--from_weight`` that is the saved policy, or ranks at different steps.
     """
     progress = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "run_dir": None, "wandb_id": None,
                 "bad_steps_in_a_row": 0}
@@ -451,7 +454,25 @@ def start_or_resume(args, script, run, objects, steps_per_epoch):
     checkpoint = load_resume(path, script, args)
     if checkpoint is None:
         Logger(f"--from_resume 1: no resume file at {path}, starting at step 0")
-        return progress
+    else:
+        restore_from_checkpoint(args, run, objects, steps_per_epoch, path, checkpoint, progress)
+    if dist.is_initialized():  # every rank must have read the same file (multi-node: a shared --save_dir)
+        steps = torch.tensor([progress["step"], -progress["step"]], dtype=torch.float64, device=run["device"])
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+        if steps[0].item() != -steps[1].item():
+            raise ValueError(f"ranks would resume from different steps (up to {int(steps[0].item())}, this one "
+                             f"{progress['step']}): every node needs the same {path} (a shared --save_dir)")
+    return progress
+
+
+def restore_from_checkpoint(args, run, objects, steps_per_epoch, path, checkpoint, progress):
+    """The restore part of ``start_or_resume``: states, data position and random state (updates ``progress``)."""
+    start_weights = weight_path(args.from_weight, args.save_dir, args.hidden_size, args.use_moe)
+    saved_weights = weight_path(args.save_weight, args.save_dir, args.hidden_size, args.use_moe, allow_file=False)
+    if os.path.abspath(start_weights) == os.path.abspath(saved_weights):
+        raise ValueError(f"--from_weight {args.from_weight} is {saved_weights}, the file this run saves its policy "
+                         f"to, so on resume the reference model would be the step-{checkpoint['progress']['step']} "
+                         f"policy, not the starting one; start runs from a copy (another --save_weight)")
     load_training_states(objects, checkpoint["states"], path)
     resumed, rng_state = resume_progress(checkpoint, run["world_size"], steps_per_epoch, run["rank"])
     progress.update(resumed)
@@ -467,7 +488,6 @@ def start_or_resume(args, script, run, objects, steps_per_epoch):
         Logger(f"warning: resuming with a changed flag: {change}")
     Logger(f"resumed from {path} at step {progress['step']} (epoch {progress['epoch']}, "
            f"batch {progress['batch_in_epoch']})")
-    return progress
 
 
 def save_checkpoint(args, script, lm_config, objects, progress, weights):
@@ -484,7 +504,7 @@ def save_checkpoint(args, script, lm_config, objects, progress, weights):
     """
     if is_main_process():
         for name, module in weights.items():
-            path = weight_path(name, args.save_dir, lm_config.hidden_size, lm_config.use_moe)
+            path = weight_path(name, args.save_dir, lm_config.hidden_size, lm_config.use_moe, allow_file=False)
             state_dict = half_state_dict(module)
             check_finite_state(state_dict, path)
             atomic_save(state_dict, path)
@@ -535,6 +555,7 @@ def main(argv=None):
            f"loss {args.loss_type}, metrics in {run_dir}")
 
     stop_signal = StopSignal()
+    stop = False  # agreed by all ranks at the end of each step
     guard = BadStepGuard(args.max_bad_steps, progress["bad_steps_in_a_row"])
     timer = StepTimer(total_steps, start_step=progress["step"])
     step, problems = progress["step"], []
@@ -579,12 +600,13 @@ def main(argv=None):
                 path = save_checkpoint(args, "grpo", lm_config, objects, progress, {args.save_weight: model})
                 Logger(f"saved step {step}: weights and {path}")
             if stop:
-                Logger(f"stopped by {stop_signal.signal_name} at step {step}; resume with:\n"
+                Logger(f"stopped by {stop_signal.signal_name or 'a signal to another rank'} at step {step}; "
+                       f"resume with:\n"
                        f"  {resume_command(__file__, sys.argv[1:] if argv is None else argv, run['world_size'])}")
                 break
             if step >= total_steps:
                 break
-        if step >= total_steps or stop_signal.signal_name:
+        if step >= total_steps or stop:
             break
     writer.close()
     stop_signal.restore()

@@ -356,6 +356,7 @@ def main(argv=None):
            f"minibatches of {args.mini_batch_size}, metrics in {run_dir}")
 
     stop_signal = StopSignal()
+    stop = False  # agreed by all ranks at the end of each step
     guard = BadStepGuard(args.max_bad_steps, progress["bad_steps_in_a_row"])
     timer = StepTimer(total_steps, start_step=progress["step"])
     step = progress["step"]
@@ -420,12 +421,13 @@ def main(argv=None):
                 path = save_checkpoint(args, "ppo", lm_config, objects, progress, weights)
                 Logger(f"saved step {step}: actor and critic weights and {path}")
             if stop:
-                Logger(f"stopped by {stop_signal.signal_name} at step {step}; resume with:\n"
+                Logger(f"stopped by {stop_signal.signal_name or 'a signal to another rank'} at step {step}; "
+                       f"resume with:\n"
                        f"  {resume_command(__file__, sys.argv[1:] if argv is None else argv, run['world_size'])}")
                 break
             if step >= total_steps:
                 break
-        if step >= total_steps or stop_signal.signal_name:
+        if step >= total_steps or stop:
             break
     writer.close()
     stop_signal.restore()

@@ -11,6 +11,7 @@ import math
 import os
 import random
 import re
+import shlex
 import signal
 import sys
 import time
@@ -137,9 +138,10 @@ class MetricsWriter:
 
 
 # ----------------------------------------------------------------------------- models and checkpoints
-def weight_path(from_weight, save_dir, hidden_size, use_moe):
-    """MiniMind's naming: ``{save_dir}/{name}_{hidden}[_moe].pth``, or ``from_weight`` itself if it is a file."""
-    if os.path.isfile(from_weight):
+def weight_path(from_weight, save_dir, hidden_size, use_moe, allow_file=True):
+    """MiniMind's naming: ``{save_dir}/{name}_{hidden}[_moe].pth``, or (``allow_file``, for loading)
+    ``from_weight`` itself if it is a file. Saves pass ``allow_file=False``: they always write into save_dir."""
+    if allow_file and os.path.isfile(from_weight):
         return from_weight
     suffix = "_moe" if use_moe else ""
     return os.path.join(save_dir, f"{from_weight}_{hidden_size}{suffix}.pth")
@@ -369,9 +371,9 @@ def resume_command(script, argv, world_size):
         i = argv.index("--from_resume")
         del argv[i:i + 2]
     argv += ["--from_resume", "1"]
-    launcher = f"torchrun --nproc_per_node {world_size}" if world_size > 1 else "python"
+    launcher = ["torchrun", "--nproc_per_node", str(world_size)] if world_size > 1 else ["python"]
     script = os.path.relpath(script) if not os.path.relpath(script).startswith("..") else script
-    return " ".join([launcher, script] + argv)
+    return shlex.join(launcher + [script] + argv)
 
 
 def check_writable_dir(path):
@@ -403,7 +405,9 @@ class StopSignal:
     """Turns SIGTERM / SIGINT (Ctrl-C) into a request that the loop honours at its next safe point.
 
     The loop calls ``requested(device)`` once per step; it agrees across ranks (any rank signalled), so every
-    rank saves and exits at the same step. A second Ctrl-C aborts at once, without saving.
+    rank saves and exits at the same step. A second Ctrl-C aborts at once, without saving. Under torchrun the
+    launcher forwards the signal to every worker and sends SIGKILL 30 s later: a step plus a save that take
+    longer lose this save (the previous periodic checkpoint stays intact).
     """
 
     def __init__(self):
@@ -412,15 +416,18 @@ class StopSignal:
             signal.signal(signum, self._handle)
 
     def _handle(self, signum, frame):
+        # only set a flag: printing from a handler can hit a print in progress ("reentrant call")
         if self.signal_name is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signal_name = signal.Signals(signum).name
-        Logger(f"{self.signal_name} received: saving a resume checkpoint after this step "
-               f"(Ctrl-C again aborts without saving)")
 
     def requested(self, device):
-        """True when any rank has received SIGTERM or SIGINT."""
-        return any_rank(self.signal_name is not None, device)
+        """True when any rank has received SIGTERM or SIGINT (a collective: every rank calls it each step)."""
+        stop = any_rank(self.signal_name is not None, device)
+        if stop:
+            Logger(f"{self.signal_name or 'a signal to another rank'} received: saving a resume checkpoint "
+                   f"(under torchrun, within its 30 s before it sends SIGKILL)")
+        return stop
 
     def restore(self):
         """Give SIGTERM / SIGINT back their default behaviour."""
@@ -495,13 +502,17 @@ class ResumableBatchSampler(torch.utils.data.Sampler):
 
 def training_states(objects):
     """name -> state for a resume file: ``state_dict()`` of models (fp32, unwrapped), optimizers and schedules,
-    ``get_state()`` of ``torch.Generator`` objects."""
+    ``get_state()`` of ``torch.Generator`` objects. A model's gradients that are not yet applied (a save in the
+    middle of ``--accumulation_steps``) go under ``{name}_grads``."""
     states = {}
     for name, obj in objects.items():
         if isinstance(obj, torch.Generator):
             states[name] = obj.get_state()
         elif isinstance(obj, torch.nn.Module):
-            states[name] = {k: v.detach().cpu().clone() for k, v in unwrap_model(obj).state_dict().items()}
+            module = unwrap_model(obj)
+            states[name] = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+            states[f"{name}_grads"] = {k: p.grad.detach().cpu().clone() for k, p in module.named_parameters()
+                                       if p.grad is not None}
         else:
             states[name] = obj.state_dict()
     return states
@@ -519,7 +530,11 @@ def load_training_states(objects, states, path):
         if isinstance(obj, torch.Generator):
             obj.set_state(states[name])
         elif isinstance(obj, torch.nn.Module):
-            unwrap_model(obj).load_state_dict(states[name], strict=True)
+            module = unwrap_model(obj)
+            module.load_state_dict(states[name], strict=True)
+            grads = states.get(f"{name}_grads", {})
+            for param_name, param in module.named_parameters():
+                param.grad = grads[param_name].to(param.device) if param_name in grads else None
         else:
             obj.load_state_dict(states[name])
 
