@@ -55,8 +55,6 @@ def main():
 
     if opts.text_reward:
         module.calculate_rewards = text_rewards
-        if opts.script == "ppo":
-            train_ppo.calculate_rewards = text_rewards
 
     if opts.trace_dir:
         os.makedirs(opts.trace_dir, exist_ok=True)
