@@ -403,8 +403,9 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel):
 
     @torch.no_grad()
     def generate(self, input_ids, attention_mask=None, max_new_tokens=256, do_sample=True, temperature=1.0,
-                 top_p=1.0, top_k=0, eos_token_id=2, pad_token_id=0, generator=None, ignore_eos=False):
-        """Sample continuations of a batch of left-padded prompts with a KV cache.
+                 top_p=1.0, top_k=0, eos_token_id=2, pad_token_id=0, generator=None, ignore_eos=False,
+                 return_logps=False):
+        """Sample continuations of a batch of left-padded prompts with a KV cache allocated once.
 
         Args:
             input_ids: long [B, P], left-padded; attention_mask: [B, P] (1 = real token) or None.
@@ -414,9 +415,12 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel):
             eos_token_id: a row stops after it emits this token; later positions get ``pad_token_id``.
             generator: a ``torch.Generator`` for reproducible sampling.
             ignore_eos: keep generating past EOS (benchmarks that need full-length work).
+            return_logps: also return the log-prob of each sampled token, recorded at sampling time
+                (chapter 8.2): log_softmax(logits / temperature) in fp32, before top-k / top-p truncation
+                (the convention of ``trainer/rollout_engine.py``); 0 after a row's EOS.
         Returns:
             long [B, P + R] with R <= max_new_tokens: the prompts followed by the completions; decoding
-            stops early once every row has finished.
+            stops early once every row has finished. With ``return_logps``: (that tensor, fp32 [B, R]).
         Raises:
             ValueError: if temperature <= 0 while sampling, or top_p is not in (0, 1].
         """
@@ -427,29 +431,46 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel):
         batch, prompt_len = input_ids.shape
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
+        # one mask for all steps, filled in place: [B, P + R_max]
+        full_mask = attention_mask.new_zeros((batch, prompt_len + max_new_tokens))
+        full_mask[:, :prompt_len] = attention_mask
         cache = KVCache(self.config.num_hidden_layers, capacity=prompt_len + max_new_tokens)
         finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)  # [B]
-        new_tokens = []
+        new_tokens, new_logps = [], []
         logits = self(input_ids, attention_mask=attention_mask, past_key_values=cache, logits_to_keep=1).logits
-        for _ in range(max_new_tokens):
-            next_token = sample_next_token(logits[:, -1, :], do_sample, temperature, top_p, top_k, generator)  # [B]
+        for step in range(max_new_tokens):
+            last_logits = logits[:, -1, :]  # [B, V]
+            next_token = sample_next_token(last_logits, do_sample, temperature, top_p, top_k, generator)  # [B]
             next_token = torch.where(finished, torch.full_like(next_token, pad_token_id), next_token)
             new_tokens.append(next_token)
+            if return_logps:
+                row_logps = torch.log_softmax(last_logits.float() / (temperature if do_sample else 1.0), dim=-1)
+                picked = row_logps.gather(-1, next_token.unsqueeze(-1)).squeeze(-1)  # [B]
+                new_logps.append(torch.where(finished, torch.zeros_like(picked), picked))
             if not ignore_eos:
                 finished = finished | (next_token == eos_token_id)
                 if bool(finished.all()):
                     break
-            if len(new_tokens) == max_new_tokens:
+            if step + 1 == max_new_tokens:
                 break
-            attention_mask = torch.cat([attention_mask, (~finished).long().unsqueeze(1)], dim=1)
-            logits = self(next_token.unsqueeze(1), attention_mask=attention_mask, past_key_values=cache).logits
-        if not new_tokens:
-            return input_ids
-        return torch.cat([input_ids, torch.stack(new_tokens, dim=1)], dim=1)
+            full_mask[:, prompt_len + step] = (~finished).to(full_mask.dtype)
+            logits = self(next_token.unsqueeze(1), attention_mask=full_mask[:, :prompt_len + step + 1],
+                          past_key_values=cache).logits
+        output_ids = torch.cat([input_ids, torch.stack(new_tokens, dim=1)], dim=1) if new_tokens else input_ids
+        if not return_logps:
+            return output_ids
+        logps = torch.stack(new_logps, dim=1) if new_logps else input_ids.new_zeros((batch, 0), dtype=torch.float32)
+        return output_ids, logps  # [B, P + R], [B, R]
 
 
 def sample_next_token(logits, do_sample, temperature, top_p, top_k, generator=None):
-    """Pick one token per row from logits [B, V] (temperature, top-k, nucleus top-p) -> long [B]."""
+    """Pick one token per row from logits [B, V] (temperature, top-k, nucleus top-p) -> long [B].
+
+    Sampling is by inverse CDF: the first token whose cumulative probability (fp64) exceeds u * total,
+    u ~ U[0, 1). It draws from exactly the same distribution as ``torch.multinomial(probs, 1)`` with one
+    uniform number per row instead of V exponential ones (about 30x faster for V = 6400 on a CPU).
+    A token of probability 0 (cut by top-k / top-p) is never picked.
+    """
     if not do_sample:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
@@ -462,8 +483,10 @@ def sample_next_token(logits, do_sample, temperature, top_p, top_k, generator=No
         remove_sorted = cumulative - sorted_logits.softmax(dim=-1) >= top_p  # keep the token that crosses top_p
         remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
         logits = logits.masked_fill(remove, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    cdf = logits.softmax(dim=-1).double().cumsum(dim=-1)  # [B, V]
+    u = torch.rand((logits.size(0), 1), generator=generator, dtype=torch.float64, device=logits.device)  # [B, 1]
+    next_token = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)  # [B]
+    return next_token.clamp(max=logits.size(-1) - 1)
 
 
 class CriticModel(MiniMindPreTrainedModel):

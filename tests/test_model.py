@@ -157,3 +157,26 @@ def test_critic_loads_actor_weights(tiny_config):
     bad.pop("model.norm.weight")
     with pytest.raises(RuntimeError, match="model.norm.weight"):
         CriticModel(tiny_config).load_actor_state_dict(bad)
+
+
+@pytest.mark.parametrize("top_k, expected", [
+    (0, [0.1, 0.2, 0.3, 0.4, 0.0]),
+    (2, [0.0, 0.0, 3 / 7, 4 / 7, 0.0]),  # top-2 renormalised by hand
+])
+def test_inverse_cdf_sampler_matches_the_distribution(top_k, expected):
+    """Frequencies of 200k draws against hand-written probabilities; a zero-probability token never appears."""
+    from model.model_minimind import sample_next_token
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.0])
+    logits = probs.clamp(min=1e-30).log().expand(200_000, 5)  # [N, V]; log(0) -> a very small logit
+    logits = torch.where(probs > 0, logits, torch.full_like(logits, float("-inf")))
+    tokens = sample_next_token(logits, True, 1.0, 1.0, top_k, torch.Generator().manual_seed(0))
+    counts = torch.bincount(tokens, minlength=5).double() / tokens.numel()
+    assert (counts - torch.tensor(expected, dtype=torch.float64)).abs().max() < 0.005
+    assert all(counts[i] == 0 for i in range(5) if expected[i] == 0)
+
+
+def test_sampler_never_picks_a_token_cut_by_top_p():
+    from model.model_minimind import sample_next_token
+    logits = torch.tensor([[3.0, 2.9, -1.0, -2.0]]).expand(50_000, 4)  # softmax ~ [0.51, 0.47, 0.01, 0.003]
+    tokens = sample_next_token(logits, True, 1.0, 0.9, 0, torch.Generator().manual_seed(0))
+    assert set(tokens.tolist()) == {0, 1}

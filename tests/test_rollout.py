@@ -19,9 +19,11 @@ def policy():
     return MiniMindForCausalLM(config)
 
 
+@pytest.mark.parametrize("logprobs_mode", ["sampler", "recompute"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_rollout_logps_equal_plain_per_row_forward(policy, tokenizer, temperature):
-    engine = TorchRolloutEngine(policy, tokenizer, generator=torch.Generator().manual_seed(1))
+def test_rollout_logps_equal_plain_per_row_forward(policy, tokenizer, temperature, logprobs_mode):
+    engine = TorchRolloutEngine(policy, tokenizer, generator=torch.Generator().manual_seed(1),
+                                logprobs_mode=logprobs_mode)
     prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, PROMPTS, 256, "cpu")
     result = engine.rollout(prompt_ids, attention_mask, num_generations=3, max_new_tokens=12,
                             temperature=temperature)
@@ -41,6 +43,29 @@ def test_rollout_logps_equal_plain_per_row_forward(policy, tokenizer, temperatur
         assert (got - expected).abs().max() <= 1e-5
         text = tokenizer.decode(completion[completion != tokenizer.eos_token_id].tolist())
         assert result.completions[i] == text
+
+
+def test_sampler_logps_equal_recomputed_logps_with_eos_and_padding(policy, tokenizer):
+    """Chapter 8.2's "recorded at sampling time" against the second forward, on rows that stop at EOS."""
+    prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, PROMPTS, 256, "cpu")
+    eos_bias = torch.zeros(policy.config.vocab_size)
+    eos_bias[tokenizer.eos_token_id] = 6.0  # p(EOS) ~ 6% per token: most rows finish early and get padded
+    policy.lm_head.register_forward_hook(lambda module, inputs, logits: logits + eos_bias)
+    results = {}
+    for mode in ("sampler", "recompute"):
+        engine = TorchRolloutEngine(policy, tokenizer, generator=torch.Generator().manual_seed(5), logprobs_mode=mode)
+        results[mode] = engine.rollout(prompt_ids, attention_mask, 4, 24, temperature=0.9)
+    sampler, recompute = results["sampler"], results["recompute"]
+    assert torch.equal(sampler.output_ids, recompute.output_ids)  # same generator, same samples
+    mask = sampler.completion_mask.bool()
+    assert 0 < (~mask).sum() and mask.all(dim=1).sum() < mask.size(0) - 2  # rows of several lengths
+    assert (sampler.per_token_logps - recompute.per_token_logps)[mask].abs().max() <= 1e-5
+    assert torch.all(sampler.per_token_logps[~mask] == 0)
+
+
+def test_unknown_torch_logprobs_mode(policy, tokenizer):
+    with pytest.raises(ValueError, match="--torch_logprobs 'server'.*sampler, recompute"):
+        TorchRolloutEngine(policy, tokenizer, logprobs_mode="server")
 
 
 def test_ratio_is_one_before_any_update(policy, tokenizer):
@@ -68,3 +93,22 @@ def test_prompt_truncation_keeps_the_end(tokenizer):
 def test_unknown_engine():
     with pytest.raises(ValueError, match="valid: torch"):
         create_rollout_engine("vllm", None, None)
+
+
+def test_bf16_autocast_logps_are_fp32_and_near_the_fp32_ones(policy, tokenizer):
+    """--dtype bfloat16: matrix products in bf16, log-softmax in fp32; gradients land on the fp32 weights."""
+    from trainer.trainer_utils import autocast_context
+    prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, PROMPTS, 256, "cpu")
+    result = TorchRolloutEngine(policy, tokenizer, generator=torch.Generator().manual_seed(3)).rollout(
+        prompt_ids, attention_mask, 2, 8)
+    args = (policy, result.output_ids, result.completion_ids.size(1), result.attention_mask)
+    fp32_logps = compute_per_token_logps(*args)  # [N, R]
+    with autocast_context("cpu", "bfloat16"):
+        bf16_logps = compute_per_token_logps(*args)  # [N, R]
+    assert bf16_logps.dtype == torch.float32
+    # bf16 keeps 8 bits of mantissa: logits of this size (|logit| < 4) move by ~0.02, log-probs by ~0.05
+    assert 0 < (bf16_logps - fp32_logps).abs().max() < 0.15
+    bf16_logps.sum().backward()
+    assert policy.lm_head.weight.grad.dtype == torch.float32
+    with pytest.raises(ValueError, match="--dtype 'float16'.*float32, bfloat16"):
+        autocast_context("cpu", "float16")

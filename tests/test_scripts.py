@@ -107,6 +107,24 @@ def test_ppo_two_steps(tiny_weights, tmp_path):
     assert os.path.isfile(os.path.join(save_dir, "ppo_critic_64.pth"))
 
 
+@pytest.mark.parametrize("script, extra", [
+    ("trainer/train_grpo.py", ["--num_generations", "2"]),
+    ("trainer/train_ppo.py", ["--mini_batch_size", "2"]),
+])
+def test_bf16_autocast_run(tiny_weights, tmp_path, script, extra):
+    """--dtype bfloat16 trains on the CPU (autocast); the logged numbers stay finite."""
+    save_dir, name = tiny_weights
+    run_dir = tmp_path / "run"
+    result = run_script([script, "--max_steps", "2", "--save_dir", save_dir, "--from_weight", name, "--dtype",
+                         "bfloat16", "--batch_size", "2", "--max_gen_len", "6", "--run_dir", str(run_dir)]
+                        + extra + TINY)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(isinstance(v, float) and abs(v) < 1e6 for r in rows for k, v in r.items()
+               if k in ("reward", "kl_ref", "policy_loss", "grad_norm", "value_loss"))
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--gamma", "1.5"], "--gamma must be in [0, 1]"),
     (["--lam", "-0.1"], "--lam must be in [0, 1]"),

@@ -116,10 +116,25 @@ class RolloutEngine(ABC):
         """Make later rollouts sample from ``model``'s current weights."""
 
 
-class TorchRolloutEngine(RolloutEngine):
-    """Rollouts with the policy's own ``generate`` (KV cache), then one forward for the old log-probs (chapter 8.2)."""
+TORCH_LOGPROB_MODES = ("sampler", "recompute")
 
-    def __init__(self, policy_model, tokenizer, top_p=1.0, top_k=0, generator=None):
+
+class TorchRolloutEngine(RolloutEngine):
+    """Rollouts with the policy's own ``generate`` (KV cache allocated once per rollout) (chapter 8.2).
+
+    ``logprobs_mode`` says where ``per_token_logps`` (log pi_old) come from:
+      * "sampler" (default): recorded at sampling time from the logits the sampler already computed, as the
+        chapter describes; no second forward. Equal to the recomputation within 1e-5 in fp32
+        (``tests/test_rollout.py``); under bf16 autocast the two differ by bf16 rounding.
+      * "recompute": one more no-grad forward over prompt + completion (the reference path).
+    ``ignore_eos`` keeps sampling past EOS (for benchmarks that need full-length work; the completion
+    mask still ends at the first EOS).
+    """
+
+    def __init__(self, policy_model, tokenizer, top_p=1.0, top_k=0, generator=None, logprobs_mode="sampler",
+                 ignore_eos=False):
+        if logprobs_mode not in TORCH_LOGPROB_MODES:
+            raise ValueError(f"unknown --torch_logprobs {logprobs_mode!r}; valid: {', '.join(TORCH_LOGPROB_MODES)}")
         self.policy_model = policy_model
         self.tokenizer = tokenizer
         self.eos_token_id = tokenizer.eos_token_id
@@ -127,6 +142,8 @@ class TorchRolloutEngine(RolloutEngine):
         self.top_p = top_p
         self.top_k = top_k
         self.generator = generator
+        self.logprobs_mode = logprobs_mode
+        self.ignore_eos = ignore_eos
 
     @torch.no_grad()
     def rollout(self, prompt_ids, attention_mask, num_generations, max_new_tokens, temperature=1.0):
@@ -135,16 +152,19 @@ class TorchRolloutEngine(RolloutEngine):
         model.eval()
         prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
         prompt_mask = attention_mask.repeat_interleave(num_generations, dim=0)  # [N, P]
-        output_ids = model.generate(
+        output_ids, sampler_logps = model.generate(
             prompt_ids, attention_mask=prompt_mask, max_new_tokens=max_new_tokens, do_sample=True,
-            temperature=temperature, top_p=self.top_p, top_k=self.top_k,
-            eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id, generator=self.generator,
-        )  # [N, P + R]
+            temperature=temperature, top_p=self.top_p, top_k=self.top_k, eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id, generator=self.generator, ignore_eos=self.ignore_eos, return_logps=True,
+        )  # [N, P + R], [N, R]
         completion_ids = output_ids[:, prompt_ids.size(1):]  # [N, R]
         completion_mask = completion_mask_from_ids(completion_ids, self.eos_token_id)  # [N, R]
-        full_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [N, P + R]
-        per_token_logps = compute_per_token_logps(model, output_ids, completion_ids.size(1), full_mask,
-                                                  temperature)  # [N, R]
+        if self.logprobs_mode == "sampler":
+            per_token_logps = sampler_logps  # [N, R]
+        else:
+            full_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [N, P + R]
+            per_token_logps = compute_per_token_logps(model, output_ids, completion_ids.size(1), full_mask,
+                                                      temperature)  # [N, R]
         model.train(was_training)
         return RolloutResult(
             output_ids=output_ids,

@@ -34,11 +34,12 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from dataset.lm_dataset import RLAIFDataset  # noqa: E402
 from trainer.rollout_engine import (  # noqa: E402
-    ROLLOUT_ENGINES, SGLANG_LOGPROB_MODES, compute_per_token_logps, create_rollout_engine,
+    ROLLOUT_ENGINES, SGLANG_LOGPROB_MODES, TORCH_LOGPROB_MODES, compute_per_token_logps, create_rollout_engine,
 )
 from trainer.trainer_utils import (  # noqa: E402
-    DEFAULT_REWARD_MODEL_PATH, DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, DTYPES, BadStepGuard, LMForRewardModel,
-    Logger, MetricsWriter, ResumableBatchSampler, StepTimer, StopSignal, any_rank, atomic_save, build_config,
+    DEFAULT_REWARD_MODEL_PATH, DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, DTYPES, TRAIN_DTYPES, BadStepGuard, LMForRewardModel,
+    Logger, MetricsWriter, ResumableBatchSampler, StepTimer, StopSignal, any_rank, atomic_save, autocast_context,
+    build_config,
     build_cosine_scheduler, calculate_rewards, check_finite_state, check_writable_dir, describe_changed_flags,
     half_state_dict, init_distributed_mode, init_model, is_main_process, k3_kl, load_resume, load_training_states,
     masked_mean, nonfinite_parts, read_reward_model_config, resolve_dtype, resume_command, resume_path,
@@ -143,6 +144,10 @@ def add_common_rl_args(parser):
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollout")
     parser.add_argument("--top_p", type=float, default=1.0)
     parser.add_argument("--top_k", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", choices=TRAIN_DTYPES,
+                        help="autocast dtype of the policy/critic forwards (weights and log-softmax stay fp32)")
+    parser.add_argument("--torch_logprobs", default="sampler", choices=TORCH_LOGPROB_MODES,
+                        help="old log-probs of --rollout_engine torch: recorded while sampling, or one more forward")
     parser.add_argument("--thinking_ratio", type=float, default=0.9, help="share of prompts that open <think>")
     parser.add_argument("--reward_model_path", default=DEFAULT_REWARD_MODEL_PATH,
                         help="reward model folder (sequence classification, or get_score remote code), or none")
@@ -271,6 +276,8 @@ def count_long_prompts(dataset, tokenizer, max_seq_len):
 def rollout_engine_kwargs(args):
     """Constructor arguments of the ``--rollout_engine`` chosen (chapter 8.2)."""
     kwargs = dict(top_p=args.top_p, top_k=args.top_k)
+    if args.rollout_engine == "torch":
+        kwargs.update(logprobs_mode=args.torch_logprobs)
     if args.rollout_engine == "sglang":
         kwargs.update(
             url=args.sglang_url, shared_path=args.sglang_shared_path or os.path.join(args.save_dir, "sglang_policy"),
@@ -368,8 +375,9 @@ def grpo_step(batch, model, ref_model, rollout_engine, reward_model, tokenizer, 
     prompt_ids, attention_mask, truncated = tokenize_prompts(tokenizer, prompts, args.max_seq_len, device)
 
     # 1. rollout: B*G completions and their old log-probs (8.2)
-    rollout = rollout_engine.rollout(prompt_ids, attention_mask, args.num_generations, args.max_gen_len,
-                                     args.temperature)
+    with autocast_context(device, args.dtype):
+        rollout = rollout_engine.rollout(prompt_ids, attention_mask, args.num_generations, args.max_gen_len,
+                                         args.temperature)
     output_ids = rollout.output_ids  # [B*G, P+R]
     full_mask = rollout.attention_mask  # [B*G, P+R]
     completion_mask = rollout.completion_mask  # [B*G, R]
@@ -386,12 +394,13 @@ def grpo_step(batch, model, ref_model, rollout_engine, reward_model, tokenizer, 
     # 3. group-relative advantages (8.5.1)
     advantages = grpo_advantages(rewards, args.num_generations)  # [B*G]
 
-    # 4. reference and current log-probs
-    with torch.no_grad():
+    # 4. reference and current log-probs (fp32 whatever --dtype is)
+    with torch.no_grad(), autocast_context(device, args.dtype):
         ref_per_token_logps = compute_per_token_logps(ref_model, output_ids, num_completion_tokens, full_mask,
                                                       args.temperature)  # [B*G, R]
-    per_token_logps, aux_loss = compute_per_token_logps(model, output_ids, num_completion_tokens, full_mask,
-                                                        args.temperature, return_aux_loss=True)  # [B*G, R]
+    with autocast_context(device, args.dtype):
+        per_token_logps, aux_loss = compute_per_token_logps(model, output_ids, num_completion_tokens, full_mask,
+                                                            args.temperature, return_aux_loss=True)  # [B*G, R]
 
     # 5. CISPO / GRPO loss with the k3 KL penalty (8.5.2, 8.6)
     policy_loss, per_token_kl, ratio = grpo_loss(

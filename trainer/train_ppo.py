@@ -38,8 +38,8 @@ from trainer.train_grpo import (  # noqa: E402
     print_debug_samples, rollout_engine_kwargs, save_checkpoint, start_or_resume, tokenize_prompts, wrap_ddp,
 )
 from trainer.trainer_utils import (  # noqa: E402
-    BadStepGuard, Logger, StepTimer, StopSignal, any_rank, build_cosine_scheduler, calculate_rewards, k3_kl,
-    masked_mean, nonfinite_parts, resume_command, unwrap_model, weight_path,
+    BadStepGuard, Logger, StepTimer, StopSignal, any_rank, autocast_context, build_cosine_scheduler,
+    calculate_rewards, k3_kl, masked_mean, nonfinite_parts, resume_command, unwrap_model, weight_path,
 )
 
 
@@ -222,7 +222,8 @@ def ppo_rollout(batch, actor, ref_model, critic, rollout_engine, reward_model, t
     """
     prompts, answers = batch["prompt"], batch["answer"]  # list[str] of length B
     prompt_ids, attention_mask, truncated = tokenize_prompts(tokenizer, prompts, args.max_seq_len, device)
-    rollout = rollout_engine.rollout(prompt_ids, attention_mask, 1, args.max_gen_len, args.temperature)
+    with autocast_context(device, args.dtype):
+        rollout = rollout_engine.rollout(prompt_ids, attention_mask, 1, args.max_gen_len, args.temperature)
     output_ids = rollout.output_ids  # [B, P+R]
     full_mask = rollout.attention_mask  # [B, P+R]
     completion_mask = rollout.completion_mask  # [B, R]
@@ -230,11 +231,12 @@ def ppo_rollout(batch, actor, ref_model, critic, rollout_engine, reward_model, t
 
     reward_parts = calculate_rewards(prompts, rollout.completions, answers, reward_model, args.answer_reward_weight)
     rewards = reward_parts["rewards"].to(device)  # [B]
-    ref_per_token_logps = compute_per_token_logps(ref_model, output_ids, gen_len, full_mask,
-                                                  args.temperature)  # [B, R]
     critic_module = unwrap_model(critic)
     critic_module.eval()
-    old_resp_values = critic_module(output_ids, attention_mask=full_mask)[:, -gen_len - 1:-1]  # [B, R], V(s_t)
+    with autocast_context(device, args.dtype):
+        ref_per_token_logps = compute_per_token_logps(ref_model, output_ids, gen_len, full_mask,
+                                                      args.temperature)  # [B, R]
+        old_resp_values = critic_module(output_ids, attention_mask=full_mask)[:, -gen_len - 1:-1]  # [B, R], V(s_t)
     critic_module.train()
 
     scores = normalize_rewards(rewards) if args.reward_norm else rewards  # [B]
@@ -283,9 +285,10 @@ def ppo_update(data, actor, critic, actor_optimizer, critic_optimizer, actor_sch
         for start in range(0, batch_size, args.mini_batch_size):
             inds = permutation[start:start + args.mini_batch_size].to(device)
             mask = data["completion_mask"][inds]  # [mb, R]
-            mb_resp_logp, aux_loss = compute_per_token_logps(
-                actor, data["output_ids"][inds], gen_len, data["full_mask"][inds], args.temperature,
-                return_aux_loss=True)  # [mb, R]
+            with autocast_context(device, args.dtype):
+                mb_resp_logp, aux_loss = compute_per_token_logps(
+                    actor, data["output_ids"][inds], gen_len, data["full_mask"][inds], args.temperature,
+                    return_aux_loss=True)  # [mb, R]
             policy_loss, stats = ppo_policy_loss(
                 mb_resp_logp, data["old_per_token_logps"][inds], data["ref_per_token_logps"][inds],
                 data["advantages"][inds], mask, args.clip_epsilon, args.kl_coef)
@@ -294,7 +297,9 @@ def ppo_update(data, actor, critic, actor_optimizer, critic_optimizer, actor_sch
                 stop_ppo = True  # this minibatch and the rest of the epochs are skipped
                 sums["early_stops"] = sums.get("early_stops", 0.0) + 1.0
                 break
-            mb_resp_values = critic(data["output_ids"][inds], attention_mask=data["full_mask"][inds])[:, -gen_len - 1:-1]
+            with autocast_context(device, args.dtype):
+                mb_resp_values = critic(data["output_ids"][inds],
+                                        attention_mask=data["full_mask"][inds])[:, -gen_len - 1:-1]  # [mb, R]
             value_loss, value_clipfrac = ppo_value_loss(
                 mb_resp_values, data["old_resp_values"][inds], data["returns"][inds], mask, args.cliprange_value)
             loss = policy_loss + args.vf_coef * value_loss + aux_loss

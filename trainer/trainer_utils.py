@@ -3,6 +3,7 @@ atomic checkpoints, the reward functions of chapter 8.3 and the k3 KL of chapter
 
 Nothing here reads a global: every function takes what it needs as arguments.
 """
+import contextlib
 import errno
 import glob
 import hashlib
@@ -735,6 +736,31 @@ def read_reward_model_config(path, trust_remote_code):
                          f"{sorted(config['auto_map'])}); pass --trust_remote_code to allow it "
                          f"(after reading that code)")
     return config
+
+
+TRAIN_DTYPES = ("float32", "bfloat16")
+
+
+def autocast_context(device, dtype_name):
+    """The context for the policy's (and critic's) forwards under ``--dtype``.
+
+    "float32": no autocast. "bfloat16": ``torch.autocast`` on the device's type (CPU or CUDA); weights,
+    gradients and optimizer states stay fp32, matrix products run in bf16, and every log-softmax of this
+    project casts its logits to fp32 first (``selective_log_softmax``), so log-probs, KL and losses are fp32.
+    bf16 is only faster on hardware with bf16 matrix units (CUDA GPUs, CPUs with AMX / AVX512-BF16); on a
+    CPU without them it is much slower (``scripts/bench.py`` measures both peaks).
+
+    Args:
+        device: a torch.device or string ("cpu", "cuda:0").
+        dtype_name: one of ``TRAIN_DTYPES``.
+    Raises:
+        ValueError: for another name.
+    """
+    if dtype_name not in TRAIN_DTYPES:
+        raise ValueError(f"unknown --dtype {dtype_name!r}; valid: {', '.join(TRAIN_DTYPES)}")
+    if dtype_name == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=DTYPES[dtype_name])
 
 
 def resolve_dtype(name, default):
