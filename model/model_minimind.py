@@ -105,7 +105,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        """x: [..., dim] any float dtype -> same shape and dtype."""
+        """x: [..., dim] any float dtype -> same shape; fp32 for an fp32 x. For a bf16 x (autocast) the norm is
+        computed in fp32 and the fp32 weight promotes the result to fp32; the next matrix product casts it back."""
+        if x.dtype == torch.float32:  # one fused op, the same formula (about 10% of a small model's decode step)
+            return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
         x_fp32 = x.float()
         normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)

@@ -1,0 +1,539 @@
+"""Speed benchmark: our GRPO step against TRL's GRPOTrainer, our rollout against transformers' generate.
+
+Every contestant runs in its own subprocess (a "worker") on the same weights, the same prompts and the same
+settings, so that peak resident memory is its own and one contestant's caches do not help another. Our
+contestants call this project's functions (``train_grpo.grpo_step``, ``optimizer_step``, the rollout
+engine, ``train_ppo.ppo_rollout`` / ``ppo_update``); TRL's is ``trl.GRPOTrainer.train`` on the same weights
+exported as ``Qwen3ForCausalLM``. TRL is a benchmark-only dependency (``requirements-bench.txt``); without it
+the TRL rows say "not installed" and everything else runs.
+
+Workloads (issue 7): the embedded default model (hidden 256, 4 layers, its SFT weights) and a
+MiniMind-3-sized model (hidden 768, 8 layers, random weights); 2 prompts x 6 generations, prompts of about 48
+tokens, 64 and 256 generated tokens with EOS ignored (every contestant does full-length work), beta 0.1,
+CISPO (epsilon_high 5), temperature 1, no top-k / top-p, one optimizer step per rollout, no gradient
+checkpointing, fp32 (TRL's own defaults are bf16 and gradient checkpointing; both are switched off here).
+
+Figures per contestant: median and spread (min-max) of the step time over ``--steps`` steps after
+``--warmup`` steps, split into rollout / reward / reference forward / policy forward / policy backward /
+optimizer (the rest is "other"); rollout tokens/s; peak resident memory (ru_maxrss of the worker); model
+FLOPs utilisation against the fp32 and bf16 matrix-multiply peaks measured at the start of the same run.
+"Model FLOPs" count the work every GRPO implementation must do (generation, one reference forward, one
+policy forward + backward: 2 + 2 + 6 FLOPs per weight per token, plus attention), the same numerator for
+every contestant, so MFU ratios are inverse time ratios.
+
+Run:
+    pip install -r requirements-bench.txt      # TRL (benchmark only)
+    python scripts/bench.py                    # about 20 minutes on a 2-core CPU; table + out/bench/bench.json
+    python scripts/bench.py --tiny             # seconds: a 2-layer model, 8 tokens (what the test runs)
+"""
+import argparse
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+SIZES = {  # name -> (hidden_size, num_hidden_layers, starting weights)
+    "default": (256, 4, os.path.join(ROOT, "out", "full_sft_256.pth")),
+    "minimind3": (768, 8, "random"),
+    "tiny": (64, 2, "random"),
+}
+CONTESTANTS = ("ours_grpo", "trl_grpo", "ours_rollout", "hf_generate", "ours_ppo")
+PHASES = ("rollout", "reward", "reference_forward", "policy_forward", "policy_backward", "optimizer")
+PROMPT_TOKENS = 48
+NUM_PROMPTS = 2
+NUM_GENERATIONS = 6
+
+
+# ----------------------------------------------------------------------------- measuring
+class PhaseTimer:
+    """Wall-clock seconds per named phase within one step; ``wrap`` times every call of a function."""
+
+    def __init__(self):
+        self.current = {}
+
+    @contextlib.contextmanager
+    def phase(self, name):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.current[name] = self.current.get(name, 0.0) + time.perf_counter() - start
+
+    def wrap(self, fn, name):
+        """``fn`` that adds its run time to phase ``name`` (a callable: the name is chosen per call)."""
+        def timed(*args, **kwargs):
+            with self.phase(name() if callable(name) else name):
+                return fn(*args, **kwargs)
+        return timed
+
+    def take(self):
+        """The phases of the step just finished (and start a new one)."""
+        current, self.current = self.current, {}
+        return current
+
+
+def logps_phase():
+    """A forward with gradients is the policy's; one without is the reference's (or the old policy's)."""
+    return "policy_forward" if torch.is_grad_enabled() else "reference_forward"
+
+
+def measure_matmul_peak(dtype, size=2048, repeats=3):
+    """GFLOP/s of a [size x size] @ [size x size] product in ``dtype`` (best of ``repeats``), on the CPU."""
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    a @ b  # warm-up
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size ** 3 / best / 1e9
+
+
+def forward_flops(config, tokens, context, logit_positions):
+    """FLOPs of one forward: 2 per weight per token for the blocks, 2 * V * H per logit position, and the
+    attention products (QK^T and AV: 4 * heads * head_dim * context per token and layer)."""
+    hidden, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    q_dim = config.num_attention_heads * config.head_dim
+    kv_dim = config.num_key_value_heads * config.head_dim
+    block_weights = hidden * q_dim * 2 + hidden * kv_dim * 2 + 3 * hidden * inter  # q, o, k, v, gate/up/down
+    attention = 4 * q_dim * context * layers
+    return tokens * (2 * block_weights * layers + attention) + logit_positions * 2 * config.vocab_size * hidden
+
+
+def grpo_model_flops(config, num_rows, prompt_len, gen_len):
+    """Model FLOPs of one GRPO step: generation + one reference forward + policy forward and backward (x3)."""
+    full = prompt_len + gen_len
+    generation = forward_flops(config, num_rows * prompt_len, prompt_len / 2, num_rows)
+    generation += forward_flops(config, num_rows * (gen_len - 1), prompt_len + gen_len / 2, num_rows * (gen_len - 1))
+    scoring = forward_flops(config, num_rows * full, full / 2, num_rows * gen_len)
+    return generation + scoring + 3 * scoring
+
+
+# ----------------------------------------------------------------------------- shared set-up
+def bench_prompts(tokenizer, data_path):
+    """NUM_PROMPTS chat prompts of about PROMPT_TOKENS tokens each, built from the bundled prompts.
+
+    Each prompt is one user turn holding as many of the data file's questions as fit, then the assistant
+    header. Returns (prompts, answers).
+    """
+    from dataset.lm_dataset import iter_jsonl
+    questions = []
+    for _, row in iter_jsonl(data_path):
+        turns = row["conversations"]
+        questions.append((turns[0]["content"], turns[1]["content"] if len(turns) > 1 else ""))
+    prompts, answers = [], []
+    for i in range(NUM_PROMPTS):
+        text, answer = "", ""
+        for question, reference in questions[i::NUM_PROMPTS]:
+            candidate = (text + " " + question).strip()
+            rendered = f"<|im_start|>user\n{candidate}<|im_end|>\n<|im_start|>assistant\n"
+            if len(tokenizer(rendered, add_special_tokens=False)["input_ids"]) > PROMPT_TOKENS:
+                break
+            text, answer = candidate, reference
+        prompts.append(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n")
+        answers.append(answer)
+    return prompts, answers
+
+
+def prepare_weights(size, work_dir, tokenizer):
+    """Write the size's weights as a MiniMind state dict (.pth) and a Qwen3ForCausalLM folder; return both paths."""
+    from model.hf_qwen3 import save_qwen3_folder
+    from model.model_minimind import MiniMindForCausalLM
+    from trainer.trainer_utils import build_config, load_weights
+    hidden, layers, source = SIZES[size]
+    torch.manual_seed(0)
+    config = build_config(hidden, layers, 0)
+    model = MiniMindForCausalLM(config)
+    if source != "random":
+        load_weights(model, source)
+    pth = os.path.join(work_dir, f"{size}.pth")
+    torch.save(model.state_dict(), pth)
+    folder = os.path.join(work_dir, f"{size}_qwen3")
+    save_qwen3_folder(model.state_dict(), config, folder, tokenizer=tokenizer)
+    return pth, folder
+
+
+def summarize(step_phases, step_totals, tokens_per_rollout, model_flops, peaks):
+    """Median / min / max of the totals, median of each phase, tokens/s and MFU of the median step."""
+    median = statistics.median(step_totals)
+    phases = {name: statistics.median([p.get(name, 0.0) for p in step_phases]) for name in PHASES}
+    phases["other"] = max(median - sum(phases.values()), 0.0)
+    rollout = phases["rollout"]
+    return {
+        "step_s_median": median, "step_s_min": min(step_totals), "step_s_max": max(step_totals),
+        "steps": len(step_totals), "phases_s": phases,
+        "rollout_tokens_per_s": tokens_per_rollout / rollout if rollout > 0 else None,
+        "mfu_fp32": model_flops / median / (peaks["float32"] * 1e9) if model_flops else None,
+        "mfu_bf16": model_flops / median / (peaks["bfloat16"] * 1e9) if model_flops else None,
+    }
+
+
+# ----------------------------------------------------------------------------- contestants (one per worker)
+def grpo_args(spec):
+    from trainer.train_grpo import parse_args
+    return parse_args([
+        "--hidden_size", str(spec["hidden_size"]), "--num_hidden_layers", str(spec["num_hidden_layers"]),
+        "--batch_size", str(NUM_PROMPTS), "--num_generations", str(NUM_GENERATIONS),
+        "--max_gen_len", str(spec["gen_len"]), "--max_seq_len", "512", "--beta", "0.1", "--loss_type", "cispo",
+        "--epsilon_high", "5.0", "--temperature", "1.0", "--reward_model_path", "none", "--dtype", spec["dtype"],
+        "--torch_logprobs", spec["torch_logprobs"],
+    ])
+
+
+def load_minimind(spec):
+    from model.model_minimind import MiniMindForCausalLM
+    from trainer.trainer_utils import build_config
+    config = build_config(spec["hidden_size"], spec["num_hidden_layers"], 0)
+    model = MiniMindForCausalLM(config)
+    model.load_state_dict(torch.load(spec["pth"], map_location="cpu", weights_only=True))
+    return model, config
+
+
+def run_ours_grpo(spec, tokenizer, timer):
+    """Our GRPO step through train_grpo's own functions, each phase timed by wrapping what the step calls."""
+    import trainer.train_grpo as grpo
+    from trainer.rollout_engine import TorchRolloutEngine
+    from trainer.trainer_utils import build_cosine_scheduler
+    args = grpo_args(spec)
+    model, config = load_minimind(spec)
+    ref_model, _ = load_minimind(spec)
+    ref_model.eval().requires_grad_(False)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
+    scheduler = build_cosine_scheduler(optimizer, spec["warmup"] + spec["steps"])
+    engine = TorchRolloutEngine(model, tokenizer, generator=torch.Generator().manual_seed(0),
+                                logprobs_mode=args.torch_logprobs, ignore_eos=True)
+    engine.rollout = timer.wrap(engine.rollout, "rollout")
+    grpo.calculate_rewards = timer.wrap(grpo.calculate_rewards, "reward")
+    grpo.compute_per_token_logps = timer.wrap(grpo.compute_per_token_logps, logps_phase)
+    batch = {"prompt": spec["prompts"], "answer": spec["answers"]}
+    phases, totals = [], []
+    for step in range(spec["warmup"] + spec["steps"]):
+        timer.take()
+        start = time.perf_counter()
+        loss, metrics, _ = grpo.grpo_step(batch, model, ref_model, engine, None, tokenizer, args, "cpu")
+        with timer.phase("policy_backward"):
+            loss.backward()
+        with timer.phase("optimizer"):
+            grpo.optimizer_step(model, optimizer, scheduler, args.grad_clip, [], "cpu")
+        total = time.perf_counter() - start
+        if step >= spec["warmup"]:
+            phases.append(timer.take())
+            totals.append(total)
+    num_rows = NUM_PROMPTS * NUM_GENERATIONS
+    return phases, totals, num_rows * spec["gen_len"], config
+
+
+def run_trl_grpo(spec, tokenizer, timer):
+    """TRL's GRPOTrainer on the exported Qwen3ForCausalLM, same settings; phases timed by wrapping its methods."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trainer.trainer_utils import calculate_rewards
+
+    def reward_func(prompts, completions, answer, **kwargs):
+        return calculate_rewards(prompts, completions, answer, None, 2.0)["rewards"].tolist()
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.totals, self.phases, self.start = [], [], None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            timer.take()
+            self.start = time.perf_counter()
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            self.optimizer_start = time.perf_counter()
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            timer.current["optimizer"] = timer.current.get("optimizer", 0.0) + time.perf_counter() - self.optimizer_start
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.totals.append(time.perf_counter() - self.start)
+            self.phases.append(timer.take())
+
+    steps = spec["warmup"] + spec["steps"]
+    rows = NUM_PROMPTS * NUM_GENERATIONS
+    dataset = Dataset.from_dict({"prompt": spec["prompts"] * steps, "answer": spec["answers"] * steps})
+    config = GRPOConfig(
+        output_dir=spec["tmp_dir"], per_device_train_batch_size=rows, gradient_accumulation_steps=1,
+        num_generations=NUM_GENERATIONS, max_completion_length=spec["gen_len"], temperature=1.0, top_k=0, top_p=1.0,
+        beta=0.1, loss_type="cispo", epsilon_high=5.0, learning_rate=5e-5, max_grad_norm=1.0, max_steps=steps,
+        logging_steps=1, report_to="none", use_cpu=True, bf16=spec["dtype"] == "bfloat16",
+        gradient_checkpointing=False, save_strategy="no", disable_tqdm=True, seed=0,
+        generation_kwargs={"min_new_tokens": spec["gen_len"]},  # ignore EOS: full-length work
+        model_init_kwargs={"dtype": torch.float32},
+    )
+    clock = StepClock()
+    trainer = GRPOTrainer(model=spec["qwen3_folder"], reward_funcs=reward_func, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[clock])
+    trainer._generate = timer.wrap(trainer._generate, "rollout")
+    trainer._calculate_rewards = timer.wrap(trainer._calculate_rewards, "reward")
+    trainer._get_per_token_logps_and_entropies = timer.wrap(trainer._get_per_token_logps_and_entropies, logps_phase)
+    trainer.accelerator.backward = timer.wrap(trainer.accelerator.backward, "policy_backward")
+    trainer._clip_grad_norm = timer.wrap(trainer._clip_grad_norm, "optimizer")
+    trainer.train()
+    model_config = trainer.model.config
+    return clock.phases[spec["warmup"]:], clock.totals[spec["warmup"]:], rows * spec["gen_len"], model_config
+
+
+def run_rollouts(spec, tokenizer, timer, contestant):
+    """Rollout alone: our TorchRolloutEngine (with its old log-probs) or transformers' generate."""
+    from trainer.train_grpo import tokenize_prompts
+    prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, spec["prompts"], 512, "cpu")
+    rows = NUM_PROMPTS * NUM_GENERATIONS
+    if contestant == "ours_rollout":
+        from trainer.rollout_engine import TorchRolloutEngine
+        model, config = load_minimind(spec)
+        engine = TorchRolloutEngine(model, tokenizer, generator=torch.Generator().manual_seed(0),
+                                    logprobs_mode=spec["torch_logprobs"], ignore_eos=True)
+
+        def rollout():
+            return engine.rollout(prompt_ids, attention_mask, NUM_GENERATIONS, spec["gen_len"]).completion_ids
+    else:
+        from transformers import Qwen3ForCausalLM
+        model = Qwen3ForCausalLM.from_pretrained(spec["qwen3_folder"], dtype=torch.float32).eval()
+        config = model.config
+        repeated_ids = prompt_ids.repeat_interleave(NUM_GENERATIONS, dim=0)  # [N, P]
+        repeated_mask = attention_mask.repeat_interleave(NUM_GENERATIONS, dim=0)  # [N, P]
+
+        def rollout():
+            with torch.no_grad():
+                return model.generate(repeated_ids, attention_mask=repeated_mask, do_sample=True, temperature=1.0,
+                                      top_k=0, top_p=1.0, max_new_tokens=spec["gen_len"],
+                                      min_new_tokens=spec["gen_len"], pad_token_id=tokenizer.pad_token_id)
+    phases, totals = [], []
+    for step in range(spec["warmup"] + spec["steps"]):
+        timer.take()
+        start = time.perf_counter()
+        with timer.phase("rollout"):
+            rollout()
+        total = time.perf_counter() - start
+        if step >= spec["warmup"]:
+            phases.append(timer.take())
+            totals.append(total)
+    return phases, totals, rows * spec["gen_len"], config
+
+
+def run_ours_ppo(spec, tokenizer, timer):
+    """Our PPO step (rollout of B = 12 prompts, GAE, 2 epochs of minibatches of 2) through train_ppo's functions."""
+    import trainer.train_ppo as ppo
+    from trainer.rollout_engine import TorchRolloutEngine
+    from trainer.trainer_utils import build_cosine_scheduler
+    rows = NUM_PROMPTS * NUM_GENERATIONS
+    args = ppo.parse_args([
+        "--hidden_size", str(spec["hidden_size"]), "--num_hidden_layers", str(spec["num_hidden_layers"]),
+        "--batch_size", str(rows), "--max_gen_len", str(spec["gen_len"]), "--max_seq_len", "512",
+        "--reward_model_path", "none", "--dtype", spec["dtype"], "--torch_logprobs", spec["torch_logprobs"],
+    ])
+    model, config = load_minimind(spec)
+    ref_model, _ = load_minimind(spec)
+    ref_model.eval().requires_grad_(False)
+    from model.model_minimind import CriticModel
+    critic = CriticModel(config)
+    critic.load_actor_state_dict(model.state_dict())
+    actor_optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
+    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate)
+    steps = spec["warmup"] + spec["steps"]
+    actor_scheduler = build_cosine_scheduler(actor_optimizer, steps)
+    critic_scheduler = build_cosine_scheduler(critic_optimizer, steps)
+    engine = TorchRolloutEngine(model, tokenizer, generator=torch.Generator().manual_seed(0),
+                                logprobs_mode=args.torch_logprobs, ignore_eos=True)
+    engine.rollout = timer.wrap(engine.rollout, "rollout")
+    ppo.calculate_rewards = timer.wrap(ppo.calculate_rewards, "reward")
+    ppo.compute_per_token_logps = timer.wrap(ppo.compute_per_token_logps, logps_phase)
+    prompts = [spec["prompts"][i % NUM_PROMPTS] for i in range(rows)]
+    answers = [spec["answers"][i % NUM_PROMPTS] for i in range(rows)]
+    batch = {"prompt": prompts, "answer": answers}
+    generator = torch.Generator().manual_seed(0)
+    phases, totals = [], []
+    for step in range(steps):
+        timer.take()
+        start = time.perf_counter()
+        data = ppo.ppo_rollout(batch, model, ref_model, critic, engine, None, tokenizer, args, "cpu")
+        ppo.ppo_update(data, model, critic, actor_optimizer, critic_optimizer, actor_scheduler, critic_scheduler,
+                       args, "cpu", generator)
+        total = time.perf_counter() - start
+        if step >= spec["warmup"]:
+            phases.append(timer.take())
+            totals.append(total)
+    return phases, totals, rows * spec["gen_len"], config
+
+
+def worker(spec):
+    """Run one contestant on one workload; print one JSON line with its figures."""
+    torch.set_num_threads(spec["threads"])
+    torch.manual_seed(0)
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
+    timer = PhaseTimer()
+    contestant = spec["contestant"]
+    if contestant == "ours_grpo":
+        phases, totals, tokens, config = run_ours_grpo(spec, tokenizer, timer)
+    elif contestant == "trl_grpo":
+        phases, totals, tokens, config = run_trl_grpo(spec, tokenizer, timer)
+    elif contestant == "ours_ppo":
+        phases, totals, tokens, config = run_ours_ppo(spec, tokenizer, timer)
+    else:
+        phases, totals, tokens, config = run_rollouts(spec, tokenizer, timer, contestant)
+    rows = NUM_PROMPTS * NUM_GENERATIONS
+    flops = grpo_model_flops(config, rows, spec["prompt_len"], spec["gen_len"]) if contestant.endswith("grpo") else 0
+    result = summarize(phases, totals, tokens, flops, spec["peaks"])
+    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print("BENCH_RESULT " + json.dumps(result), flush=True)
+
+
+# ----------------------------------------------------------------------------- the run
+def contestant_available(name):
+    """None when the contestant can run here, else the reason it cannot."""
+    if name == "trl_grpo" and importlib.util.find_spec("trl") is None:
+        return "trl not installed (pip install -r requirements-bench.txt)"
+    return None
+
+
+def run_worker(spec, timeout):
+    """Start a worker subprocess for ``spec``; return its result dict, or {"error": ...}."""
+    command = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled")
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    for line in result.stdout.splitlines():
+        if line.startswith("BENCH_RESULT "):
+            return json.loads(line[len("BENCH_RESULT "):])
+    return {"error": (result.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+
+
+def format_table(results, peaks):
+    """The results as a plain-text table, one row per workload and contestant, with ours/theirs ratios."""
+    lines = [f"matmul peak (2048^3, this run): fp32 {peaks['float32']:.1f} GFLOP/s, "
+             f"bf16 {peaks['bfloat16']:.1f} GFLOP/s",
+             "", "| workload | contestant | step s (median) | min-max | rollout | reward | ref fwd | policy fwd | "
+             "policy bwd | optimizer | other | rollout tok/s | peak RSS MiB | MFU fp32 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in results:
+        r = row["result"]
+        if "error" in r or "skipped" in r:
+            lines.append(f"| {row['workload']} | {row['contestant']} | {r.get('error') or r.get('skipped')} |"
+                         + " |" * 11)
+            continue
+        p = r["phases_s"]
+        tok = f"{r['rollout_tokens_per_s']:.0f}" if r["rollout_tokens_per_s"] else "-"
+        mfu = f"{100 * r['mfu_fp32']:.1f}%" if r["mfu_fp32"] else "-"
+        lines.append(
+            f"| {row['workload']} | {row['contestant']} | {r['step_s_median']:.2f} | "
+            f"{r['step_s_min']:.2f}-{r['step_s_max']:.2f} | " + " | ".join(
+                f"{p[name]:.2f}" for name in (*PHASES, "other")) + f" | {tok} | {r['peak_rss_mib']:.0f} | {mfu} |")
+    lines.append("")
+    lines.append("| workload | GRPO step ours/TRL | rollout tok/s ours/generate |")
+    lines.append("|---|---|---|")
+    for workload in dict.fromkeys(row["workload"] for row in results):
+        by_name = {row["contestant"]: row["result"] for row in results if row["workload"] == workload}
+        step_ratio = ratio(by_name.get("ours_grpo"), by_name.get("trl_grpo"), "step_s_median")
+        tok_ratio = ratio(by_name.get("ours_rollout"), by_name.get("hf_generate"), "rollout_tokens_per_s")
+        lines.append(f"| {workload} | {step_ratio} | {tok_ratio} |")
+    return "\n".join(lines)
+
+
+def ratio(ours, theirs, key):
+    if not ours or not theirs or not ours.get(key) or not theirs.get(key):
+        return "-"
+    return f"{ours[key] / theirs[key]:.2f}"
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="GRPO step and rollout speed: ours vs TRL and transformers")
+    parser.add_argument("--sizes", default="default,minimind3", help=f"comma list of {', '.join(SIZES)}")
+    parser.add_argument("--lengths", default="64,256", help="generated tokens per answer (comma list)")
+    parser.add_argument("--contestants", default=",".join(CONTESTANTS), help=f"comma list of {', '.join(CONTESTANTS)}")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per contestant")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--torch_logprobs", default="sampler", choices=["sampler", "recompute"])
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads per worker")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per worker")
+    parser.add_argument("--json", default=os.path.join(ROOT, "out", "bench", "bench.json"))
+    parser.add_argument("--tiny", action="store_true",
+                        help="a 2-layer hidden-64 model, 8 tokens, 1 timed step (keeps the script working)")
+    parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.sizes, args.lengths, args.steps, args.warmup = "tiny", "8", 1, 1
+    for size in args.sizes.split(","):
+        if size not in SIZES:
+            parser.error(f"--sizes: unknown size {size!r}; valid: {', '.join(SIZES)}")
+    for name in args.contestants.split(","):
+        if name not in CONTESTANTS:
+            parser.error(f"--contestants: unknown contestant {name!r}; valid: {', '.join(CONTESTANTS)}")
+    try:
+        args.lengths = [int(n) for n in args.lengths.split(",")]
+    except ValueError:
+        parser.error(f"--lengths must be a comma list of integers, got {args.lengths!r}")
+    if any(n < 2 for n in args.lengths) or args.steps < 1 or args.warmup < 0:
+        parser.error("--lengths must be >= 2, --steps >= 1, --warmup >= 0")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.worker:
+        worker(json.loads(args.worker))
+        return
+    from transformers import AutoTokenizer
+    torch.set_num_threads(args.threads)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
+    prompts, answers = bench_prompts(tokenizer, os.path.join(ROOT, "dataset", "rlaif_train.jsonl"))
+    prompt_len = max(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts)
+    peaks = {"float32": measure_matmul_peak(torch.float32), "bfloat16": measure_matmul_peak(torch.bfloat16, 512, 1)}
+    print(f"threads {args.threads}, prompts of {prompt_len} tokens, matmul peaks fp32 {peaks['float32']:.1f} / "
+          f"bf16 {peaks['bfloat16']:.1f} GFLOP/s", flush=True)
+    results = []
+    with tempfile.TemporaryDirectory() as work_dir:
+        for size in args.sizes.split(","):
+            pth, folder = prepare_weights(size, work_dir, tokenizer)
+            hidden, layers, _ = SIZES[size]
+            for gen_len in args.lengths:
+                workload = f"{size} (h{hidden} x{layers}), {gen_len} tok"
+                for contestant in args.contestants.split(","):
+                    spec = dict(contestant=contestant, hidden_size=hidden, num_hidden_layers=layers, pth=pth,
+                                qwen3_folder=folder, gen_len=gen_len, prompts=prompts, answers=answers,
+                                prompt_len=prompt_len, steps=args.steps, warmup=args.warmup, dtype=args.dtype,
+                                torch_logprobs=args.torch_logprobs, threads=args.threads, peaks=peaks,
+                                tmp_dir=os.path.join(work_dir, f"trl_{size}_{gen_len}"))
+                    reason = contestant_available(contestant)
+                    result = {"skipped": reason} if reason else run_worker(spec, args.timeout)
+                    results.append({"workload": workload, "contestant": contestant, "size": size,
+                                    "gen_len": gen_len, "result": result})
+                    print(f"{workload} | {contestant}: " + (
+                        f"{result['step_s_median']:.2f} s/step" if "step_s_median" in result else str(result)),
+                        flush=True)
+    table = format_table(results, peaks)
+    print(table)
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    report = {"torch": torch.__version__, "threads": args.threads, "dtype": args.dtype, "prompt_tokens": prompt_len,
+              "num_prompts": NUM_PROMPTS, "num_generations": NUM_GENERATIONS, "matmul_peak_gflops": peaks,
+              "torch_logprobs": args.torch_logprobs, "results": results, "table": table}
+    tmp = args.json + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(tmp, args.json)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""scripts/bench.py: its FLOP count against torch's own counter, and its tiny mode end to end (no timing asserted)."""
+import importlib.util
+import json
+import subprocess
+import sys
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from conftest import ROOT
+from model.model_minimind import MiniMindForCausalLM
+from scripts.bench import NUM_GENERATIONS, NUM_PROMPTS, PHASES, forward_flops
+from trainer.trainer_utils import build_config
+
+
+def test_forward_flops_equal_torch_flop_counter():
+    """Without the attention term (context 0) the count is every matrix product of a real forward."""
+    config = build_config(64, 2, 0)
+    model = MiniMindForCausalLM(config)
+    input_ids = torch.randint(0, config.vocab_size, (3, 10))  # [B, T]
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids, logits_to_keep=4)
+    assert forward_flops(config, tokens=30, context=0, logit_positions=12) == counter.get_total_flops()
+
+
+def test_tiny_bench_runs_every_contestant(tmp_path):
+    out = tmp_path / "bench.json"
+    result = subprocess.run([sys.executable, "scripts/bench.py", "--tiny", "--json", str(out)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["matmul_peak_gflops"]["float32"] > 0
+    by_name = {row["contestant"]: row["result"] for row in report["results"]}
+    assert set(by_name) == {"ours_grpo", "trl_grpo", "ours_rollout", "hf_generate", "ours_ppo"}
+    if importlib.util.find_spec("trl") is None:
+        assert by_name.pop("trl_grpo") == {"skipped": "trl not installed (pip install -r requirements-bench.txt)"}
+    for name, figures in by_name.items():
+        assert "error" not in figures, (name, figures)
+        phases = figures["phases_s"]
+        assert set(phases) == set(PHASES) | {"other"}
+        # phases are medians over steps, so their sum is the median total only with one timed step (--tiny)
+        assert abs(sum(phases.values()) - figures["step_s_median"]) < 1e-6 or phases["other"] == 0
+        assert figures["rollout_tokens_per_s"] == NUM_PROMPTS * NUM_GENERATIONS * 8 / phases["rollout"]
+        assert figures["peak_rss_mib"] > 0
+    assert by_name["ours_grpo"]["phases_s"]["policy_backward"] > 0
+    assert "| tiny (h64 x2), 8 tok | ours_grpo |" in result.stdout
