@@ -117,6 +117,44 @@ def test_selective_log_softmax_equals_full_log_softmax():
     assert (selective_log_softmax(logits, index, temperature=0.7) - expected_t).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_selective_log_softmax_gradient_equals_autograd_of_the_plain_formula(temperature):
+    torch.manual_seed(1)
+    logits = (torch.randn(2, 4, 50, dtype=torch.float64) * 3).requires_grad_()
+    index = torch.randint(0, 50, (2, 4))
+    weights = torch.randn(2, 4, dtype=torch.float64)
+    (selective_log_softmax(logits, index, temperature) * weights).sum().backward()
+    ours = logits.grad.clone()
+    logits.grad = None
+    plain = torch.log_softmax(logits / temperature, dim=-1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    (plain * weights).sum().backward()
+    assert (ours - logits.grad).abs().max() <= 1e-6
+    assert torch.autograd.gradcheck(lambda x: selective_log_softmax(x, index, temperature), (logits.detach()
+                                                                                            .requires_grad_(),))
+
+
+def test_selective_log_softmax_saves_no_copy_of_the_logits():
+    """Issue 7: the log-prob step keeps at most one sequence's logits above what the model already holds."""
+    logits = torch.randn(3, 16, 6400, requires_grad=True)  # [B, n, V]
+    index = torch.randint(0, 6400, (3, 16))
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor)
+        return tensor
+
+    for temperature in (1.0, 0.7):
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            selective_log_softmax(logits, index, temperature)
+        extra = [t for t in saved if t.data_ptr() != logits.data_ptr()]
+        assert sum(t.numel() * t.element_size() for t in extra) <= 2 * 3 * 16 * 8  # index + logsumexp [B, n]
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):  # the plain formula, for scale
+            torch.log_softmax(logits / temperature, dim=-1).gather(-1, index.unsqueeze(-1))
+        assert sum(t.numel() * t.element_size() for t in saved if t.data_ptr() != logits.data_ptr()) >= logits.numel() * 4
+
+
 def test_masked_mean_ignores_masked_and_empty():
     values = torch.tensor([[1.0, 2.0, 100.0], [3.0, 5.0, 7.0]])
     mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
