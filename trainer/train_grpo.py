@@ -10,7 +10,7 @@ One step, in chapter order:
      (8.5.2, 8.6, ``grpo_loss``), then backward, grad clip, AdamW + cosine schedule;
   6. one log line + metrics.jsonl (+ wandb), atomic checkpoints.
 
-Run (the embedded default: tiny MiniMind, bundled arithmetic prompts, CPU, about 14 minutes):
+Run (the embedded default: tiny MiniMind, bundled arithmetic prompts, CPU, about 11 minutes):
     python trainer/train_grpo.py
 Other examples:
     python trainer/train_grpo.py --loss_type grpo --max_steps 50
