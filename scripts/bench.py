@@ -1,11 +1,12 @@
-"""Speed benchmark: our GRPO step against TRL's GRPOTrainer, our rollout against transformers' generate.
+"""Speed benchmark: our GRPO and PPO steps against TRL's trainers, our rollout against transformers' generate.
 
 Every contestant runs in its own subprocess (a "worker") on the same weights, the same prompts and the same
 settings, so that peak resident memory is its own and one contestant's caches do not help another. Our
 contestants call this project's functions (``train_grpo.grpo_step``, ``optimizer_step``, the rollout
 engine, ``train_ppo.ppo_rollout`` / ``ppo_update``); TRL's is ``trl.GRPOTrainer.train`` on the same weights
-exported as ``Qwen3ForCausalLM``. TRL is a benchmark-only dependency (``requirements-bench.txt``); without it
-the TRL rows say "not installed" and everything else runs.
+exported as ``Qwen3ForCausalLM``, and TRL 1.9.2's ``PPOTrainer`` (the last release that has one) against our
+PPO step. TRL is a benchmark-only dependency (``requirements-bench.txt``; TRL 1.9.2 goes into its own folder,
+``.bench/trl-1.9.2``, see below); without it the TRL rows say "not installed" and everything else runs.
 
 Workloads (issue 7): the embedded default model (hidden 256, 4 layers, its SFT weights) and a
 MiniMind-3-sized model (hidden 768, 8 layers, random weights); 2 prompts x 6 generations, prompts of about 48
@@ -23,6 +24,7 @@ every contestant, so MFU ratios are inverse time ratios.
 
 Run:
     pip install -r requirements-bench.txt      # TRL (benchmark only)
+    pip install --no-deps --target .bench/trl-1.9.2 trl==1.9.2   # for trl_ppo only
     python scripts/bench.py                    # about 20 minutes on a 2-core CPU; table + out/bench/bench.json
     python scripts/bench.py --tiny             # seconds: a 2-layer model, 8 tokens (what the test runs)
 """
@@ -49,7 +51,9 @@ SIZES = {  # name -> (hidden_size, num_hidden_layers, starting weights)
     "minimind3": (768, 8, "random"),
     "tiny": (64, 2, "random"),
 }
-CONTESTANTS = ("ours_grpo", "trl_grpo", "ours_rollout", "hf_generate", "ours_ppo")
+CONTESTANTS = ("ours_grpo", "trl_grpo", "ours_rollout", "hf_generate", "ours_ppo", "trl_ppo")
+TRL_PPO_VERSION = "1.9.2"  # the last TRL release with PPOTrainer (trl.experimental.ppo; removed in TRL PR #7020)
+DEFAULT_TRL_PPO_PATH = os.path.join(ROOT, ".bench", f"trl-{TRL_PPO_VERSION}")
 PHASES = ("rollout", "reward", "reference_forward", "policy_forward", "policy_backward", "optimizer")
 PROMPT_TOKENS = 48
 NUM_PROMPTS = 2
@@ -374,6 +378,68 @@ def run_ours_ppo(spec, tokenizer, timer):
     return phases, totals, rows * spec["gen_len"], config
 
 
+def run_trl_ppo(spec, tokenizer, timer):
+    """TRL 1.9.2's PPOTrainer with our PPO settings: 12 prompts, 1 answer each, 2 epochs of minibatches of 2.
+
+    TRL needs a reward model and a value model (sequence classifiers): both are the same weights with a new
+    scalar head (``Qwen3ForSequenceClassification``), so TRL's reward is one extra forward where ours is the
+    rule reward. Generation is forced to full length by adding min_new_tokens to TRL's GenerationConfig.
+    A step is the time between two ``on_step_end`` callbacks; only the rollout is split out.
+    """
+    sys.path.insert(0, spec["trl_ppo_path"])
+    import transformers
+    from datasets import Dataset
+    from transformers import Qwen3ForCausalLM, Qwen3ForSequenceClassification, TrainerCallback
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+    from trl.experimental.ppo import ppo_trainer as trl_ppo_module
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.totals, self.phases, self.last = [], [], time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            now = time.perf_counter()
+            self.totals.append(now - self.last)
+            self.phases.append(timer.take())
+            self.last = now
+
+    rows = NUM_PROMPTS * NUM_GENERATIONS
+    steps = spec["warmup"] + spec["steps"]
+    tokenizer.padding_side = "left"
+    prompts = [spec["prompts"][i % NUM_PROMPTS] for i in range(rows)]
+    dataset = Dataset.from_dict({"input_ids": [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]})
+    folder = spec["qwen3_folder"]
+    policy = Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ref_policy = Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    reward_model = Qwen3ForSequenceClassification.from_pretrained(folder, num_labels=1, dtype=torch.float32)
+    value_model = Qwen3ForSequenceClassification.from_pretrained(folder, num_labels=1, dtype=torch.float32)
+    for model in (policy, ref_policy, reward_model, value_model):
+        model.config.pad_token_id = tokenizer.pad_token_id
+    config = PPOConfig(
+        output_dir=spec["tmp_dir"], per_device_train_batch_size=2, gradient_accumulation_steps=rows // 2,
+        num_mini_batches=rows // 2, num_ppo_epochs=2, total_episodes=rows * steps, response_length=spec["gen_len"],
+        temperature=1.0, kl_coef=0.02, vf_coef=0.5, cliprange=0.2, cliprange_value=0.2, gamma=1.0, lam=0.95,
+        learning_rate=1e-5, local_rollout_forward_batch_size=rows, report_to="none", use_cpu=True, bf16=False,
+        gradient_checkpointing=False, num_sample_generations=0, save_strategy="no", seed=0, stop_token=None,
+    )
+    generation_config_class = trl_ppo_module.GenerationConfig
+
+    def full_length_generation_config(**kwargs):  # ignore EOS: full-length work, as for every contestant
+        return generation_config_class(**kwargs, min_new_tokens=kwargs["max_new_tokens"])
+
+    trl_ppo_module.GenerationConfig = full_length_generation_config
+    trl_ppo_module.batch_generation = timer.wrap(trl_ppo_module.batch_generation, "rollout")
+    clock = StepClock()
+    trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy, ref_model=ref_policy,
+                         reward_model=reward_model, train_dataset=dataset, value_model=value_model,
+                         callbacks=[clock])
+    clock.last = time.perf_counter()
+    timer.take()
+    trainer.train()
+    transformers.logging.set_verbosity_error()
+    return clock.phases[spec["warmup"]:], clock.totals[spec["warmup"]:], rows * spec["gen_len"], policy.config
+
+
 def worker(spec):
     """Run one contestant on one workload; print one JSON line with its figures."""
     torch.set_num_threads(spec["threads"])
@@ -388,6 +454,8 @@ def worker(spec):
         phases, totals, tokens, config = run_trl_grpo(spec, tokenizer, timer)
     elif contestant == "ours_ppo":
         phases, totals, tokens, config = run_ours_ppo(spec, tokenizer, timer)
+    elif contestant == "trl_ppo":
+        phases, totals, tokens, config = run_trl_ppo(spec, tokenizer, timer)
     else:
         phases, totals, tokens, config = run_rollouts(spec, tokenizer, timer, contestant)
     rows = NUM_PROMPTS * NUM_GENERATIONS
@@ -398,10 +466,13 @@ def worker(spec):
 
 
 # ----------------------------------------------------------------------------- the run
-def contestant_available(name):
+def contestant_available(name, trl_ppo_path):
     """None when the contestant can run here, else the reason it cannot."""
     if name == "trl_grpo" and importlib.util.find_spec("trl") is None:
         return "trl not installed (pip install -r requirements-bench.txt)"
+    if name == "trl_ppo" and not os.path.isdir(os.path.join(trl_ppo_path, "trl", "experimental", "ppo")):
+        return (f"TRL {TRL_PPO_VERSION} not in {trl_ppo_path} (pip install --no-deps --target {trl_ppo_path} "
+                f"trl=={TRL_PPO_VERSION})")
     return None
 
 
@@ -440,13 +511,14 @@ def format_table(results, peaks):
             f"{r['step_s_min']:.2f}-{r['step_s_max']:.2f} | " + " | ".join(
                 f"{p[name]:.2f}" for name in (*PHASES, "other")) + f" | {tok} | {r['peak_rss_mib']:.0f} | {mfu} |")
     lines.append("")
-    lines.append("| workload | GRPO step ours/TRL | rollout tok/s ours/generate |")
-    lines.append("|---|---|---|")
+    lines.append("| workload | GRPO step ours/TRL | rollout tok/s ours/generate | PPO step ours/TRL |")
+    lines.append("|---|---|---|---|")
     for workload in dict.fromkeys(row["workload"] for row in results):
         by_name = {row["contestant"]: row["result"] for row in results if row["workload"] == workload}
         step_ratio = ratio(by_name.get("ours_grpo"), by_name.get("trl_grpo"), "step_s_median")
         tok_ratio = ratio(by_name.get("ours_rollout"), by_name.get("hf_generate"), "rollout_tokens_per_s")
-        lines.append(f"| {workload} | {step_ratio} | {tok_ratio} |")
+        ppo_ratio = ratio(by_name.get("ours_ppo"), by_name.get("trl_ppo"), "step_s_median")
+        lines.append(f"| {workload} | {step_ratio} | {tok_ratio} | {ppo_ratio} |")
     return "\n".join(lines)
 
 
@@ -468,6 +540,8 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads per worker")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per worker")
     parser.add_argument("--json", default=os.path.join(ROOT, "out", "bench", "bench.json"))
+    parser.add_argument("--trl_ppo_path", default=DEFAULT_TRL_PPO_PATH,
+                        help=f"folder holding TRL {TRL_PPO_VERSION} (for trl_ppo; installed apart from the newer TRL)")
     parser.add_argument("--tiny", action="store_true",
                         help="a 2-layer hidden-64 model, 8 tokens, 1 timed step (keeps the script working)")
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
@@ -514,8 +588,9 @@ def main(argv=None):
                                 qwen3_folder=folder, gen_len=gen_len, prompts=prompts, answers=answers,
                                 prompt_len=prompt_len, steps=args.steps, warmup=args.warmup, dtype=args.dtype,
                                 torch_logprobs=args.torch_logprobs, threads=args.threads, peaks=peaks,
-                                tmp_dir=os.path.join(work_dir, f"trl_{size}_{gen_len}"))
-                    reason = contestant_available(contestant)
+                                tmp_dir=os.path.join(work_dir, f"trl_{size}_{gen_len}"),
+                                trl_ppo_path=args.trl_ppo_path)
+                    reason = contestant_available(contestant, args.trl_ppo_path)
                     result = {"skipped": reason} if reason else run_worker(spec, args.timeout)
                     results.append({"workload": workload, "contestant": contestant, "size": size,
                                     "gen_len": gen_len, "result": result})

@@ -31,9 +31,11 @@ def test_tiny_bench_runs_every_contestant(tmp_path):
     report = json.loads(out.read_text())
     assert report["matmul_peak_gflops"]["float32"] > 0
     by_name = {row["contestant"]: row["result"] for row in report["results"]}
-    assert set(by_name) == {"ours_grpo", "trl_grpo", "ours_rollout", "hf_generate", "ours_ppo"}
+    assert set(by_name) == {"ours_grpo", "trl_grpo", "ours_rollout", "hf_generate", "ours_ppo", "trl_ppo"}
     if importlib.util.find_spec("trl") is None:
         assert by_name.pop("trl_grpo") == {"skipped": "trl not installed (pip install -r requirements-bench.txt)"}
+    if "skipped" in by_name["trl_ppo"]:
+        assert "pip install --no-deps --target" in by_name.pop("trl_ppo")["skipped"]
     for name, figures in by_name.items():
         assert "error" not in figures, (name, figures)
         phases = figures["phases_s"]

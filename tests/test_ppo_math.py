@@ -138,7 +138,8 @@ def make_update_inputs(tokenizer):
             "ref_per_token_logps": ref, "old_resp_values": values,
             "advantages": torch.randn(4, gen_len), "returns": torch.randn(4, gen_len)}
     args = Namespace(ppo_update_iters=2, mini_batch_size=1, temperature=1.0, clip_epsilon=0.2, kl_coef=0.02,
-                     cliprange_value=0.2, vf_coef=0.5, accumulation_steps=1, grad_clip=1.0, early_stop_kl=0.25)
+                     cliprange_value=0.2, vf_coef=0.5, accumulation_steps=1, grad_clip=1.0, early_stop_kl=0.25,
+                     dtype="float32")
     return actor, critic, data, args
 
 
