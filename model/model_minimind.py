@@ -473,6 +473,10 @@ def sample_next_token(logits, do_sample, temperature, top_p, top_k, generator=No
     u ~ U[0, 1). It draws from exactly the same distribution as ``torch.multinomial(probs, 1)`` with one
     uniform number per row instead of V exponential ones (about 30x faster for V = 6400 on a CPU).
     A token of probability 0 (cut by top-k / top-p) is never picked.
+
+    Raises:
+        ValueError: naming the rows whose logits hold NaN/inf or are all -inf (``torch.multinomial`` raised
+            on those too; sampling from them would return junk tokens silently).
     """
     if not do_sample:
         return logits.argmax(dim=-1)
@@ -487,6 +491,10 @@ def sample_next_token(logits, do_sample, temperature, top_p, top_k, generator=No
         remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
         logits = logits.masked_fill(remove, float("-inf"))
     cdf = logits.softmax(dim=-1).double().cumsum(dim=-1)  # [B, V]
+    if not bool(torch.isfinite(cdf[:, -1]).all()):  # NaN/inf logits, or a row with every token cut
+        bad_rows = (~torch.isfinite(cdf[:, -1])).nonzero().flatten().tolist()
+        raise ValueError(f"cannot sample: the logits of rows {bad_rows} are NaN/inf or all -inf "
+                         f"(a diverged policy? see --max_bad_steps)")
     u = torch.rand((logits.size(0), 1), generator=generator, dtype=torch.float64, device=logits.device)  # [B, 1]
     next_token = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)  # [B]
     return next_token.clamp(max=logits.size(-1) - 1)

@@ -9,8 +9,8 @@ PPO step. TRL is a benchmark-only dependency (``requirements-bench.txt``; TRL 1.
 ``.bench/trl-1.9.2``, see below); without it the TRL rows say "not installed" and everything else runs.
 
 Workloads (issue 7): the embedded default model (hidden 256, 4 layers, its SFT weights) and a
-MiniMind-3-sized model (hidden 768, 8 layers, random weights); 2 prompts x 6 generations, prompts of about 48
-tokens, 64 and 256 generated tokens with EOS ignored (every contestant does full-length work), beta 0.1,
+MiniMind-3-sized model (hidden 768, 8 layers, random weights); 2 prompts x 6 generations, prompts of at most 48
+tokens (as many bundled questions as fit: 41 tokens), 64 and 256 generated tokens with EOS ignored (every contestant does full-length work), beta 0.1,
 CISPO (epsilon_high 5), temperature 1, no top-k / top-p, one optimizer step per rollout, no gradient
 checkpointing, fp32 (TRL's own defaults are bf16 and gradient checkpointing; both are switched off here).
 
@@ -170,8 +170,9 @@ def prepare_weights(size, work_dir, tokenizer):
     return pth, folder
 
 
-def summarize(step_phases, step_totals, tokens_per_rollout, model_flops, peaks):
-    """Median / min / max of the totals, median of each phase, tokens/s and MFU of the median step."""
+def summarize(step_phases, step_totals, tokens_per_rollout, model_flops, peaks, dtype):
+    """Median / min / max of the totals, median of each phase, tokens/s, and the MFU of the median step
+    against the measured matmul peak of ``dtype`` (the run's --dtype)."""
     median = statistics.median(step_totals)
     phases = {name: statistics.median([p.get(name, 0.0) for p in step_phases]) for name in PHASES}
     phases["other"] = max(median - sum(phases.values()), 0.0)
@@ -180,13 +181,13 @@ def summarize(step_phases, step_totals, tokens_per_rollout, model_flops, peaks):
         "step_s_median": median, "step_s_min": min(step_totals), "step_s_max": max(step_totals),
         "steps": len(step_totals), "phases_s": phases,
         "rollout_tokens_per_s": tokens_per_rollout / rollout if rollout > 0 else None,
-        "mfu_fp32": model_flops / median / (peaks["float32"] * 1e9) if model_flops else None,
-        "mfu_bf16": model_flops / median / (peaks["bfloat16"] * 1e9) if model_flops else None,
+        "mfu": model_flops / median / (peaks[dtype] * 1e9) if model_flops else None,
     }
 
 
 # ----------------------------------------------------------------------------- contestants (one per worker)
 def grpo_args(spec):
+    """train_grpo's own flags for this workload (rule rewards only: --reward_model_path none)."""
     from trainer.train_grpo import parse_args
     return parse_args([
         "--hidden_size", str(spec["hidden_size"]), "--num_hidden_layers", str(spec["num_hidden_layers"]),
@@ -198,6 +199,7 @@ def grpo_args(spec):
 
 
 def load_minimind(spec):
+    """(MiniMindForCausalLM with the workload's weights, its config), fp32 on the CPU."""
     from model.model_minimind import MiniMindForCausalLM
     from trainer.trainer_utils import build_config
     config = build_config(spec["hidden_size"], spec["num_hidden_layers"], 0)
@@ -460,7 +462,7 @@ def worker(spec):
         phases, totals, tokens, config = run_rollouts(spec, tokenizer, timer, contestant)
     rows = NUM_PROMPTS * NUM_GENERATIONS
     flops = grpo_model_flops(config, rows, spec["prompt_len"], spec["gen_len"]) if contestant.endswith("grpo") else 0
-    result = summarize(phases, totals, tokens, flops, spec["peaks"])
+    result = summarize(phases, totals, tokens, flops, spec["peaks"], spec["dtype"])
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("BENCH_RESULT " + json.dumps(result), flush=True)
 
@@ -490,12 +492,12 @@ def run_worker(spec, timeout):
     return {"error": (result.stderr.strip().splitlines() or ["no output"])[-1][:300]}
 
 
-def format_table(results, peaks):
+def format_table(results, peaks, dtype):
     """The results as a plain-text table, one row per workload and contestant, with ours/theirs ratios."""
-    lines = [f"matmul peak (2048^3, this run): fp32 {peaks['float32']:.1f} GFLOP/s, "
-             f"bf16 {peaks['bfloat16']:.1f} GFLOP/s",
+    lines = [f"matmul peaks measured in this run: fp32 {peaks['float32']:.1f} GFLOP/s (2048^3), "
+             f"bf16 {peaks['bfloat16']:.1f} GFLOP/s (512^3); MFU below is against the {dtype} peak",
              "", "| workload | contestant | step s (median) | min-max | rollout | reward | ref fwd | policy fwd | "
-             "policy bwd | optimizer | other | rollout tok/s | peak RSS MiB | MFU fp32 |",
+             "policy bwd | optimizer | other | rollout tok/s | peak RSS MiB | MFU |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in results:
         r = row["result"]
@@ -505,7 +507,7 @@ def format_table(results, peaks):
             continue
         p = r["phases_s"]
         tok = f"{r['rollout_tokens_per_s']:.0f}" if r["rollout_tokens_per_s"] else "-"
-        mfu = f"{100 * r['mfu_fp32']:.1f}%" if r["mfu_fp32"] else "-"
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-"
         lines.append(
             f"| {row['workload']} | {row['contestant']} | {r['step_s_median']:.2f} | "
             f"{r['step_s_min']:.2f}-{r['step_s_max']:.2f} | " + " | ".join(
@@ -523,6 +525,7 @@ def format_table(results, peaks):
 
 
 def ratio(ours, theirs, key):
+    """ours[key] / theirs[key] as text with two decimals, or "-" when either is missing."""
     if not ours or not theirs or not ours.get(key) or not theirs.get(key):
         return "-"
     return f"{ours[key] / theirs[key]:.2f}"
@@ -597,7 +600,7 @@ def main(argv=None):
                     print(f"{workload} | {contestant}: " + (
                         f"{result['step_s_median']:.2f} s/step" if "step_s_median" in result else str(result)),
                         flush=True)
-    table = format_table(results, peaks)
+    table = format_table(results, peaks, args.dtype)
     print(table)
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     report = {"torch": torch.__version__, "threads": args.threads, "dtype": args.dtype, "prompt_tokens": prompt_len,

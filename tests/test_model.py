@@ -180,3 +180,10 @@ def test_sampler_never_picks_a_token_cut_by_top_p():
     logits = torch.tensor([[3.0, 2.9, -1.0, -2.0]]).expand(50_000, 4)  # softmax ~ [0.51, 0.47, 0.01, 0.003]
     tokens = sample_next_token(logits, True, 1.0, 0.9, 0, torch.Generator().manual_seed(0))
     assert set(tokens.tolist()) == {0, 1}
+
+
+def test_sampler_refuses_nan_and_all_minus_inf_rows():
+    from model.model_minimind import sample_next_token
+    logits = torch.tensor([[0.0, 1.0, 0.0], [0.0, float("nan"), 0.0], [float("-inf")] * 3])
+    with pytest.raises(ValueError, match=r"rows \[1, 2\] are NaN/inf or all -inf"):
+        sample_next_token(logits, True, 1.0, 1.0, 0)

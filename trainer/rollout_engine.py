@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import requests
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from model.hf_qwen3 import save_qwen3_folder
 from trainer.trainer_utils import completion_mask_from_ids, is_main_process, masked_mean, unwrap_model
@@ -36,6 +37,7 @@ class SelectiveLogSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, index, temperature):
+        """logits [B, n, V] any float dtype, index long [B, n], temperature float -> fp32 [B, n]."""
         per_token_logps, logsumexps = [], []
         for logits_row, index_row in zip(logits, index):  # [n, V], [n]
             row = logits_row.to(torch.promote_types(logits_row.dtype, torch.float32))  # bf16/fp16 -> fp32
@@ -49,7 +51,9 @@ class SelectiveLogSoftmax(torch.autograd.Function):
         return torch.stack(per_token_logps)  # [B, n] fp32
 
     @staticmethod
-    def backward(ctx, grad_output):  # grad_output: [B, n]
+    @once_differentiable
+    def backward(ctx, grad_output):
+        """grad_output fp32 [B, n] -> grad of the logits [B, n, V] in the logits' dtype (first order only)."""
         logits, index, logsumexps = ctx.saved_tensors
         temperature = ctx.temperature
         grad_logits = torch.empty_like(logits)  # [B, n, V] in the logits' dtype
@@ -187,15 +191,18 @@ class TorchRolloutEngine(RolloutEngine):
         model.eval()
         prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
         prompt_mask = attention_mask.repeat_interleave(num_generations, dim=0)  # [N, P]
-        output_ids, sampler_logps = model.generate(
+        record_logps = self.logprobs_mode == "sampler"
+        generated = model.generate(
             prompt_ids, attention_mask=prompt_mask, max_new_tokens=max_new_tokens, do_sample=True,
             temperature=temperature, top_p=self.top_p, top_k=self.top_k, eos_token_id=self.eos_token_id,
-            pad_token_id=self.pad_token_id, generator=self.generator, ignore_eos=self.ignore_eos, return_logps=True,
-        )  # [N, P + R], [N, R]
+            pad_token_id=self.pad_token_id, generator=self.generator, ignore_eos=self.ignore_eos,
+            return_logps=record_logps,
+        )
+        output_ids = generated[0] if record_logps else generated  # [N, P + R]
         completion_ids = output_ids[:, prompt_ids.size(1):]  # [N, R]
         completion_mask = completion_mask_from_ids(completion_ids, self.eos_token_id)  # [N, R]
-        if self.logprobs_mode == "sampler":
-            per_token_logps = sampler_logps  # [N, R]
+        if record_logps:
+            per_token_logps = generated[1]  # [N, R], recorded while sampling
         else:
             full_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [N, P + R]
             per_token_logps = compute_per_token_logps(model, output_ids, completion_ids.size(1), full_mask,
