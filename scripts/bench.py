@@ -93,6 +93,20 @@ def logps_phase():
     return "policy_forward" if torch.is_grad_enabled() else "reference_forward"
 
 
+def time_steps(step, spec, timer):
+    """Call ``step()`` spec["warmup"] + spec["steps"] times; return (phases, totals) of the timed calls (seconds)."""
+    phases, totals = [], []
+    for i in range(spec["warmup"] + spec["steps"]):
+        timer.take()
+        start = time.perf_counter()
+        step()
+        total = time.perf_counter() - start
+        if i >= spec["warmup"]:
+            phases.append(timer.take())
+            totals.append(total)
+    return phases, totals
+
+
 def measure_matmul_peak(dtype, size=2048, repeats=3):
     """GFLOP/s of a [size x size] @ [size x size] product in ``dtype`` (best of ``repeats``), on the CPU."""
     a = torch.randn(size, size).to(dtype)
@@ -226,19 +240,15 @@ def run_ours_grpo(spec, tokenizer, timer):
     grpo.calculate_rewards = timer.wrap(grpo.calculate_rewards, "reward")
     grpo.compute_per_token_logps = timer.wrap(grpo.compute_per_token_logps, logps_phase)
     batch = {"prompt": spec["prompts"], "answer": spec["answers"]}
-    phases, totals = [], []
-    for step in range(spec["warmup"] + spec["steps"]):
-        timer.take()
-        start = time.perf_counter()
-        loss, metrics, _ = grpo.grpo_step(batch, model, ref_model, engine, None, tokenizer, args, "cpu")
+
+    def step():
+        loss, _, _ = grpo.grpo_step(batch, model, ref_model, engine, None, tokenizer, args, "cpu")
         with timer.phase("policy_backward"):
             loss.backward()
         with timer.phase("optimizer"):
             grpo.optimizer_step(model, optimizer, scheduler, args.grad_clip, [], "cpu")
-        total = time.perf_counter() - start
-        if step >= spec["warmup"]:
-            phases.append(timer.take())
-            totals.append(total)
+
+    phases, totals = time_steps(step, spec, timer)
     num_rows = NUM_PROMPTS * NUM_GENERATIONS
     return phases, totals, num_rows * spec["gen_len"], config
 
@@ -322,16 +332,7 @@ def run_rollouts(spec, tokenizer, timer, contestant):
                 return model.generate(repeated_ids, attention_mask=repeated_mask, do_sample=True, temperature=1.0,
                                       top_k=0, top_p=1.0, max_new_tokens=spec["gen_len"],
                                       min_new_tokens=spec["gen_len"], pad_token_id=tokenizer.pad_token_id)
-    phases, totals = [], []
-    for step in range(spec["warmup"] + spec["steps"]):
-        timer.take()
-        start = time.perf_counter()
-        with timer.phase("rollout"):
-            rollout()
-        total = time.perf_counter() - start
-        if step >= spec["warmup"]:
-            phases.append(timer.take())
-            totals.append(total)
+    phases, totals = time_steps(timer.wrap(rollout, "rollout"), spec, timer)
     return phases, totals, rows * spec["gen_len"], config
 
 
@@ -366,17 +367,13 @@ def run_ours_ppo(spec, tokenizer, timer):
     answers = [spec["answers"][i % NUM_PROMPTS] for i in range(rows)]
     batch = {"prompt": prompts, "answer": answers}
     generator = torch.Generator().manual_seed(0)
-    phases, totals = [], []
-    for step in range(steps):
-        timer.take()
-        start = time.perf_counter()
+
+    def step():
         data = ppo.ppo_rollout(batch, model, ref_model, critic, engine, None, tokenizer, args, "cpu")
         ppo.ppo_update(data, model, critic, actor_optimizer, critic_optimizer, actor_scheduler, critic_scheduler,
                        args, "cpu", generator)
-        total = time.perf_counter() - start
-        if step >= spec["warmup"]:
-            phases.append(timer.take())
-            totals.append(total)
+
+    phases, totals = time_steps(step, spec, timer)
     return phases, totals, rows * spec["gen_len"], config
 
 
