@@ -10,7 +10,8 @@ PPO step. TRL is a benchmark-only dependency (``requirements-bench.txt``; TRL 1.
 
 Workloads (issue 7): the embedded default model (hidden 256, 4 layers, its SFT weights) and a
 MiniMind-3-sized model (hidden 768, 8 layers, random weights); 2 prompts x 6 generations, prompts of at most 48
-tokens (as many bundled questions as fit: 41 tokens), 64 and 256 generated tokens with EOS ignored (every contestant does full-length work), beta 0.1,
+tokens (as many bundled questions as fit: 41 tokens), 64 and 256 generated tokens with EOS ignored (every
+contestant does full-length work), beta 0.1,
 CISPO (epsilon_high 5), temperature 1, no top-k / top-p, one optimizer step per rollout, no gradient
 checkpointing, fp32 (TRL's own defaults are bf16 and gradient checkpointing; both are switched off here).
 
@@ -276,7 +277,8 @@ def run_trl_grpo(spec, tokenizer, timer):
             self.optimizer_start = time.perf_counter()
 
         def on_optimizer_step(self, args, state, control, **kwargs):
-            timer.current["optimizer"] = timer.current.get("optimizer", 0.0) + time.perf_counter() - self.optimizer_start
+            elapsed = time.perf_counter() - self.optimizer_start
+            timer.current["optimizer"] = timer.current.get("optimizer", 0.0) + elapsed
 
         def on_step_end(self, args, state, control, **kwargs):
             self.totals.append(time.perf_counter() - self.start)

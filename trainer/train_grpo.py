@@ -37,10 +37,10 @@ from trainer.rollout_engine import (  # noqa: E402
     ROLLOUT_ENGINES, SGLANG_LOGPROB_MODES, TORCH_LOGPROB_MODES, compute_per_token_logps, create_rollout_engine,
 )
 from trainer.trainer_utils import (  # noqa: E402
-    DEFAULT_REWARD_MODEL_PATH, DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, DTYPES, TRAIN_DTYPES, BadStepGuard, LMForRewardModel,
-    Logger, MetricsWriter, ResumableBatchSampler, StepTimer, StopSignal, any_rank, atomic_save, autocast_context,
-    build_config,
-    build_cosine_scheduler, calculate_rewards, check_finite_state, check_writable_dir, describe_changed_flags,
+    DEFAULT_REWARD_MODEL_PATH, DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, DTYPES, TRAIN_DTYPES, BadStepGuard,
+    LMForRewardModel, Logger, MetricsWriter, ResumableBatchSampler, StepTimer, StopSignal, any_rank, atomic_save,
+    autocast_context, build_config, build_cosine_scheduler, calculate_rewards, check_finite_state,
+    check_writable_dir, describe_changed_flags,
     half_state_dict, init_distributed_mode, init_model, is_main_process, k3_kl, load_resume, load_training_states,
     masked_mean, nonfinite_parts, read_reward_model_config, resolve_dtype, resume_command, resume_path,
     resume_progress, save_resume, set_rng_state, setup_seed, training_states, weight_path,
