@@ -6,6 +6,8 @@ import struct
 import subprocess
 import sys
 
+import torch
+
 from conftest import ROOT
 
 TINY = ["--hidden_size", "64", "--num_hidden_layers", "2"]
@@ -307,7 +309,12 @@ def test_walkthrough_prints_every_stage_with_consistent_numbers(tiny_weights, tm
     # Fixed seeds: a second run writes the same document (but for the command line it quotes).
     from scripts.walkthrough import main
     again = tmp_path / "again.md"
-    main(["--out", str(again)] + flags)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the subprocess above (OMP_NUM_THREADS=1): the same float reduction order
+    try:
+        main(["--out", str(again)] + flags)
+    finally:
+        torch.set_num_threads(threads)
     assert again.read_text(encoding="utf-8").split("\n", 3)[3] == text.split("\n", 3)[3]
 
 
