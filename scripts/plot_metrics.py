@@ -10,7 +10,6 @@ Usage:
     python scripts/plot_metrics.py out/runs/grpo-* --x elapsed_s
 """
 import argparse
-import json
 import math
 import os
 import sys
@@ -19,6 +18,10 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no display needed
 import matplotlib.pyplot as plt  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from dataset.lm_dataset import iter_jsonl  # noqa: E402
 
 # (metric key, panel title); the order of the panels. The keys are those train_grpo.py / train_ppo.py log.
 CURVES = [
@@ -52,17 +55,10 @@ def read_metrics(path):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} does not exist (give a run folder that holds metrics.jsonl, or the file)")
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{line_number}: not valid JSON ({err.msg})") from err
-            if not isinstance(row, dict) or "step" not in row:
-                raise ValueError(f"{path}:{line_number}: expected a JSON object with a 'step' key")
-            rows.append(row)
+    for line_number, row in iter_jsonl(path):  # names file:line for a line that is not UTF-8 JSON
+        if not isinstance(row, dict) or "step" not in row:
+            raise ValueError(f"{path}:{line_number}: expected a JSON object with a 'step' key")
+        rows.append(row)
     if not rows:
         raise ValueError(f"{path} has no rows")
     # a run resumed from a checkpoint logs again the steps after that checkpoint: keep the last row of each step

@@ -72,7 +72,7 @@ def test_plot_metrics_bad_input_names_file_and_line(tmp_path):
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "reward": 1.0}\n{"step": 2, "reward": \n')
     result = run_script(["scripts/plot_metrics.py", str(run_dir)])
     assert result.returncode == 1
-    assert f"{run_dir / 'metrics.jsonl'}:2: not valid JSON" in result.stderr
+    assert f"{run_dir / 'metrics.jsonl'}:2: invalid JSON" in result.stderr
     result = run_script(["scripts/plot_metrics.py", str(tmp_path / "missing")])
     assert result.returncode == 1 and f"{tmp_path / 'missing'} does not exist" in result.stderr
     result = run_script(["scripts/plot_metrics.py", str(run_dir), "--labels", "a", "b"])
