@@ -279,14 +279,18 @@ def test_walkthrough_prints_every_stage_with_consistent_numbers(tiny_weights, tm
             assert abs(adv - (x - mean) / (std + 1e-4)) < 1e-4
     assert max(stds) > 0, "every group had equal rewards: the advantage check above would be vacuous"
 
-    # PPO: the reward sits on the last real token, and GAE (gamma 1, lambda 0.95) walks back from there.
+    # PPO: the reward sits on the last real token, and GAE walks back from there with the printed gamma, lambda.
     ppo_rewards = printed_vector(ppo_text, "rewards")
     last = json.loads(re.search(r"^last real token per row: (\[.*\])$", ppo_text, re.M).group(1))
     token_rewards = printed_window(ppo_text, "token_rewards")
     values = printed_window(ppo_text, "old_resp_values")
     gae = printed_window(ppo_text, "advantages (GAE, before whitening)")
     returns = printed_window(ppo_text, "returns")
-    gamma, lam = 1.0, 0.95
+    flags_line = re.search(r"γ = ([0-9.]+), λ = ([0-9.]+),", ppo_text)
+    gamma, lam = float(flags_line.group(1)), float(flags_line.group(2))
+    from trainer.train_ppo import parse_args as ppo_parse_args
+    ppo_defaults = ppo_parse_args(["--reward_model_path", "none"])
+    assert (gamma, lam) == (ppo_defaults.gamma, ppo_defaults.lam), "the walkthrough shows train_ppo.py's defaults"
     for row in range(2):
         start, shown = token_rewards[row]
         for offset, value in enumerate(shown):

@@ -28,6 +28,25 @@ def test_gae_hand_computed():
     assert returns[0].tolist() == pytest.approx([0.93675, 0.965, 1.0, 0, 0], abs=1e-6)
 
 
+def test_gae_lambda_one_is_return_minus_value():
+    # The default lambda 1 (README "PPO"): with gamma 1 every real token gets the sequence reward minus its own value.
+    # By hand: delta = [0.4-0.5, 0.3-0.4, 1-0.3] = [-0.1, -0.1, 0.7]; A = [0.5, 0.6, 0.7] = 1 - [0.5, 0.4, 0.3].
+    advantages, returns = compute_gae(torch.tensor([[0.0, 0, 1, 0, 0]]), torch.tensor([[0.5, 0.4, 0.3, 9, 9]]),
+                                      torch.tensor([[1, 1, 1, 0, 0]]), gamma=1.0, lam=1.0)
+    assert advantages[0].tolist() == pytest.approx([0.5, 0.6, 0.7, 0, 0], abs=1e-6)
+    assert returns[0].tolist() == pytest.approx([1.0, 1.0, 1.0, 0, 0], abs=1e-6)
+
+
+def test_gae_chapter_lambda_leaves_the_first_token_8_percent_of_the_reward():
+    # The chapter's lambda 0.95 with V = 0 and a 50-token answer: A_0 = 0.95^49 * r = 0.08099 * r (the README's 8%).
+    length = 50
+    token_rewards = torch.zeros(1, length)
+    token_rewards[0, -1] = 2.0
+    advantages, _ = compute_gae(token_rewards, torch.zeros(1, length), torch.ones(1, length), gamma=1.0, lam=0.95)
+    assert advantages[0, 0].item() == pytest.approx(2.0 * 0.080995, abs=1e-5)
+    assert advantages[0, -1].item() == pytest.approx(2.0)
+
+
 def plain_gae(rewards, values, length, gamma, lam):
     """Textbook GAE over the first ``length`` tokens of one sequence (V = 0 after the end)."""
     advantages = [0.0] * len(rewards)
