@@ -348,7 +348,7 @@ def run_ours_ppo(spec, tokenizer, timer):
         "--hidden_size", str(spec["hidden_size"]), "--num_hidden_layers", str(spec["num_hidden_layers"]),
         "--batch_size", str(rows), "--max_gen_len", str(spec["gen_len"]), "--max_seq_len", "512",
         "--reward_model_path", "none", "--dtype", spec["dtype"], "--torch_logprobs", spec["torch_logprobs"],
-        "--mini_batch_size", "2", "--lam", "0.95",  # what TRL's contestant is given (docs/bench_ppo.json)
+        "--mini_batch_size", "2", "--lam", "0.95",  # as run_trl_ppo's PPOConfig: lam=0.95, minibatches of 2 rows
     ])
     model, config = load_minimind(spec)
     ref_model, _ = load_minimind(spec)

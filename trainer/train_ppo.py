@@ -70,7 +70,7 @@ def place_sequence_rewards(rewards, completion_mask):
     return token_rewards
 
 
-def compute_gae(token_rewards, values, mask, gamma=1.0, lam=0.95):
+def compute_gae(token_rewards, values, mask, gamma=1.0, lam=1.0):
     """Generalized Advantage Estimation (Schulman et al. 2016; chapter 8.4.2).
 
     delta_t = r_t + gamma * V(s_{t+1}) - V(s_t);  A_t = delta_t + gamma * lam * A_{t+1};  R_t = A_t + V(s_t).
@@ -78,7 +78,8 @@ def compute_gae(token_rewards, values, mask, gamma=1.0, lam=0.95):
 
     Args:
         token_rewards: fp32 [B, R]; values: fp32 [B, R], V(s_t) of the old critic; mask: [B, R] 0/1.
-        gamma: discount in [0, 1]; lam: GAE lambda in [0, 1].
+        gamma: discount in [0, 1]; lam: GAE lambda in [0, 1] (default 1.0, as ``--lam``; the chapter uses 0.95).
+            With gamma = lam = 1 and the reward on the last token, A_t = R - V(s_t).
     Returns:
         (advantages fp32 [B, R], returns fp32 [B, R]), both 0 at masked positions.
     """
