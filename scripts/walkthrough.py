@@ -120,8 +120,9 @@ def parse_args(argv=None):
     parser.add_argument("--num_hidden_layers", type=int, default=4)
     parser.add_argument("--tokenizer_path", default=DEFAULT_TOKENIZER_PATH)
     parser.add_argument("--data_path", default=os.path.join(ROOT, "dataset", "rlaif_train.jsonl"))
-    parser.add_argument("--prompt_indices", type=int, nargs=2, default=[0, 2],
-                        help="the two prompts (data rows); 0 and 2 get one right and one wrong PPO answer")
+    parser.add_argument("--prompt_indices", type=int, nargs=2, default=[1, 4],
+                        help="the two prompts (data rows); with 1 and 4, neither GRPO group has equal rewards and "
+                             "PPO gets one right and one wrong answer")
     parser.add_argument("--num_generations", type=int, default=6, help="GRPO answers per prompt (G)")
     parser.add_argument("--max_gen_len", type=int, default=96)
     parser.add_argument("--seed", type=int, default=42)
@@ -347,9 +348,9 @@ def ppo_walkthrough(batch, ppo_args, actor, ref_model, critic, tokenizer, seed, 
     lines += ["`compute_gae` (chapter 8.4.2, GAE [广义优势估计]): δ_t = r_t + γ V(s_{t+1}) − V(s_t), "
               "A_t = δ_t + γ λ A_{t+1}, walking backwards from the last real token; returns = A + V are the "
               "critic's targets. With V = 0 and γ = 1, A_t = λ^(L−1−t) × r: the reward flows back to earlier "
-              f"tokens, decayed by λ = {ppo_args.lam:g}. At λ = 1 (the default) every token of an answer gets its "
-              "whole reward minus the critic's value; at the chapter's λ = 0.95 the first of 50 tokens would get "
-              "0.95^49 ≈ 8% of it.", ""]
+              f"tokens, multiplied by λ once per token (here λ = {ppo_args.lam:g}). At λ = 1 (the default) every "
+              "token of an answer gets its whole reward minus the critic's value; at the chapter's λ = 0.95 the "
+              "first of 50 tokens would get 0.95^49 ≈ 8% of it.", ""]
     block = format_tensor("advantages (GAE, before whitening)", gae_advantages, max_values=12)
     block += format_window("old_resp_values", data["old_resp_values"], last, decimals=6)
     block += format_window("advantages (GAE, before whitening)", gae_advantages, last, decimals=6)
@@ -359,8 +360,8 @@ def ppo_walkthrough(batch, ppo_args, actor, ref_model, critic, tokenizer, seed, 
     lines += ["`masked_whiten` (chapter 8.4.2, 优势标准化): (A − mean) / sqrt(var + 1e-8) over the real tokens of the "
               "whole batch. Whitening makes the advantages of each batch mean 0, std 1. With λ = 1 and V = 0, an "
               "answer rewarded above the batch's token-weighted mean gets a positive advantage on every token, the "
-              "others a negative one; with λ < 1 and all rewards positive, early tokens of every answer would go "
-              "negative and late tokens positive, whatever the answer's reward.", ""]
+              "others a negative one; with λ < 1 and all rewards positive, the early tokens of an answer can go "
+              "negative even when its reward is above the batch's, while its late tokens go positive.", ""]
     max_diff = (whitened - data["advantages"]).abs().max().item()
     block = format_tensor("advantages (whitened)", whitened, max_values=12)
     block += [f"masked mean {masked_mean(whitened, mask).item():.6f}, masked std "
