@@ -8,7 +8,7 @@ One step, in chapter order:
   4. GAE: advantages and returns = advantages + values (``compute_gae``), then masked whitening of the
      advantages (``masked_whiten``) (8.4.2). The default lambda is 1.0, not the chapter's 0.95: with the
      reward on the last token only, 0.95 gives the first of ~50 tokens 0.95^49 = 8% of it, and the answer's
-     reasoning tokens learned too little (README, "PPO");
+     reasoning tokens learned too little (README, "What a run does");
   5. ``ppo_update_iters`` epochs over shuffled minibatches: clipped surrogate + kl_coef * k3 reference KL
      (``ppo_policy_loss``, 8.4.3) and the clipped value loss (``ppo_value_loss``, 8.4.4),
      loss = policy_loss + vf_coef * value_loss + aux_loss; the epochs stop early once the approximate KL
@@ -183,7 +183,7 @@ def parse_args(argv=None):
     parser.add_argument("--gamma", type=float, default=1.0)
     parser.add_argument("--lam", type=float, default=1.0,
                         help="GAE lambda; 1.0 = Monte-Carlo return with the critic as baseline (the chapter's "
-                             "0.95 lowered held-out accuracy here, see README 'PPO')")
+                             "0.95 lowered held-out accuracy here: README, 'What a run does')")
     parser.add_argument("--cliprange_value", type=float, default=0.2)
     parser.add_argument("--ppo_update_iters", type=int, default=2)
     parser.add_argument("--early_stop_kl", type=float, default=0.25)
