@@ -20,71 +20,11 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from dataset.lm_dataset import RLAIFDataset  # noqa: E402
-from trainer.rollout_engine import TorchRolloutEngine, decode_completions  # noqa: E402
-from trainer.train_grpo import tokenize_prompts  # noqa: E402
+from trainer.evaluation import evaluate  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
-    DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, LMForRewardModel, build_config, calculate_rewards,
-    completion_mask_from_ids, init_model, prompt_to_messages, read_reward_model_config,
+    DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, LMForRewardModel, build_config, init_model, prompt_to_messages,
+    read_reward_model_config,
 )
-
-
-def distinct_n(texts, n=2):
-    """Distinct-n: distinct word n-grams / all word n-grams over ``texts`` (Li et al. 2016); 0 if none."""
-    ngrams = []
-    for text in texts:
-        words = text.split()
-        ngrams.extend(tuple(words[i:i + n]) for i in range(len(words) - n + 1))
-    return len(set(ngrams)) / len(ngrams) if ngrams else 0.0
-
-
-@torch.no_grad()
-def evaluate(model, tokenizer, dataset, num_prompts, batch_size, max_gen_len, temperature, greedy, seed,
-             reward_model=None, max_seq_len=256):
-    """Answer the first ``num_prompts`` prompts of ``dataset`` once each.
-
-    Returns:
-        dict with accuracy, reward, rule_reward, reward_model_score, answer_reward, response_len (tokens),
-        distinct_2, and "samples": one dict per prompt with prompt, completion, reference, rule_reward,
-        reward_model_score, answer_reward.
-    """
-    model.eval()
-    generator = torch.Generator().manual_seed(seed)
-    engine = TorchRolloutEngine(model, tokenizer, generator=generator)
-    totals = {"reward": 0.0, "rule_reward": 0.0, "reward_model_score": 0.0, "answer_reward": 0.0,
-              "response_len": 0.0}
-    samples, completions_all = [], []
-    count = min(num_prompts, len(dataset))
-    for start in range(0, count, batch_size):
-        rows = [dataset[i] for i in range(start, min(start + batch_size, count))]
-        prompts = [r["prompt"] for r in rows]
-        answers = [r["answer"] for r in rows]
-        prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, prompts, max_seq_len, "cpu")
-        if greedy:
-            output_ids = model.generate(prompt_ids, attention_mask, max_new_tokens=max_gen_len, do_sample=False,
-                                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-            completion_ids = output_ids[:, prompt_ids.size(1):]
-            completion_mask = completion_mask_from_ids(completion_ids, tokenizer.eos_token_id)
-            completions = decode_completions(tokenizer, completion_ids, completion_mask, tokenizer.eos_token_id)
-        else:
-            rollout = engine.rollout(prompt_ids, attention_mask, 1, max_gen_len, temperature)
-            completions, completion_mask = rollout.completions, rollout.completion_mask
-        parts = calculate_rewards(prompts, completions, answers, reward_model, 1.0)
-        totals["reward"] += (parts["rule_rewards"] + parts["reward_model_scores"]).sum().item()
-        totals["rule_reward"] += parts["rule_rewards"].sum().item()
-        totals["reward_model_score"] += parts["reward_model_scores"].sum().item()
-        totals["answer_reward"] += parts["answer_rewards"].sum().item()
-        totals["response_len"] += completion_mask.sum().item()
-        for i, (prompt, completion, reference) in enumerate(zip(prompts, completions, answers)):
-            samples.append({"prompt": prompt, "completion": completion, "reference": reference,
-                            "rule_reward": parts["rule_rewards"][i].item(),
-                            "reward_model_score": parts["reward_model_scores"][i].item(),
-                            "answer_reward": parts["answer_rewards"][i].item()})
-        completions_all.extend(completions)
-    result = {k: v / count for k, v in totals.items()}
-    result["accuracy"] = result["answer_reward"]
-    result["distinct_2"] = distinct_n(completions_all, 2)
-    result["samples"] = samples
-    return result
 
 
 def question_of(prompt):

@@ -8,15 +8,19 @@ Outputs (in ``dataset/``):
     sft_data.jsonl          chat SFT conversations {"conversations": [{"role", "content"}, ...]}
     rlaif_train.jsonl       RL prompts in MiniMind's RLAIF format; the assistant turn holds the answer
     rlaif_heldout.jsonl     held-out RL prompts (disjoint problems) for scripts/eval_policy.py
+    rlaif_val.jsonl         validation prompts: the periodic evaluation of both RL scripts, and choosing settings
+    rlaif_test.jsonl        test prompts: the README's results table, never used to choose a setting
     reward_train.jsonl      preference pairs {"chosen": [messages], "rejected": [messages]} for
                             trainer/train_reward.py: correct vs wrong answer, well-formed vs broken <think>
                             format, concise vs repetitive answer
     reward_heldout.jsonl    held-out preference pairs (problems disjoint from the training pairs)
 
-The pairs come from their own random stream (seed + 1), so adding them left the other files unchanged.
+The pairs come from their own random stream (seed + 1), and the validation and test prompts from another
+(seed + 2), so adding them left the other files unchanged. Validation and test problems are disjoint from
+each other and from every problem of every other file.
 
 Usage: python scripts/make_demo_data.py [--seed 42] [--num_sft 12000] [--num_rl 4000] [--num_heldout 300]
-       [--num_pairs 2000] [--num_heldout_pairs 200]
+       [--num_pairs 2000] [--num_heldout_pairs 200] [--num_val 500] [--num_test 1000]
 """
 import argparse
 import json
@@ -144,6 +148,8 @@ def main():
     parser.add_argument("--num_heldout", type=int, default=300)
     parser.add_argument("--num_pairs", type=int, default=2000, help="reward-model training pairs")
     parser.add_argument("--num_heldout_pairs", type=int, default=200)
+    parser.add_argument("--num_val", type=int, default=500, help="validation prompts (choosing settings)")
+    parser.add_argument("--num_test", type=int, default=1000, help="test prompts (reported results)")
     parser.add_argument("--no_think_ratio", type=float, default=0.1,
                         help="share of SFT answers with an empty <think></think> block")
     parser.add_argument("--out_dir", default=os.path.join(ROOT, "dataset"))
@@ -159,12 +165,15 @@ def main():
         heldout.append({"conversations": [{"role": "user", "content": question},
                                           {"role": "assistant", "content": answer}]})
 
+    used_keys = set(heldout_keys)  # every problem written anywhere, for the validation and test sets
+
     def fresh_problems(count):
         rows = []
         while len(rows) < count:
             problem = make_problem(rng)
             if problem[4] not in heldout_keys:
                 rows.append(problem)
+                used_keys.add(problem[4])
         return rows
 
     sft = []
@@ -183,6 +192,16 @@ def main():
             pair_keys.add(problem[4])
             pair_problems.append(problem)
     pairs = [preference_pair(problem, pair_rng) for problem in pair_problems]
+    used_keys |= pair_keys
+
+    eval_rng = random.Random(args.seed + 2)
+    eval_rows = []
+    while len(eval_rows) < args.num_val + args.num_test:
+        question, _, _, answer, key = make_problem(eval_rng)
+        if key not in used_keys:
+            used_keys.add(key)
+            eval_rows.append({"conversations": [{"role": "user", "content": question},
+                                                {"role": "assistant", "content": answer}]})
 
     os.makedirs(args.out_dir, exist_ok=True)
     write_jsonl(os.path.join(args.out_dir, "sft_data.jsonl"), sft)
@@ -190,8 +209,11 @@ def main():
     write_jsonl(os.path.join(args.out_dir, "rlaif_heldout.jsonl"), heldout)
     write_jsonl(os.path.join(args.out_dir, "reward_train.jsonl"), pairs[:args.num_pairs])
     write_jsonl(os.path.join(args.out_dir, "reward_heldout.jsonl"), pairs[args.num_pairs:])
-    print(f"wrote {len(sft)} SFT, {len(rl)} RL, {len(heldout)} held-out rows and {args.num_pairs} + "
-          f"{args.num_heldout_pairs} preference pairs to {args.out_dir}")
+    write_jsonl(os.path.join(args.out_dir, "rlaif_val.jsonl"), eval_rows[:args.num_val])
+    write_jsonl(os.path.join(args.out_dir, "rlaif_test.jsonl"), eval_rows[args.num_val:])
+    print(f"wrote {len(sft)} SFT, {len(rl)} RL, {len(heldout)} held-out rows, {args.num_pairs} + "
+          f"{args.num_heldout_pairs} preference pairs, {args.num_val} validation and {args.num_test} test prompts "
+          f"to {args.out_dir}")
 
 
 if __name__ == "__main__":

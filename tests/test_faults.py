@@ -300,3 +300,19 @@ def test_broken_gzip_data_names_the_file(tmp_path):
     path.write_text('{"chosen": "not gzip"}\n')
     with pytest.raises(DataFormatError, match=r"pairs\.jsonl\.gz: cannot be read as gzip"):
         list(iter_jsonl(str(path)))
+
+
+def test_from_weight_name_falls_back_to_the_bundled_out_folder(tmp_path):
+    # --save_dir runs/exp1 on a fresh clone: full_sft is not in the new folder, so the bundled start is used
+    bundled = os.path.join(ROOT, "out", "full_sft_256.pth")
+    assert trainer_utils.weight_path("full_sft", str(tmp_path), 256, 0) == bundled
+    # a file of that name in --save_dir wins over the bundled one
+    own = tmp_path / "full_sft_256.pth"
+    own.write_bytes(b"")
+    assert trainer_utils.weight_path("full_sft", str(tmp_path), 256, 0) == str(own)
+    # saves always write into --save_dir, even when only the bundled file exists
+    assert trainer_utils.weight_path("grpo", str(tmp_path / "new"), 256, 0, allow_file=False) == str(
+        tmp_path / "new" / "grpo_256.pth")
+    # a name found nowhere is reported in --save_dir
+    with pytest.raises(FileNotFoundError, match="missing_256.pth"):
+        trainer_utils.load_weights(torch.nn.Linear(1, 1), trainer_utils.weight_path("missing", str(tmp_path), 256, 0))

@@ -160,3 +160,47 @@ def test_masked_mean_ignores_masked_and_empty():
     mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
     assert masked_mean(values, mask).item() == pytest.approx(1.5)
     assert masked_mean(values, mask, dim=1).tolist() == pytest.approx([1.5, 0.0])
+
+
+def test_equal_fp32_sums_give_exactly_zero_advantage():
+    # a rule reward plus a reward-model score, added in fp32 as calculate_rewards does; the fp32 mean of
+    # these six equal values misses them by one ulp, which gave -0.004746 for every answer before
+    reward = torch.tensor(1.75) + torch.tensor(2.4831)  # fp32
+    advantages = grpo_advantages(reward.repeat(6), num_generations=6)
+    assert advantages.dtype == torch.float32
+    assert advantages.tolist() == [0.0] * 6
+
+
+def test_random_equal_groups_give_exactly_zero_advantage():
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(2000):
+        size = int(torch.randint(2, 17, (1,), generator=generator))
+        value = (torch.rand((), generator=generator) * 12 - 6) + (torch.rand((), generator=generator) * 0.1)
+        advantages = grpo_advantages(value.repeat(size * 2), num_generations=size)
+        assert advantages.abs().max().item() == 0.0, (size, value.item())
+
+
+@pytest.mark.parametrize("loss_type, expected_loss", [("cispo", 1.0), ("grpo", -1.0)])
+def test_masked_position_with_huge_log_ratio_gives_finite_gradient(loss_type, expected_loss):
+    # the masked second token has log-ratios whose exp overflows (ref - logp = 92): before the mask was applied
+    # ahead of exp(), its gradient was 0 * inf = nan
+    per_token_logps = torch.tensor([[-1.0, -95.0]], requires_grad=True)
+    old = torch.tensor([[-1.0, -95.0]])
+    ref = torch.tensor([[-1.0, -3.0]])
+    loss, per_token_kl, _ = grpo_loss(per_token_logps, old, ref, torch.tensor([1.0]), torch.tensor([[1, 0]]),
+                                      loss_type)
+    loss.backward()
+    # real token: ratio 1, k3 0; cispo: -(1 * 1 * -1) = 1, d/dlogp = -1; grpo: -(1 * 1) = -1, d/dlogp = -ratio = -1
+    assert loss.item() == pytest.approx(expected_loss)
+    assert per_token_logps.grad.tolist() == [[-1.0, 0.0]]
+    assert per_token_kl.tolist() == [[0.0, 0.0]]
+
+
+def test_masked_k3_is_zero_with_zero_gradient_where_masked():
+    per_token_logps = torch.tensor([[-1.0, -200.0]], requires_grad=True)
+    ref = torch.tensor([[-2.0, -1.0]])
+    per_token_kl = k3_kl(ref, per_token_logps, torch.tensor([[1, 0]]))
+    per_token_kl.sum().backward()
+    # real token: k3 = e^-1 - (-1) - 1 = 0.36788, d/dlogp = 1 - exp(ref - logp) = 1 - e^-1 = 0.63212
+    assert per_token_kl[0].tolist() == pytest.approx([math.exp(-1), 0.0], abs=1e-6)
+    assert per_token_logps.grad[0].tolist() == pytest.approx([1 - math.exp(-1), 0.0], abs=1e-6)

@@ -202,3 +202,17 @@ def test_normalize_rewards_hand_computed():
     assert normalize_rewards(torch.tensor([1.0, 2.0, 3.0, 6.0])).tolist() == pytest.approx(
         [-1.069045, -0.534522, 0.0, 1.603567], abs=1e-5)
     assert normalize_rewards(torch.tensor([2.0, 2.0])).tolist() == [0.0, 0.0]
+
+
+def test_ppo_policy_loss_masked_position_with_huge_log_ratio_stays_finite():
+    # the masked second token's k3 input ref - logp = 92 overflows exp(); before the mask was applied ahead of
+    # exp(), masked_mean multiplied inf by 0 and the loss itself was nan
+    per_token_logps = torch.tensor([[-1.0, -95.0]], requires_grad=True)
+    old = torch.tensor([[-1.0, -95.0]])
+    ref = torch.tensor([[-1.0, -3.0]])
+    loss, stats = ppo_policy_loss(per_token_logps, old, ref, torch.tensor([[1.0, 1.0]]), torch.tensor([[1, 0]]))
+    loss.backward()
+    # real token: ratio 1 inside the clip range, k3 0 -> loss -A * ratio = -1, d/dlogp = -A * ratio = -1
+    assert loss.item() == pytest.approx(-1.0)
+    assert per_token_logps.grad.tolist() == [[-1.0, 0.0]]
+    assert stats["kl_ref"].item() == 0.0

@@ -131,6 +131,24 @@ class RolloutResult:
         return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
 
 
+def tokenize_prompts(tokenizer, prompts, max_seq_len, device):
+    """Left-padded prompt batch, each prompt cut to its last ``max_seq_len`` tokens.
+
+    Returns (prompt_ids long [B, P], attention_mask long [B, P], number of prompts that were cut).
+    Cutting from the left keeps the generation prompt at the end.
+    """
+    encoded = tokenizer(prompts, add_special_tokens=False)["input_ids"]  # one batched call
+    truncated = sum(len(ids) > max_seq_len for ids in encoded)
+    encoded = [ids[-max_seq_len:] for ids in encoded]
+    width = max(len(ids) for ids in encoded)
+    prompt_ids = torch.full((len(encoded), width), tokenizer.pad_token_id, dtype=torch.long)  # [B, P]
+    attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)  # [B, P]
+    for i, ids in enumerate(encoded):
+        prompt_ids[i, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[i, width - len(ids):] = 1
+    return prompt_ids.to(device), attention_mask.to(device), truncated
+
+
 def decode_completions(tokenizer, completion_ids, completion_mask, eos_token_id):
     """Decode each row's tokens up to (not including) its first EOS, keeping '<think>' tags."""
     texts = []

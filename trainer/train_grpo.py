@@ -33,8 +33,10 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from dataset.lm_dataset import RLAIFDataset  # noqa: E402
+from trainer.evaluation import HeldOutEvaluator  # noqa: E402
 from trainer.rollout_engine import (  # noqa: E402
     ROLLOUT_ENGINES, SGLANG_LOGPROB_MODES, TORCH_LOGPROB_MODES, compute_per_token_logps, create_rollout_engine,
+    tokenize_prompts,
 )
 from trainer.trainer_utils import (  # noqa: E402
     DEFAULT_REWARD_MODEL_PATH, DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, DTYPES, TRAIN_DTYPES, BadStepGuard,
@@ -59,16 +61,19 @@ def grpo_advantages(rewards, num_generations, eps=1e-4):
         rewards: fp32 [B*G], each prompt's G rewards adjacent (P0,P0,..,P1,P1,..).
         num_generations: G >= 2.
     Returns:
-        advantages fp32 [B*G]; a group of equal rewards gives exactly 0.
+        advantages [B*G] in the dtype of ``rewards``; a group of equal rewards gives exactly 0, because the
+        group mean and std are computed in fp64 (the mean of G equal fp32 values is then exact, the std 0).
     Raises:
         ValueError: if rewards.numel() is not a multiple of num_generations.
     """
     if rewards.numel() % num_generations != 0:
         raise ValueError(f"{rewards.numel()} rewards cannot be split into groups of {num_generations}")
-    grouped_rewards = rewards.view(-1, num_generations)  # [B, G]
+    # fp64 statistics: an fp32 mean of equal values can miss them by one ulp, and ulp / (ulp + eps) is not small
+    rewards_fp64 = rewards.double()  # [B*G]
+    grouped_rewards = rewards_fp64.view(-1, num_generations)  # [B, G]
     mean_r = grouped_rewards.mean(dim=1).repeat_interleave(num_generations)  # [B*G]
     std_r = grouped_rewards.std(dim=1, unbiased=False).repeat_interleave(num_generations)  # [B*G]
-    return (rewards - mean_r) / (std_r + eps)  # [B*G]
+    return ((rewards_fp64 - mean_r) / (std_r + eps)).to(rewards.dtype)  # [B*G]
 
 
 def sequence_mean_loss(per_token_loss, completion_mask):
@@ -104,8 +109,11 @@ def grpo_loss(per_token_logps, old_per_token_logps, ref_per_token_logps, advanta
     Raises:
         ValueError: for an unknown loss_type.
     """
-    per_token_kl = k3_kl(ref_per_token_logps, per_token_logps)  # [N, R]
-    ratio = torch.exp(per_token_logps - old_per_token_logps)  # [N, R]
+    mask = completion_mask.bool()  # [N, R]
+    per_token_kl = k3_kl(ref_per_token_logps, per_token_logps, mask)  # [N, R], 0 where masked
+    # the log-ratio is masked before exp: a padded position's exp could overflow and its gradient be 0 * inf
+    log_ratio = torch.where(mask, per_token_logps - old_per_token_logps, torch.zeros_like(per_token_logps))
+    ratio = torch.exp(log_ratio)  # [N, R]
     advantages = advantages.unsqueeze(1)  # [N, 1]
     if loss_type == "cispo":
         clamped_ratio = torch.clamp(ratio, max=epsilon_high).detach()  # [N, R]
@@ -170,6 +178,12 @@ def add_common_rl_args(parser):
                         help="push weights to SGLang every N policy updates (N > 1: rollouts up to N-1 updates old)")
     parser.add_argument("--sglang_export_dtype", default="float32", choices=sorted(DTYPES),
                         help="dtype of the weights synced to SGLang")
+    parser.add_argument("--eval_data_path", default=os.path.join(ROOT, "dataset", "rlaif_val.jsonl"),
+                        help="held-out prompts of the periodic evaluation (the validation split)")
+    parser.add_argument("--eval_interval", type=int, default=50,
+                        help="held-out evaluation at step 0, every N steps and at the end (0 = off)")
+    parser.add_argument("--eval_num_prompts", type=int, default=200,
+                        help="held-out prompts per evaluation, each answered sampled and greedy")
     parser.add_argument("--log_interval", type=int, default=1)
     parser.add_argument("--save_interval", type=int, default=50)
     parser.add_argument("--seed", type=int, default=42)
@@ -191,6 +205,11 @@ def check_common_rl_args(parser, args):
             parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     if args.max_steps < 0:
         parser.error(f"--max_steps must be >= 0, got {args.max_steps}")
+    if args.eval_interval < 0 or args.eval_num_prompts < 1:
+        parser.error(f"--eval_interval must be >= 0 and --eval_num_prompts >= 1, got {args.eval_interval} and "
+                     f"{args.eval_num_prompts}")
+    if args.eval_interval and not os.path.isfile(args.eval_data_path):
+        parser.error(f"--eval_data_path {args.eval_data_path} does not exist (--eval_interval 0 turns evaluation off)")
     if args.learning_rate <= 0:
         parser.error(f"--learning_rate must be > 0, got {args.learning_rate}")
     if args.temperature <= 0:
@@ -248,24 +267,6 @@ def parse_args(argv=None):
     return args
 
 
-def tokenize_prompts(tokenizer, prompts, max_seq_len, device):
-    """Left-padded prompt batch, each prompt cut to its last ``max_seq_len`` tokens.
-
-    Returns (prompt_ids long [B, P], attention_mask long [B, P], number of prompts that were cut).
-    Cutting from the left keeps the generation prompt at the end.
-    """
-    encoded = tokenizer(prompts, add_special_tokens=False)["input_ids"]  # one batched call
-    truncated = sum(len(ids) > max_seq_len for ids in encoded)
-    encoded = [ids[-max_seq_len:] for ids in encoded]
-    width = max(len(ids) for ids in encoded)
-    prompt_ids = torch.full((len(encoded), width), tokenizer.pad_token_id, dtype=torch.long)  # [B, P]
-    attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)  # [B, P]
-    for i, ids in enumerate(encoded):
-        prompt_ids[i, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
-        attention_mask[i, width - len(ids):] = 1
-    return prompt_ids.to(device), attention_mask.to(device), truncated
-
-
 def count_long_prompts(dataset, tokenizer, max_seq_len):
     """How many prompts of ``dataset`` are longer than ``max_seq_len`` tokens (they will be cut from the left)."""
     prompts = [dataset[i]["prompt"] for i in range(len(dataset))]
@@ -294,7 +295,8 @@ def build_run(args, script_name):
     the frozen reference, the reward model, and the prompt data (validated here, before the first rollout).
 
     Returns a dict with device, rank, world_size, local_rank, lm_config, model, ref_model, tokenizer,
-    reward_model, dataset, batch_sampler (``ResumableBatchSampler``), loader.
+    reward_model, dataset, batch_sampler (``ResumableBatchSampler``), loader, evaluator
+    (``HeldOutEvaluator``, None with ``--eval_interval 0``).
     Raises:
         ValueError: when the data file has fewer prompts than one batch per rank (says how many of each).
         DataFormatError: a bad data line (file and line number).
@@ -322,6 +324,11 @@ def build_run(args, script_name):
         reward_model = LMForRewardModel(args.reward_model_path, device=args.reward_device or device,
                                         dtype=resolve_dtype(args.reward_dtype, next(model.parameters()).dtype),
                                         batch_size=args.reward_batch_size, trust_remote_code=args.trust_remote_code)
+    evaluator = None
+    if args.eval_interval:
+        eval_dataset = RLAIFDataset(args.eval_data_path, tokenizer, thinking_ratio=1.0, seed=args.seed)
+        evaluator = HeldOutEvaluator(eval_dataset, tokenizer, args.eval_num_prompts, args.temperature,
+                                     args.max_gen_len, args.max_seq_len, device)
     batch_sampler = ResumableBatchSampler(dataset, args.batch_size, world_size, rank, args.seed)
     # its own generator: creating the loader's iterator must not draw from the global RNG (exact resume)
     loader = DataLoader(dataset, batch_sampler=batch_sampler, generator=torch.Generator().manual_seed(args.seed))
@@ -330,7 +337,7 @@ def build_run(args, script_name):
            f"{len(dataset)} prompts, world size {world_size}, device {device}")
     return dict(device=device, rank=rank, world_size=world_size, local_rank=local_rank, lm_config=lm_config,
                 model=model, ref_model=ref_model, tokenizer=tokenizer, reward_model=reward_model,
-                dataset=dataset, batch_sampler=batch_sampler, loader=loader)
+                dataset=dataset, batch_sampler=batch_sampler, loader=loader, evaluator=evaluator)
 
 
 def wrap_ddp(model, device, local_rank):
@@ -431,6 +438,18 @@ def grpo_step(batch, model, ref_model, rollout_engine, reward_model, tokenizer, 
 def count_total_steps(max_steps, epochs, steps_per_epoch):
     """Steps of the run: ``max_steps`` when set (capped by the data), else ``epochs`` full passes."""
     return min(max_steps, epochs * steps_per_epoch) if max_steps else epochs * steps_per_epoch
+
+
+def evaluate_if_due(evaluator, model, step, total_steps, eval_interval):
+    """The ``eval/...`` metrics of the held-out evaluation when it is due (step 0, every ``eval_interval``
+    steps, the last step), with one log line; {} otherwise or without an evaluator."""
+    if evaluator is None or not (step == 0 or step % eval_interval == 0 or step == total_steps):
+        return {}
+    metrics = evaluator(model, step)
+    Logger(f"eval step {step} | held-out accuracy sampled {metrics['eval/accuracy_sampled']:.3f} "
+           f"greedy {metrics['eval/accuracy_greedy']:.3f} | len {metrics['eval/response_len']:.1f} "
+           f"({evaluator.num_prompts} prompts)")
+    return metrics
 
 
 def open_metrics(args, progress):
@@ -568,6 +587,8 @@ def main(argv=None):
     guard = BadStepGuard(args.max_bad_steps, progress["bad_steps_in_a_row"])
     timer = StepTimer(total_steps, start_step=progress["step"])
     step, problems = progress["step"], []
+    if step == 0 and run["evaluator"] is not None:
+        writer.log({"step": 0, **evaluate_if_due(run["evaluator"], model, 0, total_steps, args.eval_interval)})
     ddp_model.train()
     for epoch in range(progress["epoch"], args.epochs):
         if step >= total_steps:
@@ -590,7 +611,9 @@ def main(argv=None):
             if args.debug_mode and step % args.debug_interval == 0:
                 print_debug_samples(step, debug["prompts"], debug["completions"], debug["reward_parts"],
                                     args.num_generations)
-            if step % args.log_interval == 0 or step == total_steps:
+            eval_metrics = evaluate_if_due(run["evaluator"], model, step, total_steps, args.eval_interval)
+            metrics.update(eval_metrics)
+            if step % args.log_interval == 0 or step == total_steps or eval_metrics:
                 elapsed, remaining = timer.eta(step)
                 metrics.update(step=step, total_steps=total_steps, epoch=epoch,
                                learning_rate=optimizer.param_groups[0]["lr"], elapsed_s=time.time() - timer.start,
@@ -617,6 +640,9 @@ def main(argv=None):
                 break
         if step >= total_steps or stop:
             break
+    if run["evaluator"] is not None:
+        for line in run["evaluator"].summary_lines():
+            Logger(line)
     writer.close()
     stop_signal.restore()
     if dist.is_initialized():

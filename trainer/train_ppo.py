@@ -36,8 +36,9 @@ import torch.distributed as dist  # noqa: E402
 from model.model_minimind import CriticModel  # noqa: E402
 from trainer.rollout_engine import compute_per_token_logps, create_rollout_engine  # noqa: E402
 from trainer.train_grpo import (  # noqa: E402
-    add_common_rl_args, build_run, check_common_rl_args, count_total_steps, mean_over_ranks, open_metrics,
-    print_debug_samples, rollout_engine_kwargs, save_checkpoint, start_or_resume, tokenize_prompts, wrap_ddp,
+    add_common_rl_args, build_run, check_common_rl_args, count_total_steps, evaluate_if_due, mean_over_ranks,
+    open_metrics, print_debug_samples, rollout_engine_kwargs, save_checkpoint, start_or_resume, tokenize_prompts,
+    wrap_ddp,
 )
 from trainer.trainer_utils import (  # noqa: E402
     BadStepGuard, Logger, StepTimer, StopSignal, any_rank, autocast_context, build_cosine_scheduler,
@@ -125,11 +126,13 @@ def ppo_policy_loss(per_token_logps, old_per_token_logps, ref_per_token_logps, a
         (policy_loss scalar, stats dict of detached scalars: approx_kl = 0.5 * masked_mean(log_ratio^2),
         clipfrac = share of real tokens whose ratio was outside [1 - eps, 1 + eps], kl_ref = masked_mean(k3)).
     """
-    log_ratio = per_token_logps - old_per_token_logps  # [b, R]
+    real = mask.bool()  # [b, R]
+    # masked before exp: a padded position's exp could overflow and its gradient be 0 * inf = NaN
+    log_ratio = torch.where(real, per_token_logps - old_per_token_logps, torch.zeros_like(per_token_logps))  # [b, R]
     ratio = torch.exp(log_ratio)
     surrogate = -advantages * ratio
     clipped_surrogate = -advantages * torch.clamp(ratio, 1.0 - clip_epsilon, 1.0 + clip_epsilon)
-    kl_ref_penalty = masked_mean(k3_kl(ref_per_token_logps, per_token_logps), mask)
+    kl_ref_penalty = masked_mean(k3_kl(ref_per_token_logps, per_token_logps, real), mask)
     policy_loss = masked_mean(torch.max(surrogate, clipped_surrogate), mask) + kl_coef * kl_ref_penalty
     stats = {
         "approx_kl": 0.5 * masked_mean(log_ratio.detach() ** 2, mask),
@@ -370,6 +373,8 @@ def main(argv=None):
     guard = BadStepGuard(args.max_bad_steps, progress["bad_steps_in_a_row"])
     timer = StepTimer(total_steps, start_step=progress["step"])
     step = progress["step"]
+    if step == 0 and run["evaluator"] is not None:
+        writer.log({"step": 0, **evaluate_if_due(run["evaluator"], actor, 0, total_steps, args.eval_interval)})
     ddp_actor.train()
     ddp_critic.train()
     for epoch in range(progress["epoch"], args.epochs):
@@ -408,7 +413,9 @@ def main(argv=None):
             metrics = mean_over_ranks(metrics, device)
             if args.debug_mode and step % args.debug_interval == 0:
                 print_debug_samples(step, data["prompts"], data["completions"], data["reward_parts"], 1)
-            if step % args.log_interval == 0 or step == total_steps:
+            eval_metrics = evaluate_if_due(run["evaluator"], actor, step, total_steps, args.eval_interval)
+            metrics.update(eval_metrics)
+            if step % args.log_interval == 0 or step == total_steps or eval_metrics:
                 elapsed, remaining = timer.eta(step)
                 metrics.update(step=step, total_steps=total_steps, epoch=epoch,
                                learning_rate=actor_optimizer.param_groups[0]["lr"],
@@ -439,6 +446,9 @@ def main(argv=None):
                 break
         if step >= total_steps or stop:
             break
+    if run["evaluator"] is not None:
+        for line in run["evaluator"].summary_lines():
+            Logger(line)
     writer.close()
     stop_signal.restore()
     if dist.is_initialized():

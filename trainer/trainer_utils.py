@@ -140,12 +140,23 @@ class MetricsWriter:
 
 # ----------------------------------------------------------------------------- models and checkpoints
 def weight_path(from_weight, save_dir, hidden_size, use_moe, allow_file=True):
-    """MiniMind's naming: ``{save_dir}/{name}_{hidden}[_moe].pth``, or (``allow_file``, for loading)
-    ``from_weight`` itself if it is a file. Saves pass ``allow_file=False``: they always write into save_dir."""
+    """MiniMind's naming: ``{save_dir}/{name}_{hidden}[_moe].pth``.
+
+    For loading (``allow_file``): ``from_weight`` itself if it is a file; else the name in ``save_dir``; else,
+    when that file does not exist, the name in the repository's ``out/`` (the bundled starting policy), so
+    that ``--save_dir runs/exp1`` still starts from ``out/full_sft_256.pth``. When neither exists the path in
+    ``save_dir`` is returned (and ``load_weights`` names it). Saves pass ``allow_file=False``: they always
+    write into ``save_dir``.
+    """
     if allow_file and os.path.isfile(from_weight):
         return from_weight
     suffix = "_moe" if use_moe else ""
-    return os.path.join(save_dir, f"{from_weight}_{hidden_size}{suffix}.pth")
+    file_name = f"{from_weight}_{hidden_size}{suffix}.pth"
+    path = os.path.join(save_dir, file_name)
+    bundled = os.path.join(DEFAULT_SAVE_DIR, file_name)
+    if allow_file and not os.path.isfile(path) and os.path.isfile(bundled):
+        return bundled
+    return path
 
 
 def load_weights(model, path, flag_hint="--hidden_size / --num_hidden_layers / --use_moe"):
@@ -188,8 +199,8 @@ def init_model(lm_config, from_weight="none", save_dir=DEFAULT_SAVE_DIR, tokeniz
 
     Args:
         lm_config: ``MiniMindConfig``.
-        from_weight: a weight name resolved as ``{save_dir}/{name}_{hidden}[_moe].pth``, a path to a ``.pth``
-            file, or 'none' for random init.
+        from_weight: a weight name resolved as ``{save_dir}/{name}_{hidden}[_moe].pth`` (then in the
+            repository's ``out/``, see ``weight_path``), a path to a ``.pth`` file, or 'none' for random init.
     Returns:
         (model fp32 on ``device``, tokenizer)
     Raises:
@@ -198,7 +209,9 @@ def init_model(lm_config, from_weight="none", save_dir=DEFAULT_SAVE_DIR, tokeniz
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     model = MiniMindForCausalLM(lm_config)
     if from_weight != "none":
-        load_weights(model, weight_path(from_weight, save_dir, lm_config.hidden_size, lm_config.use_moe))
+        path = weight_path(from_weight, save_dir, lm_config.hidden_size, lm_config.use_moe)
+        load_weights(model, path)
+        Logger(f"loaded weights {path}")
     if len(tokenizer) > lm_config.vocab_size:
         raise ValueError(f"tokenizer {tokenizer_path} has {len(tokenizer)} tokens but vocab_size is "
                          f"{lm_config.vocab_size}")
@@ -587,13 +600,17 @@ def masked_mean(values, mask, dim=None):
     return (values * mask).sum(dim=dim) / mask.sum(dim=dim).clamp(min=1)
 
 
-def k3_kl(ref_per_token_logps, per_token_logps):
+def k3_kl(ref_per_token_logps, per_token_logps, mask=None):
     """k3 estimator of KL(pi_theta || pi_ref) per token (Schulman 2020, "Approximating KL divergence"; chapter 8.6).
 
     k3 = exp(ref - logp) - (ref - logp) - 1, elementwise on [N, R] fp32 log-probs (nats); >= 0, and 0 where
-    the two log-probs are equal.
+    the two log-probs are equal. With ``mask`` ([N, R] 0/1), the log-ratio is set to 0 at masked positions
+    *before* ``exp``, so k3 is 0 there and its gradient is 0, never 0 * inf = NaN (a padded position can
+    hold any log-prob, e.g. -95, whose exp overflows).
     """
-    log_ratio = ref_per_token_logps - per_token_logps
+    log_ratio = ref_per_token_logps - per_token_logps  # [N, R]
+    if mask is not None:
+        log_ratio = torch.where(mask.bool(), log_ratio, torch.zeros_like(log_ratio))
     return torch.exp(log_ratio) - log_ratio - 1
 
 

@@ -1,0 +1,135 @@
+"""Held-out evaluation of a policy: does RL make the model answer prompts it has never seen better?
+
+``evaluate`` answers the first ``num_prompts`` prompts of a dataset once each, sampled with a fixed seed
+(or greedily), and scores every answer with the training rewards (chapter 8.3). ``HeldOutEvaluator`` is the
+periodic evaluation of both RL scripts (``--eval_interval``): the same prompts and the same sampling seed
+every time, sampled at the rollout's temperature and greedy, so that two evaluations of one run differ only
+by the weights. It is TRL's ``eval_steps`` / verl's ``val_before_train`` for a verifiable task.
+"""
+import torch
+
+from trainer.rollout_engine import TorchRolloutEngine, decode_completions, tokenize_prompts
+from trainer.trainer_utils import calculate_rewards, completion_mask_from_ids, unwrap_model
+
+
+def distinct_n(texts, n=2):
+    """Distinct-n: distinct word n-grams / all word n-grams over ``texts`` (Li et al. 2016); 0 if none."""
+    ngrams = []
+    for text in texts:
+        words = text.split()
+        ngrams.extend(tuple(words[i:i + n]) for i in range(len(words) - n + 1))
+    return len(set(ngrams)) / len(ngrams) if ngrams else 0.0
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, dataset, num_prompts, batch_size, max_gen_len, temperature, greedy, seed,
+             reward_model=None, max_seq_len=256, device="cpu"):
+    """Answer the first ``num_prompts`` prompts of ``dataset`` once each and score the answers.
+
+    Sampling uses its own ``torch.Generator`` seeded with ``seed``, so the global random state (and with it
+    the training run that calls this) is left untouched, and the same weights give the same answers.
+    The model is put in eval mode and back into the mode it was in.
+
+    Args:
+        model: a MiniMind causal LM (or its DDP wrapper).
+        dataset: items {"prompt": str, "answer": str} (``RLAIFDataset``).
+        temperature: sampling temperature (ignored when ``greedy``).
+    Returns:
+        dict with accuracy (share of answers whose final number equals the reference, ``answer_reward``),
+        reward (rule + reward model), rule_reward, reward_model_score, answer_reward, response_len (tokens),
+        distinct_2, and "samples": one dict per prompt with prompt, completion, reference, rule_reward,
+        reward_model_score, answer_reward.
+    Raises:
+        ValueError: ``num_prompts`` or ``batch_size`` < 1.
+    """
+    if num_prompts < 1 or batch_size < 1:
+        raise ValueError(f"num_prompts and batch_size must be >= 1, got {num_prompts} and {batch_size}")
+    model = unwrap_model(model)
+    was_training = model.training
+    model.eval()
+    generator = torch.Generator(device=device).manual_seed(seed)
+    engine = TorchRolloutEngine(model, tokenizer, generator=generator)
+    totals = {"reward": 0.0, "rule_reward": 0.0, "reward_model_score": 0.0, "answer_reward": 0.0,
+              "response_len": 0.0}
+    samples, completions_all = [], []
+    count = min(num_prompts, len(dataset))
+    for start in range(0, count, batch_size):
+        rows = [dataset[i] for i in range(start, min(start + batch_size, count))]
+        prompts = [r["prompt"] for r in rows]
+        answers = [r["answer"] for r in rows]
+        prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, prompts, max_seq_len, device)
+        if greedy:
+            output_ids = model.generate(prompt_ids, attention_mask, max_new_tokens=max_gen_len, do_sample=False,
+                                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+            completion_ids = output_ids[:, prompt_ids.size(1):]  # [b, R]
+            completion_mask = completion_mask_from_ids(completion_ids, tokenizer.eos_token_id)  # [b, R]
+            completions = decode_completions(tokenizer, completion_ids, completion_mask, tokenizer.eos_token_id)
+        else:
+            rollout = engine.rollout(prompt_ids, attention_mask, 1, max_gen_len, temperature)
+            completions, completion_mask = rollout.completions, rollout.completion_mask
+        parts = calculate_rewards(prompts, completions, answers, reward_model, 1.0)
+        totals["reward"] += (parts["rule_rewards"] + parts["reward_model_scores"]).sum().item()
+        totals["rule_reward"] += parts["rule_rewards"].sum().item()
+        totals["reward_model_score"] += parts["reward_model_scores"].sum().item()
+        totals["answer_reward"] += parts["answer_rewards"].sum().item()
+        totals["response_len"] += completion_mask.sum().item()
+        for i, (prompt, completion, reference) in enumerate(zip(prompts, completions, answers)):
+            samples.append({"prompt": prompt, "completion": completion, "reference": reference,
+                            "rule_reward": parts["rule_rewards"][i].item(),
+                            "reward_model_score": parts["reward_model_scores"][i].item(),
+                            "answer_reward": parts["answer_rewards"][i].item()})
+        completions_all.extend(completions)
+    model.train(was_training)
+    result = {k: v / count for k, v in totals.items()}
+    result["accuracy"] = result["answer_reward"]
+    result["distinct_2"] = distinct_n(completions_all, 2)
+    result["samples"] = samples
+    return result
+
+
+class HeldOutEvaluator:
+    """The periodic held-out evaluation of a training run (``--eval_interval``, ``--eval_num_prompts``).
+
+    Every call answers the same ``num_prompts`` prompts twice, sampled (``temperature``, generator seeded with
+    ``seed``) and greedy, and returns ``eval/accuracy_sampled``, ``eval/accuracy_greedy`` (shares in [0, 1])
+    and ``eval/response_len`` (mean tokens of the sampled answers). Every rank computes the same numbers on
+    the same prompts (no collective), so the result does not depend on the number of processes.
+    ``history`` keeps (step, metrics) of every call, for the before/after lines at the end of a run.
+    """
+
+    def __init__(self, dataset, tokenizer, num_prompts, temperature, max_gen_len, max_seq_len, device,
+                 seed=1234, batch_size=100):
+        self.dataset = dataset
+        self.tokenizer = tokenizer
+        self.num_prompts = min(num_prompts, len(dataset))
+        self.temperature = temperature
+        self.max_gen_len = max_gen_len
+        self.max_seq_len = max_seq_len
+        self.device = device
+        self.seed = seed
+        self.batch_size = batch_size
+        self.history = []
+
+    def __call__(self, model, step):
+        """Evaluate ``model`` at training step ``step``; returns the ``eval/...`` metrics (floats)."""
+        common = dict(num_prompts=self.num_prompts, batch_size=self.batch_size, max_gen_len=self.max_gen_len,
+                      temperature=self.temperature, seed=self.seed, max_seq_len=self.max_seq_len,
+                      device=self.device)
+        sampled = evaluate(model, self.tokenizer, self.dataset, greedy=False, **common)
+        greedy = evaluate(model, self.tokenizer, self.dataset, greedy=True, **common)
+        metrics = {"eval/accuracy_sampled": sampled["accuracy"], "eval/accuracy_greedy": greedy["accuracy"],
+                   "eval/response_len": sampled["response_len"]}
+        self.history.append((step, metrics))
+        return metrics
+
+    def summary_lines(self):
+        """Lines comparing the first and the last evaluation (the start policy and the trained one)."""
+        if not self.history:
+            return []
+        (first_step, first), (last_step, last) = self.history[0], self.history[-1]
+        lines = [f"held-out accuracy on {self.num_prompts} prompts (same prompts and seed each time):",
+                 f"  {'':<22} {'step ' + str(first_step):>10} {'step ' + str(last_step):>10} {'change':>8}"]
+        for key, label in (("eval/accuracy_sampled", f"sampled (T = {self.temperature:g})"),
+                           ("eval/accuracy_greedy", "greedy")):
+            lines.append(f"  {label:<22} {first[key]:>10.3f} {last[key]:>10.3f} {last[key] - first[key]:>+8.3f}")
+        return lines
