@@ -204,3 +204,20 @@ def test_masked_k3_is_zero_with_zero_gradient_where_masked():
     # real token: k3 = e^-1 - (-1) - 1 = 0.36788, d/dlogp = 1 - exp(ref - logp) = 1 - e^-1 = 0.63212
     assert per_token_kl[0].tolist() == pytest.approx([math.exp(-1), 0.0], abs=1e-6)
     assert per_token_logps.grad[0].tolist() == pytest.approx([1 - math.exp(-1), 0.0], abs=1e-6)
+
+
+def test_accumulation_windows_cover_every_step_once_with_their_own_size():
+    from trainer.train_grpo import accumulation_window_size
+    # --max_steps 5 --accumulation_steps 2: windows {1, 2}, {3, 4}, {5}; the last gradient was scaled by 1/2
+    # instead of 1 before (gradients 1.0, 1.0, 0.5 for a constant loss)
+    assert [accumulation_window_size(s, 5, 2) for s in range(1, 6)] == [2, 2, 2, 2, 1]
+    # plain loop: the mean gradient of each window is 1 for a loss of 1 per step, for every total and window
+    for total in range(1, 12):
+        for k in range(1, 5):
+            applied, window = [], 0.0
+            for step in range(1, total + 1):
+                window += 1.0 / accumulation_window_size(step, total, k)
+                if step % k == 0 or step == total:
+                    applied.append(window)
+                    window = 0.0
+            assert applied == pytest.approx([1.0] * len(applied)), (total, k)

@@ -216,3 +216,46 @@ def test_ppo_policy_loss_masked_position_with_huge_log_ratio_stays_finite():
     assert loss.item() == pytest.approx(-1.0)
     assert per_token_logps.grad.tolist() == [[-1.0, 0.0]]
     assert stats["kl_ref"].item() == 0.0
+
+
+class GradNormRecorder(torch.optim.SGD):
+    """SGD with lr 0 that records the actor's gradient norm at every optimizer step."""
+
+    def __init__(self, params):
+        self.params_list = list(params)
+        super().__init__(self.params_list, lr=0.0)
+        self.norms = []
+
+    def step(self, closure=None):
+        grads = [p.grad.flatten() for p in self.params_list if p.grad is not None]
+        self.norms.append(float(torch.cat(grads).norm()))
+        return super().step(closure)
+
+
+def test_ppo_last_partial_accumulation_window_gets_its_own_size():
+    # 4 identical rows, minibatches of 1, 2 epochs = 8 minibatches, --accumulation_steps 3: windows of 3, 3, 2.
+    # Each optimizer step must apply the mean gradient of its window, so the three norms are equal; before,
+    # the last window was divided by 3 instead of 2 (norms in the ratio 3 : 3 : 2).
+    import types
+
+    from model.model_minimind import CriticModel, MiniMindForCausalLM
+    from trainer.train_ppo import ppo_update
+    from trainer.trainer_utils import build_config, build_cosine_scheduler
+    torch.manual_seed(0)
+    config = build_config(64, 2, 0)
+    actor, critic = MiniMindForCausalLM(config), CriticModel(config)
+    ids = torch.randint(3, 100, (1, 8)).repeat(4, 1)  # [4, 8]
+    data = {"output_ids": ids, "full_mask": torch.ones_like(ids), "completion_mask": torch.ones(4, 5, dtype=torch.long),
+            "old_per_token_logps": torch.full((4, 5), -4.0), "ref_per_token_logps": torch.full((4, 5), -4.0),
+            "advantages": torch.ones(4, 5), "old_resp_values": torch.zeros(4, 5), "returns": torch.ones(4, 5)}
+    actor_optimizer, critic_optimizer = GradNormRecorder(actor.parameters()), GradNormRecorder(critic.parameters())
+    args = types.SimpleNamespace(ppo_update_iters=2, mini_batch_size=1, accumulation_steps=3, dtype="float32",
+                                 temperature=1.0, clip_epsilon=0.2, kl_coef=0.0, early_stop_kl=100.0,
+                                 cliprange_value=0.2, vf_coef=0.5, grad_clip=1e9)
+    result = ppo_update(data, actor, critic, actor_optimizer, critic_optimizer,
+                        build_cosine_scheduler(actor_optimizer, 10), build_cosine_scheduler(critic_optimizer, 10),
+                        args, "cpu", torch.Generator().manual_seed(0))
+    assert result["optimizer_steps"] == 3.0
+    assert len(actor_optimizer.norms) == 3
+    assert actor_optimizer.norms[2] == pytest.approx(actor_optimizer.norms[0], rel=1e-4)
+    assert actor_optimizer.norms[1] == pytest.approx(actor_optimizer.norms[0], rel=1e-4)

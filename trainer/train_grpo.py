@@ -374,7 +374,8 @@ def print_debug_samples(step, prompts, completions, reward_parts, num_generation
 # ----------------------------------------------------------------------------- the loop
 def grpo_step(batch, model, ref_model, rollout_engine, reward_model, tokenizer, args, device):
     """One turn of the RLHF loop (chapter 8.1) with GRPO (chapter 8.5): rollout, rewards, group advantages,
-    loss. Returns (loss to backpropagate, metrics dict, debug dict).
+    loss. Returns (loss to backpropagate, metrics dict, debug dict); the loop divides the loss by the size of
+    its gradient-accumulation window (``accumulation_window_size``).
 
     ``model`` is what the gradient flows through (the DDP wrapper when distributed).
     """
@@ -414,7 +415,7 @@ def grpo_step(batch, model, ref_model, rollout_engine, reward_model, tokenizer, 
         per_token_logps, old_per_token_logps, ref_per_token_logps, advantages, completion_mask,
         args.loss_type, args.epsilon, args.epsilon_high, args.beta,
     )
-    loss = (policy_loss + aux_loss) / args.accumulation_steps
+    loss = policy_loss + aux_loss  # the loop divides by the size of its accumulation window
 
     metrics = {
         "reward": rewards.mean().item(),
@@ -433,6 +434,18 @@ def grpo_step(batch, model, ref_model, rollout_engine, reward_model, tokenizer, 
     }
     debug = {"prompts": repeated_prompts, "completions": rollout.completions, "reward_parts": reward_parts}
     return loss, metrics, debug
+
+
+def accumulation_window_size(step, total_steps, accumulation_steps):
+    """How many backward passes the optimizer step that ``step`` (1-based) belongs to accumulates.
+
+    Windows are steps 1..k, k+1..2k, ... (k = ``accumulation_steps``); the last one ends at ``total_steps`` and
+    may be shorter. Each loss is divided by its window's size, so that every optimizer step applies the mean
+    gradient of its window (the fix transformers PR #39659 and TRL PR #3493 made for the same mistake).
+    Example: total 5, k 2 -> sizes 2, 2, 2, 2, 1.
+    """
+    window_start = (step - 1) // accumulation_steps * accumulation_steps  # steps before this window
+    return min(accumulation_steps, total_steps - window_start)
 
 
 def count_total_steps(max_steps, epochs, steps_per_epoch):
@@ -599,7 +612,7 @@ def main(argv=None):
             loss, metrics, debug = grpo_step(batch, ddp_model, ref_model, rollout_engine, run["reward_model"],
                                              tokenizer, args, device)
             problems += nonfinite_parts(rewards=debug["reward_parts"]["rewards"], loss=loss)
-            loss.backward()
+            (loss / accumulation_window_size(step, total_steps, args.accumulation_steps)).backward()
             if step % args.accumulation_steps == 0 or step == total_steps:
                 metrics["grad_norm"], problems = optimizer_step(ddp_model, optimizer, scheduler, args.grad_clip,
                                                                 problems, device)

@@ -36,9 +36,9 @@ import torch.distributed as dist  # noqa: E402
 from model.model_minimind import CriticModel  # noqa: E402
 from trainer.rollout_engine import compute_per_token_logps, create_rollout_engine  # noqa: E402
 from trainer.train_grpo import (  # noqa: E402
-    add_common_rl_args, build_run, check_common_rl_args, count_total_steps, evaluate_if_due, mean_over_ranks,
-    open_metrics, print_debug_samples, rollout_engine_kwargs, save_checkpoint, start_or_resume, tokenize_prompts,
-    wrap_ddp,
+    accumulation_window_size, add_common_rl_args, build_run, check_common_rl_args, count_total_steps,
+    evaluate_if_due, mean_over_ranks, open_metrics, print_debug_samples, rollout_engine_kwargs, save_checkpoint,
+    start_or_resume, tokenize_prompts, wrap_ddp,
 )
 from trainer.trainer_utils import (  # noqa: E402
     BadStepGuard, Logger, StepTimer, StopSignal, any_rank, autocast_context, build_cosine_scheduler,
@@ -283,10 +283,13 @@ def ppo_update(data, actor, critic, actor_optimizer, critic_optimizer, actor_sch
 
     Every rank draws the same permutation, and the approx-KL early stop uses the mean over ranks, so all
     ranks stop on the same minibatch. An optimizer step whose gradient norm is NaN/inf is skipped on every
-    rank. Returns a dict of averaged stats, the number of optimizer steps taken and skipped.
+    rank. ``--accumulation_steps`` minibatches make one optimizer step; each minibatch's loss is divided by the
+    size of its window (the last one may be shorter: ``accumulation_window_size``), so every optimizer step
+    applies a mean gradient. Returns a dict of averaged stats, the number of optimizer steps taken and skipped.
     """
     batch_size = data["output_ids"].size(0)
     gen_len = data["completion_mask"].size(1)
+    total_micro = args.ppo_update_iters * -(-batch_size // args.mini_batch_size)  # minibatches without early stop
     sums, count, optimizer_steps, skipped_steps, stop_ppo, micro = {}, 0, 0, 0, False, 0
     for _ in range(args.ppo_update_iters):
         permutation = torch.randperm(batch_size, generator=generator)
@@ -311,8 +314,8 @@ def ppo_update(data, actor, critic, actor_optimizer, critic_optimizer, actor_sch
             value_loss, value_clipfrac = ppo_value_loss(
                 mb_resp_values, data["old_resp_values"][inds], data["returns"][inds], mask, args.cliprange_value)
             loss = policy_loss + args.vf_coef * value_loss + aux_loss
-            (loss / args.accumulation_steps).backward()
             micro += 1
+            (loss / accumulation_window_size(micro, total_micro, args.accumulation_steps)).backward()
             if micro % args.accumulation_steps == 0:
                 stepped = step_actor_and_critic(actor, critic, actor_optimizer, critic_optimizer, args.grad_clip,
                                                 device)
