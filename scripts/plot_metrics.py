@@ -25,6 +25,8 @@ from dataset.lm_dataset import iter_jsonl  # noqa: E402
 
 # (metric key, panel title); the order of the panels. The keys are those train_grpo.py / train_ppo.py log.
 CURVES = [
+    ("eval/accuracy_sampled", "held-out accuracy, sampled (T of the rollout)"),
+    ("eval/accuracy_greedy", "held-out accuracy, greedy"),
     ("reward", "reward (total)"),
     ("rule_reward", "rule reward (8.3)"),
     ("answer_reward", "answer reward (share correct)"),
@@ -38,6 +40,7 @@ CURVES = [
     ("advantages_std", "advantages std"),
     ("response_len", "response length (tokens)"),
     ("learning_rate", "learning rate (actor)"),
+    ("final_norm_gain", "final RMSNorm gain (output sharpness)"),
 ]
 X_KEYS = ("step", "elapsed_s")
 
@@ -106,7 +109,8 @@ def plot_runs(runs, labels, keys, out_path, x_key="step", smooth=1, columns=3, t
     With a PPO and a GRPO run this is chapter 8.7's comparison as curves: reward, KL to the reference, loss,
     advantage std and length side by side, plus what only PPO has (approx KL, clip fraction, value loss).
     runs: list of row lists (``read_metrics``); labels: one str per run; keys: metric keys to draw.
-    smooth > 1 draws the raw curve faintly and its ``moving_average`` over ``smooth`` logged steps on top.
+    smooth > 1 draws the raw curve faintly and its ``moving_average`` over ``smooth`` logged steps on top;
+    the held-out evaluations (``eval/...`` keys, a few points per run) are drawn as points, never smoothed.
     titles: (key, panel title) pairs (a key without one is its own title).
     """
     titles = dict(titles)
@@ -119,7 +123,9 @@ def plot_runs(runs, labels, keys, out_path, x_key="step", smooth=1, columns=3, t
             if not xs:
                 continue
             colour = colours[i % len(colours)]
-            if smooth > 1:
+            if key.startswith("eval/"):  # a few evaluations per run: points joined by lines, never smoothed
+                ax.plot(xs, ys, color=colour, linewidth=1.6, marker="o", markersize=4, label=label)
+            elif smooth > 1:
                 ax.plot(xs, ys, color=colour, alpha=0.25, linewidth=0.8)
                 ax.plot(xs, moving_average(ys, smooth), color=colour, linewidth=1.6, label=label)
             else:

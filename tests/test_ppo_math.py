@@ -259,3 +259,19 @@ def test_ppo_last_partial_accumulation_window_gets_its_own_size():
     assert len(actor_optimizer.norms) == 3
     assert actor_optimizer.norms[2] == pytest.approx(actor_optimizer.norms[0], rel=1e-4)
     assert actor_optimizer.norms[1] == pytest.approx(actor_optimizer.norms[0], rel=1e-4)
+
+
+def test_explained_variance_is_nan_when_returns_do_not_vary():
+    # all returns equal: before, the clamped denominator reported 1.0 (values equal) or -888.5 (values off)
+    returns = torch.full((2, 3), 1.5)
+    mask = torch.ones(2, 3)
+    assert math.isnan(explained_variance(returns.clone(), returns, mask))
+    assert math.isnan(explained_variance(torch.tensor([[0.0, 1, 2], [3, 4, 5]]), returns, mask))
+
+
+def test_advantages_std_metric_is_a_std_not_an_rms():
+    from trainer.train_ppo import masked_std
+    advantages = torch.tensor([[3.0, 5.0, 99.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    # real tokens 3 and 5: mean 4, population std 1 (the RMS would be sqrt(17) = 4.123)
+    assert masked_std(advantages, mask).item() == pytest.approx(1.0)

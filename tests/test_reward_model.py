@@ -106,8 +106,8 @@ RESPONSES = ["add the ones\n</think>\n\nThe answer is 5.", "It is 2.5", "t</thin
 # what the reward model must see: history folded into one user turn, the final answer after </think>
 EXPECTED_CONVERSATIONS = [
     [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "The answer is 5."}],
-    [{"role": "user", "content": "system: Be brief.\nuser: Hi\nassistant: Hello!\n"
-                                 "The lines above are the conversation so far. The new question:\n1 + 1.5?"},
+    [{"role": "user", "content": "system: Be brief.\nuser: Hi\nassistant: <think>\nhm\n</think>\n\nHello!\n"
+                                 "以上是对话历史。我的新问题是：\n1 + 1.5?"},
      {"role": "assistant", "content": "It is 2.5"}],
     [{"role": "user", "content": "Subtract."}, {"role": "assistant", "content": "-12.5"}],
     [{"role": "user", "content": "A long question about apples and pears, " * 3},
@@ -117,6 +117,17 @@ EXPECTED_CONVERSATIONS = [
 
 
 # ----------------------------------------------------------------------------- conversation rebuilding
+def test_reward_model_text_is_upstream_minimind_for_two_turns():
+    # upstream LMForRewardModel.get_score: "\n".join(f"{role}: {content}") of the history, then
+    # f"{history_text}\n以上是对话历史。我的新问题是：\n{last_query}"
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+                {"role": "user", "content": "What is 1+1?"}]
+    assert reward_model_messages(messages, "The answer is 2.") == [
+        {"role": "user", "content": "user: Hi\nassistant: Hello!\n以上是对话历史。我的新问题是：\nWhat is 1+1?"},
+        {"role": "assistant", "content": "The answer is 2."},
+    ]
+
+
 def test_reward_model_messages_hand_written():
     for messages, response, expected in zip(MESSAGES, RESPONSES, EXPECTED_CONVERSATIONS):
         assert reward_model_messages(messages, response) == expected
@@ -138,9 +149,8 @@ def test_messages_rebuilt_from_minimind_multi_turn_prompt(tokenizer_path):
         assert rebuilt[0]["content"] == "Be brief." and rebuilt[3]["content"] == "What is 1+1?"
         assert rebuilt[2]["content"].endswith("</think>\n\nHello!")  # the template may keep or empty the thinking
         assert reward_model_messages(rebuilt, "<think>\n1+1=2\n</think>\n\nThe answer is 2.") == [
-            {"role": "user", "content": "system: Be brief.\nuser: Hi\nassistant: Hello!\n"
-                                        "The lines above are the conversation so far. The new question:\n"
-                                        "What is 1+1?"},
+            {"role": "user", "content": f"system: Be brief.\nuser: Hi\nassistant: {rebuilt[2]['content']}\n"
+                                        "以上是对话历史。我的新问题是：\nWhat is 1+1?"},
             {"role": "assistant", "content": "The answer is 2."},
         ]
 

@@ -39,13 +39,13 @@ from trainer.rollout_engine import (  # noqa: E402
     tokenize_prompts,
 )
 from trainer.trainer_utils import (  # noqa: E402
-    DEFAULT_REWARD_MODEL_PATH, DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, DTYPES, TRAIN_DTYPES, BadStepGuard,
-    LMForRewardModel, Logger, MetricsWriter, ResumableBatchSampler, StepTimer, StopSignal, any_rank, atomic_save,
-    autocast_context, build_config, build_cosine_scheduler, calculate_rewards, check_finite_state,
-    check_writable_dir, describe_changed_flags,
-    half_state_dict, init_distributed_mode, init_model, is_main_process, k3_kl, load_resume, load_training_states,
-    masked_mean, nonfinite_parts, read_reward_model_config, resolve_dtype, resume_command, resume_path,
-    resume_progress, save_resume, set_rng_state, setup_seed, training_states, weight_path,
+    DEFAULT_REWARD_MODEL_PATH, DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, DTYPES, BadStepGuard,
+    LMForRewardModel, Logger, MetricsWriter, ResumableBatchSampler, StepTimer, StopSignal, TRAIN_DTYPES, any_rank,
+    atomic_save, autocast_context, build_config, build_cosine_scheduler, build_policy_optimizer, calculate_rewards,
+    check_finite_state, check_writable_dir, describe_changed_flags, half_state_dict, init_distributed_mode,
+    init_model, is_main_process, k3_kl, load_resume, load_training_states, masked_mean, nonfinite_parts,
+    read_reward_model_config, resolve_dtype, resume_command, resume_path, resume_progress, save_resume, set_rng_state,
+    setup_seed, training_states, weight_path,
 )
 
 LOSS_TYPES = ("cispo", "grpo")
@@ -143,7 +143,10 @@ def add_common_rl_args(parser):
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--max_steps", type=int, default=300, help="stop after this many steps (0 = whole epochs)")
     parser.add_argument("--batch_size", type=int, default=4, help="prompts per step and rank")
-    parser.add_argument("--learning_rate", type=float, default=5e-5)
+    parser.add_argument("--learning_rate", type=float, default=2e-5, help="AdamW learning rate of the policy")
+    parser.add_argument("--final_norm_learning_rate", type=float, default=1e-2,
+                        help="learning rate of the policy's final RMSNorm gain, which sets how sharp its output "
+                             "distribution is (0 = --learning_rate, one group)")
     parser.add_argument("--weight_decay", type=float, default=0.0)
     parser.add_argument("--accumulation_steps", type=int, default=1)
     parser.add_argument("--grad_clip", type=float, default=1.0)
@@ -212,6 +215,9 @@ def check_common_rl_args(parser, args):
         parser.error(f"--eval_data_path {args.eval_data_path} does not exist (--eval_interval 0 turns evaluation off)")
     if args.learning_rate <= 0:
         parser.error(f"--learning_rate must be > 0, got {args.learning_rate}")
+    if args.final_norm_learning_rate < 0:
+        parser.error(f"--final_norm_learning_rate must be >= 0 (0 = --learning_rate), got "
+                     f"{args.final_norm_learning_rate}")
     if args.temperature <= 0:
         parser.error(f"--temperature must be > 0, got {args.temperature}")
     if not 0 < args.top_p <= 1:
@@ -584,7 +590,7 @@ def main(argv=None):
 
     steps_per_epoch = len(loader)
     total_steps = count_total_steps(args.max_steps, args.epochs, steps_per_epoch)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    optimizer = build_policy_optimizer(model, args.learning_rate, args.weight_decay, args.final_norm_learning_rate)
     scheduler = build_cosine_scheduler(optimizer, -(-total_steps // args.accumulation_steps))  # ceil
     ddp_model = wrap_ddp(model, device, run["local_rank"])
     objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
@@ -609,6 +615,7 @@ def main(argv=None):
         batch_sampler.set_epoch(epoch, progress["batch_in_epoch"] if epoch == progress["epoch"] else 0)
         for batch_in_epoch, batch in enumerate(loader, start=batch_sampler.skip_batches + 1):
             step += 1
+            learning_rate = optimizer.param_groups[0]["lr"]  # the rate this step's update uses (read before stepping)
             loss, metrics, debug = grpo_step(batch, ddp_model, ref_model, rollout_engine, run["reward_model"],
                                              tokenizer, args, device)
             problems += nonfinite_parts(rewards=debug["reward_parts"]["rewards"], loss=loss)
@@ -624,12 +631,13 @@ def main(argv=None):
             if args.debug_mode and step % args.debug_interval == 0:
                 print_debug_samples(step, debug["prompts"], debug["completions"], debug["reward_parts"],
                                     args.num_generations)
+            metrics["final_norm_gain"] = model.model.norm.weight.mean().item()  # the output's sharpness
             eval_metrics = evaluate_if_due(run["evaluator"], model, step, total_steps, args.eval_interval)
             metrics.update(eval_metrics)
             if step % args.log_interval == 0 or step == total_steps or eval_metrics:
                 elapsed, remaining = timer.eta(step)
                 metrics.update(step=step, total_steps=total_steps, epoch=epoch,
-                               learning_rate=optimizer.param_groups[0]["lr"], elapsed_s=time.time() - timer.start,
+                               learning_rate=learning_rate, elapsed_s=time.time() - timer.start,
                                sample_indices=batch["index"].tolist())
                 Logger(f"step {step}/{total_steps} | reward {metrics['reward']:.3f} "
                        f"(rule {metrics['rule_reward']:.3f}, rm {metrics['reward_model_score']:.3f}, "

@@ -42,7 +42,8 @@ from trainer.train_grpo import (  # noqa: E402
 )
 from trainer.trainer_utils import (  # noqa: E402
     BadStepGuard, Logger, StepTimer, StopSignal, any_rank, autocast_context, build_cosine_scheduler,
-    calculate_rewards, k3_kl, masked_mean, nonfinite_parts, resume_command, unwrap_model, weight_path,
+    build_policy_optimizer, calculate_rewards, k3_kl, masked_mean, nonfinite_parts, resume_command, unwrap_model,
+    weight_path,
 )
 
 
@@ -156,12 +157,23 @@ def ppo_value_loss(values, old_values, returns, mask, cliprange_value=0.2):
     return value_loss, value_clipfrac
 
 
+def masked_std(values, mask):
+    """Population standard deviation of ``values`` over positions where mask == 1 (a scalar tensor; 0 if none)."""
+    return masked_mean((values - masked_mean(values, mask)) ** 2, mask).sqrt()
+
+
 def explained_variance(values, returns, mask):
-    """1 - Var[returns - values] / Var[returns] over real tokens (1 = perfect critic, <= 0 = no better than a constant)."""
+    """1 - Var[returns - values] / Var[returns] over real tokens (1 = perfect critic, <= 0 = no better than a constant).
+
+    NaN when the returns do not vary (e.g. every answer got the same reward): the ratio is undefined then, and a
+    clamped denominator would report 1.0 or a huge negative number. Plots and README means skip NaN.
+    """
     var_returns = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+    if var_returns.item() <= 1e-12:
+        return float("nan")
     residual = returns - values
     var_residual = masked_mean((residual - masked_mean(residual, mask)) ** 2, mask)
-    return (1.0 - var_residual / var_returns.clamp(min=1e-8)).item()
+    return (1.0 - var_residual / var_returns).item()
 
 
 def all_ranks_mean(value, device):
@@ -353,7 +365,8 @@ def main(argv=None):
 
     steps_per_epoch = len(loader)
     total_steps = count_total_steps(args.max_steps, args.epochs, steps_per_epoch)
-    actor_optimizer = torch.optim.AdamW(actor.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    actor_optimizer = build_policy_optimizer(actor, args.learning_rate, args.weight_decay,
+                                             args.final_norm_learning_rate)
     critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate,
                                          weight_decay=args.weight_decay)
     actor_scheduler = build_cosine_scheduler(actor_optimizer, total_steps)
@@ -386,6 +399,9 @@ def main(argv=None):
         batch_sampler.set_epoch(epoch, progress["batch_in_epoch"] if epoch == progress["epoch"] else 0)
         for batch_in_epoch, batch in enumerate(loader, start=batch_sampler.skip_batches + 1):
             step += 1
+            # the rates this step's updates use (the schedules step at the end of ppo_update)
+            learning_rate = actor_optimizer.param_groups[0]["lr"]
+            critic_learning_rate = critic_optimizer.param_groups[0]["lr"]
             data = ppo_rollout(batch, ddp_actor, ref_model, ddp_critic, rollout_engine, run["reward_model"],
                                tokenizer, args, device)
             problems = nonfinite_parts(rewards=data["rewards"])
@@ -405,7 +421,7 @@ def main(argv=None):
                 "reward_model_score": data["reward_parts"]["reward_model_scores"].mean().item(),
                 "answer_reward": data["reward_parts"]["answer_rewards"].mean().item(),
                 "advantages_mean": masked_mean(data["advantages"], mask).item(),
-                "advantages_std": masked_mean(data["advantages"] ** 2, mask).sqrt().item(),
+                "advantages_std": masked_std(data["advantages"], mask).item(),
                 "explained_variance": explained_variance(data["old_resp_values"], data["returns"], mask),
                 "response_len": mask.sum(dim=1).float().mean().item(),
                 "truncated_prompts": data["truncated"],
@@ -416,13 +432,13 @@ def main(argv=None):
             metrics = mean_over_ranks(metrics, device)
             if args.debug_mode and step % args.debug_interval == 0:
                 print_debug_samples(step, data["prompts"], data["completions"], data["reward_parts"], 1)
+            metrics["final_norm_gain"] = actor.model.norm.weight.mean().item()  # the output's sharpness
             eval_metrics = evaluate_if_due(run["evaluator"], actor, step, total_steps, args.eval_interval)
             metrics.update(eval_metrics)
             if step % args.log_interval == 0 or step == total_steps or eval_metrics:
                 elapsed, remaining = timer.eta(step)
                 metrics.update(step=step, total_steps=total_steps, epoch=epoch,
-                               learning_rate=actor_optimizer.param_groups[0]["lr"],
-                               critic_learning_rate=critic_optimizer.param_groups[0]["lr"],
+                               learning_rate=learning_rate, critic_learning_rate=critic_learning_rate,
                                elapsed_s=time.time() - timer.start, sample_indices=batch["index"].tolist())
                 Logger(f"step {step}/{total_steps} | reward {metrics['reward']:.3f} "
                        f"(rule {metrics['rule_reward']:.3f}, rm {metrics['reward_model_score']:.3f}, "

@@ -562,6 +562,39 @@ def parameter_digest(model):
     return digest.hexdigest()
 
 
+def build_policy_optimizer(model, learning_rate, weight_decay, final_norm_learning_rate):
+    """AdamW for an RL policy, with the final RMSNorm gain in a parameter group of its own.
+
+    Adam moves every parameter by about ``learning_rate`` per step whatever its size. The final RMSNorm gain
+    (``model.model.norm.weight``, [hidden], entries ~1) scales every logit, so it sets how sharp the output
+    distribution is, while the matrix entries are ~0.03. At a learning rate small enough that the noisy
+    policy gradient does not wreck the matrices, the gain moves by a few thousandths of a percent per step, and
+    the policy cannot become more confident in what it already knows. ``final_norm_learning_rate`` gives the
+    gain its own rate (no weight decay, as usual for norm gains); 0 keeps it in the one group at
+    ``learning_rate`` (a plain AdamW). Both groups follow the same schedule (``build_cosine_scheduler``).
+
+    Args:
+        model: a MiniMind causal LM (not the DDP wrapper: its parameters are the same objects).
+        learning_rate, weight_decay: of every other parameter.
+        final_norm_learning_rate: float >= 0.
+    Returns:
+        torch.optim.AdamW; group 0 holds every other parameter, group 1 (when used) the gain.
+    Raises:
+        ValueError: a negative ``final_norm_learning_rate``, or a model without ``model.norm.weight``.
+    """
+    if final_norm_learning_rate < 0:
+        raise ValueError(f"final_norm_learning_rate must be >= 0, got {final_norm_learning_rate}")
+    if not final_norm_learning_rate:
+        return torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=weight_decay)
+    final_norm = getattr(getattr(getattr(model, "model", None), "norm", None), "weight", None)
+    if final_norm is None:
+        raise ValueError(f"{type(model).__name__} has no model.norm.weight for final_norm_learning_rate")
+    others = [p for p in model.parameters() if p is not final_norm]
+    return torch.optim.AdamW([{"params": others, "lr": learning_rate, "weight_decay": weight_decay},
+                              {"params": [final_norm], "lr": final_norm_learning_rate, "weight_decay": 0.0}],
+                             lr=learning_rate)
+
+
 def cosine_lr(step, total_steps, learning_rate, min_lr_ratio=0.1):
     """Cosine decay from ``learning_rate`` to ``min_lr_ratio * learning_rate`` over ``total_steps`` optimizer steps."""
     progress = min(step / max(total_steps, 1), 1.0)
@@ -695,15 +728,16 @@ def prompt_to_messages(prompt):
     return [{"role": role, "content": content.strip()} for role, content in CHAT_TURN_PATTERN.findall(prompt)]
 
 
-HISTORY_HEADER = "The lines above are the conversation so far. The new question:"
+HISTORY_HEADER = "以上是对话历史。我的新问题是："  # MiniMind's LMForRewardModel.get_score, verbatim
 
 
 def reward_model_messages(messages, response):
     """The two-turn conversation that the external reward model scores (chapter 8.3, MiniMind's LMForRewardModel).
 
-    Every turn before the last becomes a "role: content" line of history (an assistant turn keeps only its
-    answer, the text after '</think>'); the history, a header line and the last turn's content form one user
-    turn. The assistant turn is the final answer of ``response`` (``split_thinking``).
+    Exactly upstream MiniMind's text: every turn before the last becomes a "role: content" line (contents as
+    they are, thinking included, as upstream does), and the user turn is
+    ``f"{history}\\n以上是对话历史。我的新问题是：\\n{last query}"``, or the last query alone without history.
+    The assistant turn is the final answer of ``response`` (the text after '</think>', ``split_thinking``).
 
     Args:
         messages: list of {"role", "content"} of the prompt (``prompt_to_messages``); may be empty.
@@ -711,10 +745,9 @@ def reward_model_messages(messages, response):
     Returns:
         [{"role": "user", "content": str}, {"role": "assistant", "content": str}].
     """
-    history = [f"{m['role']}: {split_thinking(m['content'])[1] if m['role'] == 'assistant' else m['content']}"
-               for m in messages[:-1]]
+    history_text = "\n".join(f"{m['role']}: {m['content']}" for m in messages[:-1])
     last_query = messages[-1]["content"] if messages else ""
-    context = "\n".join(history + [HISTORY_HEADER, last_query]) if history else last_query
+    context = f"{history_text}\n{HISTORY_HEADER}\n{last_query}" if history_text else last_query
     return [{"role": "user", "content": context}, {"role": "assistant", "content": split_thinking(response)[1]}]
 
 
