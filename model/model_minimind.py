@@ -507,6 +507,10 @@ class CriticModel(MiniMindPreTrainedModel):
     from the actor's SFT weights with ``load_actor_state_dict``, which loads strictly except for the new
     ``value_head.weight`` / ``value_head.bias`` (and ignores the LM head, which the critic does not have).
     The value head starts at zero, so the critic predicts V = 0 until it has learned something.
+
+    The final RMSNorm is applied once: ``MiniMindModel`` already ends with it. The chapter's critic calls
+    ``self.model.norm(outputs[0])`` on that normed output again, which normalises twice (a second RMSNorm of a
+    unit-RMS vector is a no-op up to the gain, applied twice); this code keeps the single, correct norm.
     """
 
     def __init__(self, config=None):

@@ -1,12 +1,14 @@
 """Compare policy checkpoints on the held-out prompts: accuracy, mean reward and its parts, length.
 
-Every checkpoint answers the same prompts with the same sampling seed (temperature 1.0 by default,
+By default the 1,000 prompts of the test split (``dataset/rlaif_test.jsonl``), which no setting was chosen on;
+the training scripts' periodic evaluation uses the validation split. Every checkpoint answers the same prompts with the same sampling seed (temperature 1.0 by default,
 the rollout's own setting; ``--greedy`` for argmax decoding). Accuracy is the share of answers whose
 final number equals the reference (``answer_reward``); rewards are those of training (chapter 8.3)
 without a reward model unless ``--reward_model_path`` is given.
 
 Usage:
     python scripts/eval_policy.py --weights full_sft grpo
+    python scripts/eval_policy.py --weights full_sft grpo ppo --seed 2
     python scripts/eval_policy.py --weights out/full_sft_256.pth out/ppo_256.pth --num_prompts 300 --greedy
 """
 import argparse
@@ -60,13 +62,14 @@ def main(argv=None):
     parser.add_argument("--weights", nargs="+", default=["full_sft", "grpo"],
                         help="weight names in --save_dir ({name}_{hidden}.pth) or paths")
     parser.add_argument("--save_dir", default=DEFAULT_SAVE_DIR)
-    parser.add_argument("--data_path", default=os.path.join(ROOT, "dataset", "rlaif_heldout.jsonl"))
+    parser.add_argument("--data_path", default=os.path.join(ROOT, "dataset", "rlaif_test.jsonl"),
+                        help="held-out prompts (default: the test split, never used to choose a setting)")
     parser.add_argument("--tokenizer_path", default=DEFAULT_TOKENIZER_PATH)
     parser.add_argument("--hidden_size", type=int, default=256)
     parser.add_argument("--num_hidden_layers", type=int, default=4)
     parser.add_argument("--use_moe", type=int, default=0, choices=[0, 1])
-    parser.add_argument("--num_prompts", type=int, default=300)
-    parser.add_argument("--batch_size", type=int, default=50)
+    parser.add_argument("--num_prompts", type=int, default=1000)
+    parser.add_argument("--batch_size", type=int, default=100)
     parser.add_argument("--max_gen_len", type=int, default=96)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--greedy", action="store_true")

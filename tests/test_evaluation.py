@@ -143,3 +143,25 @@ def test_policy_optimizer_gives_the_final_norm_gain_its_own_rate(tiny_config):
     assert len(plain.param_groups) == 1
     with pytest.raises(ValueError, match="must be >= 0"):
         build_policy_optimizer(model, 1e-4, 0.0, -1.0)
+
+
+def test_scale_only_gradient_is_the_projection_on_the_gain():
+    from trainer.trainer_utils import project_scale_only_gradients
+    gain = torch.nn.Parameter(torch.tensor([1.0, 2.0, 2.0]))
+    other = torch.nn.Parameter(torch.tensor([5.0]))
+    optimizer = torch.optim.AdamW([{"params": [other]}, {"params": [gain], "scale_only": True}], lr=0.1)
+    gain.grad = torch.tensor([3.0, 0.0, -1.5])
+    other.grad = torch.tensor([7.0])
+    project_scale_only_gradients(optimizer)
+    # g . w = 3 - 3 = 0: no component along w; the other group is untouched
+    assert gain.grad.tolist() == [0.0, 0.0, 0.0] and other.grad.tolist() == [7.0]
+    gain.grad = torch.tensor([9.0, 0.0, 0.0])
+    project_scale_only_gradients(optimizer)
+    # (g . w / w . w) w = (9 / 9) * [1, 2, 2]
+    assert gain.grad.tolist() == pytest.approx([1.0, 2.0, 2.0])
+    # the loss of w = c * w_now has dL/dc = g . w_now: a plain loop over the entries
+    weights, grads = [1.0, 2.0, 2.0], [0.5, -0.25, 1.0]
+    gain.grad = torch.tensor(grads)
+    project_scale_only_gradients(optimizer)
+    dl_dc = sum(w * g for w, g in zip(weights, grads))  # 0.5 - 0.5 + 2 = 2
+    assert gain.grad.tolist() == pytest.approx([dl_dc / 9 * w for w in weights])

@@ -174,8 +174,8 @@ def test_step_timer_eta_by_hand(monkeypatch):
 
 # ----------------------------------------------------------------------------- scripts/eval_policy.py
 def heldout_questions(count):
-    """The user turns of the first ``count`` held-out rows, read straight from the JSONL file."""
-    with open(os.path.join(ROOT, "dataset", "rlaif_heldout.jsonl"), encoding="utf-8") as f:
+    """The user turns of the first ``count`` test-split rows (eval_policy.py's default), read straight from the file."""
+    with open(os.path.join(ROOT, "dataset", "rlaif_test.jsonl"), encoding="utf-8") as f:
         rows = [json.loads(line) for line, _ in zip(f, range(count))]
     return [[t["content"] for t in row["conversations"] if t["role"] == "user"][-1] for row in rows]
 

@@ -44,8 +44,8 @@ from trainer.trainer_utils import (  # noqa: E402
     atomic_save, autocast_context, build_config, build_cosine_scheduler, build_policy_optimizer, calculate_rewards,
     check_finite_state, check_writable_dir, describe_changed_flags, half_state_dict, init_distributed_mode,
     init_model, is_main_process, k3_kl, load_resume, load_training_states, masked_mean, nonfinite_parts,
-    read_reward_model_config, resolve_dtype, resume_command, resume_path, resume_progress, save_resume, set_rng_state,
-    setup_seed, training_states, weight_path,
+    project_scale_only_gradients, read_reward_model_config, resolve_dtype, resume_command, resume_path,
+    resume_progress, save_resume, set_rng_state, setup_seed, shutdown_distributed, training_states, weight_path,
 )
 
 LOSS_TYPES = ("cispo", "grpo")
@@ -571,6 +571,7 @@ def optimizer_step(model, optimizer, scheduler, grad_clip, problems, device):
         problem the update is skipped on every rank (gradients cleared, optimizer and schedule untouched)
         and the list is non-empty.
     """
+    project_scale_only_gradients(optimizer)  # the final norm gain learns one number (build_policy_optimizer)
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
     problems = list(problems) + ([] if math.isfinite(grad_norm) else ["gradients"])
     if any_rank(bool(problems), device):
@@ -666,8 +667,8 @@ def main(argv=None):
             Logger(line)
     writer.close()
     stop_signal.restore()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    del ddp_model  # free the DDP wrappers while the process group is alive (see shutdown_distributed)
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

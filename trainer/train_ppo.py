@@ -42,8 +42,8 @@ from trainer.train_grpo import (  # noqa: E402
 )
 from trainer.trainer_utils import (  # noqa: E402
     BadStepGuard, Logger, StepTimer, StopSignal, any_rank, autocast_context, build_cosine_scheduler,
-    build_policy_optimizer, calculate_rewards, k3_kl, masked_mean, nonfinite_parts, resume_command, unwrap_model,
-    weight_path,
+    build_policy_optimizer, calculate_rewards, k3_kl, masked_mean, nonfinite_parts, project_scale_only_gradients,
+    resume_command, shutdown_distributed, unwrap_model, weight_path,
 )
 
 
@@ -278,6 +278,7 @@ def step_actor_and_critic(actor, critic, actor_optimizer, critic_optimizer, grad
     Returns True when the step was taken; False when a gradient norm is NaN/inf on any rank, in which case
     nothing is stepped on any rank (the gradients are cleared).
     """
+    project_scale_only_gradients(actor_optimizer)  # the final norm gain learns one number (build_policy_optimizer)
     actor_norm = float(torch.nn.utils.clip_grad_norm_(actor.parameters(), grad_clip))
     critic_norm = float(torch.nn.utils.clip_grad_norm_(critic.parameters(), grad_clip))
     skip = any_rank(not (math.isfinite(actor_norm) and math.isfinite(critic_norm)), device)
@@ -470,8 +471,8 @@ def main(argv=None):
             Logger(line)
     writer.close()
     stop_signal.restore()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    del ddp_actor, ddp_critic  # free the DDP wrappers while the process group is alive (see shutdown_distributed)
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -406,6 +406,18 @@ def check_writable_dir(path):
         raise OSError(err.errno, f"{path} is not a writable folder: {err.strerror}") from err
 
 
+def shutdown_distributed():
+    """End a distributed run explicitly: a barrier, so that every rank has finished its collectives, then
+    ``destroy_process_group``. Callers delete their DistributedDataParallel wrappers first: a wrapper freed
+    later, while Python tears down ``main``'s locals, joins gloo's worker threads from its destructor and can
+    deadlock on the GIL (pytorch#75097, #56297), so that a finished run never exits. No-op when not distributed.
+    """
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def any_rank(flag, device):
     """True when ``flag`` is true on at least one rank (all_reduce MAX); the plain bool when not distributed."""
     if not dist.is_initialized():
@@ -563,15 +575,19 @@ def parameter_digest(model):
 
 
 def build_policy_optimizer(model, learning_rate, weight_decay, final_norm_learning_rate):
-    """AdamW for an RL policy, with the final RMSNorm gain in a parameter group of its own.
+    """AdamW for an RL policy, with the final RMSNorm gain in a parameter group of its own that learns one number:
+    the sharpness of the output distribution (an output temperature).
 
-    Adam moves every parameter by about ``learning_rate`` per step whatever its size. The final RMSNorm gain
-    (``model.model.norm.weight``, [hidden], entries ~1) scales every logit, so it sets how sharp the output
-    distribution is, while the matrix entries are ~0.03. At a learning rate small enough that the noisy
-    policy gradient does not wreck the matrices, the gain moves by a few thousandths of a percent per step, and
-    the policy cannot become more confident in what it already knows. ``final_norm_learning_rate`` gives the
-    gain its own rate (no weight decay, as usual for norm gains); 0 keeps it in the one group at
-    ``learning_rate`` (a plain AdamW). Both groups follow the same schedule (``build_cosine_scheduler``).
+    The final RMSNorm gain (``model.model.norm.weight``, [hidden], entries ~1) multiplies every logit (the LM
+    head is tied to the embeddings and has no bias), so scaling it by c is sampling at temperature 1 / c.
+    Adam moves every parameter by about ``learning_rate`` per step whatever its size: at a rate small enough
+    that the noisy policy gradient does not wreck the matrices (entries ~0.03), the gain moves by a few
+    thousandths of a percent per step and the policy cannot grow more confident in what it already knows.
+    With ``final_norm_learning_rate`` > 0 the gain gets that rate, no weight decay, and the flag
+    ``scale_only``: ``project_scale_only_gradients`` keeps only the part of its gradient along the gain itself,
+    so it is scaled as a whole instead of taking a noisy step in each of its ``hidden`` entries.
+    0 keeps one plain AdamW group at ``learning_rate`` (the chapter's optimizer). Both groups follow the same
+    schedule (``build_cosine_scheduler``).
 
     Args:
         model: a MiniMind causal LM (not the DDP wrapper: its parameters are the same objects).
@@ -591,8 +607,29 @@ def build_policy_optimizer(model, learning_rate, weight_decay, final_norm_learni
         raise ValueError(f"{type(model).__name__} has no model.norm.weight for final_norm_learning_rate")
     others = [p for p in model.parameters() if p is not final_norm]
     return torch.optim.AdamW([{"params": others, "lr": learning_rate, "weight_decay": weight_decay},
-                              {"params": [final_norm], "lr": final_norm_learning_rate, "weight_decay": 0.0}],
+                              {"params": [final_norm], "lr": final_norm_learning_rate, "weight_decay": 0.0,
+                               "scale_only": True}],
                              lr=learning_rate)
+
+
+def project_scale_only_gradients(optimizer):
+    """For every parameter of a ``scale_only`` group (``build_policy_optimizer``): grad <- (grad . w / w . w) w,
+    the gradient of the loss with respect to a common factor c of w = c * w_now, put back along w.
+
+    Call it after the backward (and after DDP has averaged the gradients: the projection is linear and every
+    rank holds the same w, so all ranks get the same result) and before clipping and ``optimizer.step()``.
+    A parameter without a gradient, or with w = 0, is left alone.
+    """
+    for group in optimizer.param_groups:
+        if not group.get("scale_only"):
+            continue
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            weight = param.detach()
+            norm_sq = (weight * weight).sum()
+            if norm_sq > 0:
+                param.grad.copy_((param.grad * weight).sum() / norm_sq * weight)
 
 
 def cosine_lr(step, total_steps, learning_rate, min_lr_ratio=0.1):

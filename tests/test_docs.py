@@ -1,0 +1,60 @@
+"""The documents a learner reads: every relative link resolves, and the README's commands parse their flags."""
+import glob
+import os
+import re
+import shlex
+
+import pytest
+
+from conftest import ROOT
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def documents():
+    return [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+
+
+@pytest.mark.parametrize("path", documents(), ids=lambda p: os.path.relpath(p, ROOT))
+def test_every_relative_link_points_to_a_file(path):
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    broken = []
+    for target in LINK.findall(text):
+        if re.match(r"^[a-z]+://", target) or target.startswith("#") or target.startswith("mailto:"):
+            continue
+        file_part = target.split("#", 1)[0]
+        if not os.path.exists(os.path.join(os.path.dirname(path), file_part)):
+            broken.append(target)
+    assert not broken, f"{os.path.relpath(path, ROOT)} links to missing files: {broken}"
+
+
+def readme_python_commands():
+    """Every `python SCRIPT ...` / `torchrun ... SCRIPT ...` command in the README's code blocks, as
+    [script, flags...] (line continuations joined, comments dropped)."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        blocks = re.findall(r"```bash\n(.*?)```", f.read(), re.DOTALL)
+    commands = []
+    for block in blocks:
+        for line in block.replace("\\\n", " ").splitlines():
+            for part in line.split("&&"):
+                words = shlex.split(part.split("#", 1)[0])
+                scripts = [i for i, w in enumerate(words) if w.endswith(".py")]
+                if words[:1] in (["python"], ["torchrun"]) and scripts:
+                    commands.append(words[scripts[0]:])
+    return commands
+
+
+def test_readme_commands_parse_their_flags():
+    import importlib
+    commands = readme_python_commands()
+    scripts = {c[0] for c in commands}
+    assert {"trainer/train_grpo.py", "trainer/train_ppo.py"} <= scripts, scripts
+    for script, *flags in commands:
+        module = importlib.import_module(script[:-3].replace("/", "."))
+        if not hasattr(module, "parse_args"):
+            continue
+        try:
+            module.parse_args(flags)  # argparse and the range checks; exits 2 on a bad or unknown flag
+        except SystemExit as stop:
+            pytest.fail(f"{script} {' '.join(flags)}: rejected its flags (exit {stop.code})")
