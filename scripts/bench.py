@@ -8,7 +8,7 @@ exported as ``Qwen3ForCausalLM``, and TRL 1.9.2's ``PPOTrainer`` (the last relea
 PPO step. TRL is a benchmark-only dependency (``requirements-bench.txt``; TRL 1.9.2 goes into its own folder,
 ``.bench/trl-1.9.2``, see below); without it the TRL rows say "not installed" and everything else runs.
 
-Workloads (issue 7): the embedded default model (hidden 256, 4 layers, its SFT weights) and a
+Workloads: the embedded default model (hidden 256, 4 layers, its SFT weights) and a
 MiniMind-3-sized model (hidden 768, 8 layers, random weights); 2 prompts x 6 generations, prompts of at most 48
 tokens (as many bundled questions as fit: 41 tokens), 64 and 256 generated tokens with EOS ignored (every
 contestant does full-length work), beta 0.1,

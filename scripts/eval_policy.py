@@ -1,10 +1,10 @@
 """Compare policy checkpoints on the held-out prompts: accuracy, mean reward and its parts, length.
 
 By default the 1,000 prompts of the test split (``dataset/rlaif_test.jsonl``), which no setting was chosen on;
-the training scripts' periodic evaluation uses the validation split. Every checkpoint answers the same prompts with the same sampling seed (temperature 1.0 by default,
-the rollout's own setting; ``--greedy`` for argmax decoding). Accuracy is the share of answers whose
-final number equals the reference (``answer_reward``); rewards are those of training (chapter 8.3)
-without a reward model unless ``--reward_model_path`` is given.
+the training scripts' periodic evaluation uses the validation split. Every checkpoint answers the same prompts
+with the same sampling seed (temperature 1.0 by default, the rollout's own setting; ``--greedy`` for argmax
+decoding). Accuracy is the share of answers whose final number equals the reference (``answer_reward``);
+rewards are those of training (chapter 8.3) without a reward model unless ``--reward_model_path`` is given.
 
 Usage:
     python scripts/eval_policy.py --weights full_sft grpo

@@ -1,4 +1,4 @@
-"""Bad input and faults (issue 8): each row of the table fails clearly and early, or is survived."""
+"""Bad input and faults (docs/troubleshooting.md): each row of the table fails clearly and early, or is survived."""
 import json
 import math
 import os

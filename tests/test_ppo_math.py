@@ -29,8 +29,7 @@ def test_gae_hand_computed():
 
 
 def test_gae_lambda_one_is_return_minus_value():
-    # The default lambda 1 (README "What a run does"): with gamma 1 every real token gets the sequence reward minus
-    # its own value.
+    # lambda 1 (the default): with gamma 1 every real token gets the sequence reward minus its own value.
     # By hand: delta = [0.4-0.5, 0.3-0.4, 1-0.3] = [-0.1, -0.1, 0.7]; A = [0.5, 0.6, 0.7] = 1 - [0.5, 0.4, 0.3].
     advantages, returns = compute_gae(torch.tensor([[0.0, 0, 1, 0, 0]]), torch.tensor([[0.5, 0.4, 0.3, 9, 9]]),
                                       torch.tensor([[1, 1, 1, 0, 0]]), gamma=1.0, lam=1.0)
@@ -38,9 +37,8 @@ def test_gae_lambda_one_is_return_minus_value():
     assert returns[0].tolist() == pytest.approx([1.0, 1.0, 1.0, 0, 0], abs=1e-6)
 
 
-def test_default_lambda_is_the_measured_one():
-    # README "What a run does": held-out 0.461 at lambda 1 against 0.389 at the chapter's 0.95; the script and the
-    # function agree.
+def test_script_and_function_share_the_default_lambda():
+    # --lam and compute_gae's lam default to the same value, 1.0 (the chapter's 0.95 is --lam 0.95)
     import inspect
     from trainer.train_ppo import parse_args
     assert parse_args(["--reward_model_path", "none"]).lam == 1.0

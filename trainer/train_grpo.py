@@ -7,16 +7,19 @@ One step, in chapter order:
   3. advantages [B*G] = (r - group mean) / (group std + 1e-4) (8.5.1, ``grpo_advantages``);
   4. ref_per_token_logps from the frozen reference model, per_token_logps from the policy (with grad);
   5. loss: CISPO (default) or the clipped GRPO surrogate, plus beta * k3 KL to the reference
-     (8.5.2, 8.6, ``grpo_loss``), then backward, grad clip, AdamW + cosine schedule;
-  6. one log line + metrics.jsonl (+ wandb), atomic checkpoints.
+     (8.5.2, 8.6, ``grpo_loss``), then backward, grad clip, AdamW + cosine schedule (the final RMSNorm gain
+     in a group of its own that learns the output's sharpness, ``build_policy_optimizer``);
+  6. one log line + metrics.jsonl (+ wandb), atomic checkpoints, and the held-out evaluation at step 0,
+     every ``--eval_interval`` steps and at the end (``trainer/evaluation.py``).
 
-Run (the embedded default: tiny MiniMind, bundled arithmetic prompts, CPU, about 11 minutes):
+Run (the embedded default: tiny MiniMind, bundled arithmetic prompts, CPU):
     python trainer/train_grpo.py
 Other examples:
     python trainer/train_grpo.py --loss_type grpo --max_steps 50
     torchrun --nproc_per_node 2 trainer/train_grpo.py --loss_type cispo
     python trainer/train_grpo.py --hidden_size 768 --num_hidden_layers 8 --from_weight full_sft \\
-        --data_path dataset/rlaif.jsonl --tokenizer_path model --max_gen_len 1024 --learning_rate 3e-7
+        --data_path dataset/rlaif.jsonl --tokenizer_path model --max_gen_len 1024 --learning_rate 3e-7 \\
+        --final_norm_learning_rate 0
 """
 import argparse
 import math
@@ -134,27 +137,29 @@ def add_common_rl_args(parser):
     """Flags shared by train_grpo.py and train_ppo.py (same names, same meanings)."""
     parser.add_argument("--save_dir", default=DEFAULT_SAVE_DIR, help="where weights and runs are written")
     parser.add_argument("--run_dir", default="", help="metrics folder (default: {save_dir}/runs/{save_weight}-TIME)")
-    parser.add_argument("--data_path", default=os.path.join(ROOT, "dataset", "rlaif_train.jsonl"))
-    parser.add_argument("--tokenizer_path", default=DEFAULT_TOKENIZER_PATH)
+    parser.add_argument("--data_path", default=os.path.join(ROOT, "dataset", "rlaif_train.jsonl"),
+                        help="RL prompts, MiniMind's RLAIF JSONL (the assistant turn, if any, is the reference answer)")
+    parser.add_argument("--tokenizer_path", default=DEFAULT_TOKENIZER_PATH, help="tokenizer folder")
     parser.add_argument("--from_weight", default="full_sft", help="name in save_dir ({name}_{hidden}.pth) or a path")
-    parser.add_argument("--hidden_size", type=int, default=256)
-    parser.add_argument("--num_hidden_layers", type=int, default=4)
-    parser.add_argument("--use_moe", type=int, default=0, choices=[0, 1])
-    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--hidden_size", type=int, default=256, help="model width (MiniMind: 512, 768)")
+    parser.add_argument("--num_hidden_layers", type=int, default=4, help="model depth")
+    parser.add_argument("--use_moe", type=int, default=0, choices=[0, 1], help="1: mixture-of-experts MLPs")
+    parser.add_argument("--epochs", type=int, default=1, help="passes over the prompts (when --max_steps is 0)")
     parser.add_argument("--max_steps", type=int, default=300, help="stop after this many steps (0 = whole epochs)")
     parser.add_argument("--batch_size", type=int, default=4, help="prompts per step and rank")
     parser.add_argument("--learning_rate", type=float, default=2e-5, help="AdamW learning rate of the policy")
     parser.add_argument("--final_norm_learning_rate", type=float, default=1e-2,
                         help="learning rate of the policy's final RMSNorm gain, which sets how sharp its output "
                              "distribution is (0 = --learning_rate, one group)")
-    parser.add_argument("--weight_decay", type=float, default=0.0)
-    parser.add_argument("--accumulation_steps", type=int, default=1)
-    parser.add_argument("--grad_clip", type=float, default=1.0)
+    parser.add_argument("--weight_decay", type=float, default=0.0, help="AdamW weight decay")
+    parser.add_argument("--accumulation_steps", type=int, default=1,
+                        help="backward passes per optimizer step (GRPO: steps; PPO: minibatches)")
+    parser.add_argument("--grad_clip", type=float, default=1.0, help="gradient-norm clipping")
     parser.add_argument("--max_seq_len", type=int, default=256, help="prompt tokens kept (from the right)")
     parser.add_argument("--max_gen_len", type=int, default=96, help="most tokens generated per answer")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollout")
-    parser.add_argument("--top_p", type=float, default=1.0)
-    parser.add_argument("--top_k", type=int, default=0)
+    parser.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling (1.0 = off)")
+    parser.add_argument("--top_k", type=int, default=0, help="top-k sampling (0 = off)")
     parser.add_argument("--dtype", default="float32", choices=TRAIN_DTYPES,
                         help="autocast dtype of the policy/critic forwards (weights and log-softmax stay fp32)")
     parser.add_argument("--torch_logprobs", default="sampler", choices=TORCH_LOGPROB_MODES,
@@ -187,13 +192,13 @@ def add_common_rl_args(parser):
                         help="held-out evaluation at step 0, every N steps and at the end (0 = off)")
     parser.add_argument("--eval_num_prompts", type=int, default=200,
                         help="held-out prompts per evaluation, each answered sampled and greedy")
-    parser.add_argument("--log_interval", type=int, default=1)
-    parser.add_argument("--save_interval", type=int, default=50)
-    parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--use_wandb", action="store_true")
-    parser.add_argument("--wandb_project", default="MiniMind-RL")
+    parser.add_argument("--log_interval", type=int, default=1, help="log line and metrics.jsonl every N steps")
+    parser.add_argument("--save_interval", type=int, default=50, help="checkpoint and resume file every N steps")
+    parser.add_argument("--seed", type=int, default=42, help="data order, initial state and sampling")
+    parser.add_argument("--use_wandb", action="store_true", help="also send the metrics to wandb")
+    parser.add_argument("--wandb_project", default="MiniMind-RL", help="wandb project name")
     parser.add_argument("--debug_mode", action="store_true", help="print prompts, answers and reward parts")
-    parser.add_argument("--debug_interval", type=int, default=20)
+    parser.add_argument("--debug_interval", type=int, default=20, help="--debug_mode prints every N steps")
     parser.add_argument("--from_resume", type=int, default=0, choices=[0, 1],
                         help="1: continue from {save_dir}/{save_weight}_{hidden}_resume.pth when it exists")
     parser.add_argument("--max_bad_steps", type=int, default=3,
@@ -252,7 +257,7 @@ def check_common_rl_args(parser, args):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="MiniMind GRPO (Group Relative Policy Optimization)")
     add_common_rl_args(parser)
-    parser.add_argument("--save_weight", default="grpo")
+    parser.add_argument("--save_weight", default="grpo", help="name of the saved weights ({name}_{hidden}.pth)")
     parser.add_argument("--num_generations", type=int, default=6, help="G, answers sampled per prompt")
     parser.add_argument("--loss_type", default="cispo", help=f"one of {', '.join(LOSS_TYPES)}")
     parser.add_argument("--beta", type=float, default=0.1, help="weight of the k3 KL to the reference")

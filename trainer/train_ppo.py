@@ -6,14 +6,14 @@ One step, in chapter order:
   2. rewards [B] = rule reward + reward-model score + answer reward (8.3, ``calculate_rewards``);
   3. token_rewards [B, R]: the sequence reward on the last real token (``place_sequence_rewards``, 8.4.2);
   4. GAE: advantages and returns = advantages + values (``compute_gae``), then masked whitening of the
-     advantages (``masked_whiten``) (8.4.2). The default lambda is 1.0, not the chapter's 0.95: with the
-     reward on the last token only, 0.95 gives the first of ~50 tokens 0.95^49 = 8% of it, and the answer's
-     reasoning tokens learned too little (README, "What a run does");
+     advantages (``masked_whiten``) (8.4.2). The default lambda is 1.0, not the chapter's 0.95 (``--lam``):
+     with the reward on the last token only, 0.95 hands the first of ~50 tokens 0.95^49 = 8% of it;
   5. ``ppo_update_iters`` epochs over shuffled minibatches: clipped surrogate + kl_coef * k3 reference KL
      (``ppo_policy_loss``, 8.4.3) and the clipped value loss (``ppo_value_loss``, 8.4.4),
      loss = policy_loss + vf_coef * value_loss + aux_loss; the epochs stop early once the approximate KL
      0.5 * E[(log ratio)^2] passes ``early_stop_kl``;
-  6. two AdamW optimizers with cosine schedules (actor, critic), one log line, atomic checkpoints.
+  6. two AdamW optimizers with cosine schedules (actor, critic; the actor's final RMSNorm gain in a group of
+     its own, ``build_policy_optimizer``), one log line, atomic checkpoints, the held-out evaluation.
 
 Run (the embedded default, CPU):
     python trainer/train_ppo.py
@@ -189,20 +189,23 @@ def all_ranks_mean(value, device):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="MiniMind PPO (Proximal Policy Optimization)")
     add_common_rl_args(parser)
-    parser.set_defaults(batch_size=8, learning_rate=1e-5, max_steps=150)
-    parser.add_argument("--save_weight", default="ppo")
-    parser.add_argument("--critic_learning_rate", type=float, default=1e-4)
-    parser.add_argument("--clip_epsilon", type=float, default=0.2)
-    parser.add_argument("--vf_coef", type=float, default=0.5)
-    parser.add_argument("--kl_coef", type=float, default=0.02)
-    parser.add_argument("--gamma", type=float, default=1.0)
+    # PPO's own defaults (measured on the validation split, docs/results.md): one answer per prompt, so more
+    # prompts per step than GRPO; four optimizer steps per rollout at a lower rate than GRPO's one
+    parser.set_defaults(batch_size=16, learning_rate=1e-5, final_norm_learning_rate=5e-3, max_steps=150)
+    parser.add_argument("--save_weight", default="ppo", help="name of the saved weights ({name}_{hidden}.pth)")
+    parser.add_argument("--critic_learning_rate", type=float, default=1e-4, help="AdamW learning rate of the critic")
+    parser.add_argument("--clip_epsilon", type=float, default=0.2, help="clip range of the ratio (8.4.3)")
+    parser.add_argument("--vf_coef", type=float, default=0.5, help="weight of the value loss in the total loss")
+    parser.add_argument("--kl_coef", type=float, default=0.02, help="weight of the k3 KL to the reference (8.6)")
+    parser.add_argument("--gamma", type=float, default=1.0, help="discount of GAE (8.4.2)")
     parser.add_argument("--lam", type=float, default=1.0,
-                        help="GAE lambda; 1.0 = Monte-Carlo return with the critic as baseline (the chapter's "
-                             "0.95 lowered held-out accuracy here: README, 'What a run does')")
-    parser.add_argument("--cliprange_value", type=float, default=0.2)
-    parser.add_argument("--ppo_update_iters", type=int, default=2)
-    parser.add_argument("--early_stop_kl", type=float, default=0.25)
-    parser.add_argument("--mini_batch_size", type=int, default=2)
+                        help="GAE lambda; 1.0 = Monte-Carlo return with the critic as baseline (the chapter: 0.95)")
+    parser.add_argument("--cliprange_value", type=float, default=0.2,
+                        help="clip range of the new values around the old ones (8.4.4)")
+    parser.add_argument("--ppo_update_iters", type=int, default=2, help="epochs over each rollout's minibatches")
+    parser.add_argument("--early_stop_kl", type=float, default=0.25,
+                        help="stop the epochs once the approximate KL 0.5 * E[(log ratio)^2] passes this")
+    parser.add_argument("--mini_batch_size", type=int, default=8, help="rollout rows per minibatch update")
     parser.add_argument("--reward_norm", type=int, default=0, choices=[0, 1],
                         help="1 = standardise the batch's rewards before GAE (learner's article 5.4); 0 = raw (chapter)")
     args = parser.parse_args(argv)

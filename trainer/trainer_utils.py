@@ -773,7 +773,8 @@ def reward_model_messages(messages, response):
 
     Exactly upstream MiniMind's text: every turn before the last becomes a "role: content" line (contents as
     they are, thinking included, as upstream does), and the user turn is
-    ``f"{history}\\n以上是对话历史。我的新问题是：\\n{last query}"``, or the last query alone without history.
+    ``f"{history}\\n以上是对话历史。我的新问题是：\\n{last query}"``, or the last query alone when there is
+    no history.
     The assistant turn is the final answer of ``response`` (the text after '</think>', ``split_thinking``).
 
     Args:
