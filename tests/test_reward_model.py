@@ -360,11 +360,13 @@ def test_train_reward_bad_pair_names_file_and_line(tmp_path):
 @pytest.mark.skipif(not os.path.isfile(HH_PATH), reason=f"{HH_PATH} is absent (real HH-RLHF pairs)")
 def test_train_reward_on_hh_rlhf(tmp_path):
     """A few hundred steps of a tiny reward model on real HH-RLHF pairs: the loss falls, held-out accuracy is
-    reported."""
+    reported. Learning rate 1e-3: at 2e-3 this tiny model overfits the 1,156 training pairs within 200 steps and its
+    held-out loss at step 400 stayed within 0.003 of chance on a 2-core AMD EPYC (0.6908); at 1e-3 it is 0.6835
+    there (0.6801 at step 200)."""
     run_dir = tmp_path / "run"
     result = run_script(["trainer/train_reward.py", "--data_path", HH_PATH, "--eval_path", "", "--eval_ratio", "0.5",
                          "--from_weight", "none", "--max_steps", "400", "--epochs", "3", "--batch_size", "8",
-                         "--max_seq_len", "64", "--learning_rate", "2e-3", "--eval_interval", "200",
+                         "--max_seq_len", "64", "--learning_rate", "1e-3", "--eval_interval", "200",
                          "--save_path", str(tmp_path / "rm"), "--run_dir", str(run_dir)] + TINY)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "1156 training / 1156 held-out pairs" in result.stdout

@@ -610,10 +610,10 @@ def main(argv=None):
     stop_signal = StopSignal()
     stop = False  # agreed by all ranks at the end of each step
     guard = BadStepGuard(args.max_bad_steps, progress["bad_steps_in_a_row"])
-    timer = StepTimer(total_steps, start_step=progress["step"])
     step, problems = progress["step"], []
     if step == 0 and run["evaluator"] is not None:
         writer.log({"step": 0, **evaluate_if_due(run["evaluator"], model, 0, total_steps, args.eval_interval)})
+    timer = StepTimer(total_steps, start_step=progress["step"])  # after the step-0 evaluation: it times steps only
     ddp_model.train()
     for epoch in range(progress["epoch"], args.epochs):
         if step >= total_steps:
