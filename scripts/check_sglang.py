@@ -114,7 +114,8 @@ def run_grpo_steps(args, url, work_dir):
                "--num_hidden_layers", str(args.num_hidden_layers), "--tokenizer_path", args.tokenizer_path,
                "--data_path", args.data_path, "--max_gen_len", str(args.max_gen_len), "--run_dir", run_dir,
                "--sglang_shared_path", os.path.join(work_dir, "shared_grpo"), "--temperature", str(args.temperature),
-               "--num_generations", str(args.num_generations), "--save_interval", str(10 ** 9)])
+               "--num_generations", str(args.num_generations), "--save_interval", str(10 ** 9),
+               "--eval_interval", "0"])  # the SGLang steps only: each row is a training step
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 

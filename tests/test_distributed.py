@@ -10,8 +10,8 @@ from conftest import ROOT
 
 from trainer.trainer_utils import build_config, init_model, parameter_digest
 
-TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--from_weight", "tiny", "--max_gen_len", "8",
-        "--batch_size", "2", "--max_steps", "3", "--save_interval", "3"]
+TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--from_weight", "tiny", "--max_gen_len", "8", "--eval_interval",
+        "0", "--batch_size", "2", "--max_steps", "3", "--save_interval", "3"]
 
 
 def torchrun(args, timeout=300):
@@ -68,8 +68,7 @@ def test_two_rank_runs_always_exit(script, extra, tmp_path, tiny_weights, small_
     for attempt in range(3):
         run_dir = tmp_path / f"run{attempt}"
         try:
-            result = torchrun([f"trainer/{script}"] + TINY[:-4] + ["--max_steps", "1", "--save_interval", "1",
-                                                                   "--eval_interval", "0"] + extra
+            result = torchrun([f"trainer/{script}"] + TINY[:-4] + ["--max_steps", "1", "--save_interval", "1"] + extra
                               + ["--save_dir", str(tmp_path), "--run_dir", str(run_dir), "--data_path", small_data,
                                  "--reward_model_path", "none"], timeout=150)
         except subprocess.TimeoutExpired:

@@ -19,7 +19,8 @@ from trainer.train_grpo import grpo_loss
 from trainer.train_ppo import compute_gae, place_sequence_rewards, ppo_policy_loss, ppo_value_loss
 from trainer.trainer_utils import atomic_save, calculate_rewards, completion_mask_from_ids, parameter_digest
 
-TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--from_weight", "tiny", "--max_gen_len", "8"]
+TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--from_weight", "tiny", "--max_gen_len", "8",
+        "--eval_interval", "0"]  # the held-out evaluation has its own tests (test_evaluation.py)
 
 
 def run_script(args, timeout=300):

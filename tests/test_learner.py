@@ -85,10 +85,12 @@ def test_moving_average_by_hand():
     assert moving_average([3.0, 6.0, 9.0], 5) == [3.0, 4.5, 6.0]
 
 
-def test_readme_shows_the_default_runs_plot():
+def test_docs_show_the_default_runs_plot():
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        assert "(docs/plots/default_runs.png)" in f.read()  # linked from the README
+    with open(os.path.join(ROOT, "docs", "watching.md"), encoding="utf-8") as f:
         text = f.read()
-    assert "![" in text and "(docs/plots/default_runs.png)" in text
+    assert "![" in text and "(plots/default_runs.png)" in text  # shown in docs/watching.md, with its command
     assert "python scripts/plot_metrics.py" in text and "--out docs/plots/default_runs.png" in text
     assert png_size(os.path.join(ROOT, "docs", "plots", "default_runs.png"))[0] > 0
 
@@ -118,8 +120,8 @@ def check_debug_output(stdout, metrics_path, num_prompts, answers_per_prompt, an
         rewards.append(float(reward))
     if reward_model:
         assert any(float(a[3]) != 0.0 for a in answers)  # the reward model's scores are really in the sum
-    logged = json.loads(metrics_path.read_text().splitlines()[0])
-    assert logged["step"] == 1
+    # the first row is the held-out evaluation at step 0; the row of step 1 holds the step's metrics
+    logged = next(row for row in map(json.loads, metrics_path.read_text().splitlines()) if row["step"] == 1)
     assert abs(sum(rewards) / len(rewards) - logged["reward"]) < 1e-3
     # The last step's log line: elapsed time and 0 s left (elapsed / 1 step x 0 steps to go).
     match = LOG_LINE_ETA.search(stdout)

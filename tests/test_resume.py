@@ -18,7 +18,8 @@ from trainer.trainer_utils import (
     ResumableBatchSampler, get_rng_state, load_resume, resume_progress, set_rng_state,
 )
 
-TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--from_weight", "tiny", "--max_gen_len", "8"]
+TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--from_weight", "tiny", "--max_gen_len", "8",
+        "--eval_interval", "0"]  # the held-out evaluation has its own tests (test_evaluation.py)
 GRPO = TINY + ["--batch_size", "2", "--num_generations", "3", "--max_steps", "6", "--save_interval", "3"]
 PPO = TINY + ["--batch_size", "2", "--mini_batch_size", "1", "--max_steps", "6", "--save_interval", "3"]
 

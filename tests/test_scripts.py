@@ -27,10 +27,15 @@ def test_grpo_two_steps(tiny_weights, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step 2/2" in result.stdout and "[debug] answer 2" in result.stdout
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [0, 1, 2]  # step 0: the held-out evaluation before training
     for key in ["reward", "kl_ref", "advantages_mean", "advantages_std", "policy_loss", "response_len",
-                "learning_rate", "rule_reward", "answer_reward"]:
-        assert key in rows[0]
+                "learning_rate", "rule_reward", "answer_reward", "final_norm_gain"]:
+        assert key in rows[1]
+    # the held-out evaluation at step 0 and at the last step (--eval_interval 50 > 2), never in between
+    for row in (rows[0], rows[2]):
+        assert 0.0 <= row["eval/accuracy_sampled"] <= 1.0 and 0.0 <= row["eval/accuracy_greedy"] <= 1.0
+    assert "eval/accuracy_sampled" not in rows[1]
+    assert "held-out accuracy on 200 prompts" in result.stdout
     assert os.path.isfile(os.path.join(save_dir, "grpo_64.pth"))
 
 
@@ -116,8 +121,8 @@ def test_bf16_autocast_run(tiny_weights, tmp_path, script, extra):
     save_dir, name = tiny_weights
     run_dir = tmp_path / "run"
     result = run_script([script, "--max_steps", "2", "--save_dir", save_dir, "--from_weight", name, "--dtype",
-                         "bfloat16", "--batch_size", "2", "--max_gen_len", "6", "--run_dir", str(run_dir)]
-                        + extra + TINY)
+                         "bfloat16", "--batch_size", "2", "--max_gen_len", "6", "--run_dir", str(run_dir),
+                         "--eval_interval", "0"] + extra + TINY)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
@@ -172,6 +177,6 @@ def test_random_init_reference_equals_policy(tmp_path):
     run_dir = tmp_path / "run"
     result = run_script(["trainer/train_grpo.py", "--from_weight", "none", "--max_steps", "1", "--batch_size", "1",
                          "--num_generations", "2", "--max_gen_len", "4", "--save_dir", str(tmp_path),
-                         "--run_dir", str(run_dir)] + TINY)
+                         "--run_dir", str(run_dir), "--eval_interval", "0"] + TINY)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["kl_ref"] == 0.0

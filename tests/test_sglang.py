@@ -209,7 +209,8 @@ def test_network_errors_are_retried_then_fail(start_standin, tokenizer, tmp_path
         engine.rollout(prompt_ids, attention_mask, 2, 4)
 
 
-TINY = ["--hidden_size", "64", "--num_hidden_layers", "2"]
+ARCH = ["--hidden_size", "64", "--num_hidden_layers", "2"]
+TINY = ARCH + ["--eval_interval", "0"]  # the training scripts' held-out evaluation is tested in test_evaluation.py
 
 
 @pytest.mark.parametrize("script", ["grpo", "ppo"])
@@ -244,7 +245,7 @@ def test_check_sglang_script_against_the_standin(start_standin, tiny_weights, tm
     server = start_standin(make_policy(3))
     summary = check_main(["--sglang_url", server.url, "--save_dir", save_dir, "--from_weight", name,
                           "--work_dir", str(tmp_path / "check"), "--num_prompts", "2", "--num_generations", "2",
-                          "--max_gen_len", "6", "--grpo_steps", "2"] + TINY)
+                          "--max_gen_len", "6", "--grpo_steps", "2"] + ARCH)
     assert summary["sglang_tokens_per_s"] > 0 and summary["torch_tokens_per_s"] > 0
     assert summary["sglang_logprob_gap"] < 1e-3 and len(summary["grpo_logprob_gap"]) == 2
     assert max(summary["grpo_logprob_gap"]) < 1e-3
@@ -276,7 +277,7 @@ def test_check_sglang_launches_and_stops_the_server(tiny_weights, tmp_path, monk
     port = free_port()
     summary = check_main(["--port", str(port), "--server_args", "", "--launch_timeout", "300", "--save_dir", save_dir,
                           "--from_weight", name, "--work_dir", str(tmp_path / "check"), "--num_prompts", "1",
-                          "--num_generations", "2", "--max_gen_len", "4", "--grpo_steps", "1"] + TINY)
+                          "--num_generations", "2", "--max_gen_len", "4", "--grpo_steps", "1"] + ARCH)
     assert summary["sglang_logprob_gap"] < 1e-3
     assert os.path.isfile(tmp_path / "check" / "launch" / "config.json")
     with pytest.raises(requests.ConnectionError):
