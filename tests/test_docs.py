@@ -58,3 +58,20 @@ def test_readme_commands_parse_their_flags():
             module.parse_args(flags)  # argparse and the range checks; exits 2 on a bad or unknown flag
         except SystemExit as stop:
             pytest.fail(f"{script} {' '.join(flags)}: rejected its flags (exit {stop.code})")
+
+
+@pytest.mark.parametrize("module_name", ["trainer.train_grpo", "trainer.train_ppo"])
+def test_every_training_flag_has_help(module_name, monkeypatch):
+    import argparse
+    import importlib
+    parsers = []
+    original = argparse.ArgumentParser.parse_args
+
+    def capture(self, args=None, namespace=None):
+        parsers.append(self)
+        return original(self, args, namespace)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    importlib.import_module(module_name).parse_args(["--reward_model_path", "none"])
+    undocumented = [action.dest for action in parsers[0]._actions if not action.help]
+    assert not undocumented, f"{module_name}: flags without help: {undocumented}"
