@@ -28,8 +28,8 @@ from scripts.eval_policy import question_of  # noqa: E402
 from trainer import train_grpo, train_ppo  # noqa: E402
 from trainer.rollout_engine import TorchRolloutEngine, compute_per_token_logps  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
-    DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, build_cosine_scheduler, calculate_rewards, init_model,
-    k3_kl, masked_mean, setup_seed,
+    DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, build_cosine_scheduler, build_policy_optimizer,
+    calculate_rewards, init_model, k3_kl, masked_mean, setup_seed,
 )
 
 # Stage headings, in order; tests/test_learner.py checks that the document has all of them.
@@ -264,8 +264,8 @@ def grpo_walkthrough(batch, grpo_args, model, ref_model, tokenizer, seed, stages
     lines += code_block(block)
 
     # 7. optimizer step and the new policy
-    optimizer = torch.optim.AdamW(model.parameters(), lr=grpo_args.learning_rate,
-                                  weight_decay=grpo_args.weight_decay)
+    optimizer = build_policy_optimizer(model, grpo_args.learning_rate, grpo_args.weight_decay,
+                                       grpo_args.final_norm_learning_rate)  # as train_grpo.py builds it
     scheduler = build_cosine_scheduler(optimizer, grpo_args.max_steps)
     policy_loss.backward()
     grad_norm, problems = train_grpo.optimizer_step(model, optimizer, scheduler, grpo_args.grad_clip, [], "cpu")
@@ -278,7 +278,8 @@ def grpo_walkthrough(batch, grpo_args, model, ref_model, tokenizer, seed, stages
     new_kl = masked_mean(k3_kl(ref_per_token_logps, new_per_token_logps), completion_mask)
     agree = int(((delta > 0) == (advantages > 0))[advantages != 0].sum())
     lines += [f"### {stages[6]}", ""]
-    lines += ["`optimizer_step` clips the gradient norm and takes one AdamW step. Scoring the same answers again: "
+    lines += ["`optimizer_step` projects the final norm gain's gradient on the gain (it learns one number, the "
+              "output's sharpness), clips the gradient norm and takes one AdamW step. Scoring the same answers again: "
               "answers with a positive advantage became more likely (their mean log-prob rose), those with a "
               "negative one less likely, and the policy has moved away from the reference (k3 KL > 0).", ""]
     block = [f"grad_norm (before clipping at {grpo_args.grad_clip}): {grad_norm:.4f}"]
@@ -374,8 +375,8 @@ def ppo_walkthrough(batch, ppo_args, actor, ref_model, critic, tokenizer, seed, 
         first_per_token_logps = compute_per_token_logps(actor, data["output_ids"], R, data["full_mask"],
                                                         ppo_args.temperature)  # [B, R]
     first_ratio_error = ((first_per_token_logps - data["old_per_token_logps"]).abs() * mask).max().item()
-    actor_optimizer = torch.optim.AdamW(actor.parameters(), lr=ppo_args.learning_rate,
-                                        weight_decay=ppo_args.weight_decay)
+    actor_optimizer = build_policy_optimizer(actor, ppo_args.learning_rate, ppo_args.weight_decay,
+                                             ppo_args.final_norm_learning_rate)  # as train_ppo.py builds it
     critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=ppo_args.critic_learning_rate,
                                          weight_decay=ppo_args.weight_decay)
     actor_scheduler = build_cosine_scheduler(actor_optimizer, ppo_args.max_steps)
