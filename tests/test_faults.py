@@ -317,3 +317,15 @@ def test_from_weight_name_falls_back_to_the_bundled_out_folder(tmp_path):
     # a name found nowhere is reported in --save_dir
     with pytest.raises(FileNotFoundError, match="missing_256.pth"):
         trainer_utils.load_weights(torch.nn.Linear(1, 1), trainer_utils.weight_path("missing", str(tmp_path), 256, 0))
+
+
+@pytest.mark.parametrize("script", ["train_grpo.py", "train_ppo.py"])
+def test_bad_data_line_is_reported_before_missing_weights(script, tmp_path):
+    # the data is validated before any model is built: with both a bad line and no weights, the line is named
+    data = tmp_path / "rl.jsonl"
+    data.write_text("\n".join([conv("1+2?"), "{not json", conv("2+1?")]) + "\n")
+    result = run_script([f"trainer/{script}", "--save_dir", str(tmp_path), "--data_path", str(data)] + TINY[:4]
+                        + ["--from_weight", "missing", "--reward_model_path", "none"], timeout=120)
+    assert result.returncode != 0
+    assert "rl.jsonl:2" in result.stderr
+    assert "weights not found" not in result.stderr

@@ -34,6 +34,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
 
 from dataset.lm_dataset import RLAIFDataset  # noqa: E402
 from trainer.evaluation import HeldOutEvaluator  # noqa: E402
@@ -317,12 +318,14 @@ def build_run(args, script_name):
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     setup_seed(args.seed)  # identical initial weights on every rank
     lm_config = build_config(args.hidden_size, args.num_hidden_layers, args.use_moe)
-    model, tokenizer = init_model(lm_config, args.from_weight, args.save_dir, args.tokenizer_path, device)
+    # the data is read and validated before any model is built: a bad line is reported even without weights
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
     dataset = RLAIFDataset(args.data_path, tokenizer, thinking_ratio=args.thinking_ratio, seed=args.seed)
     needed = args.batch_size * world_size
     if len(dataset) < needed:
         raise ValueError(f"--data_path {args.data_path}: found {len(dataset)} prompts, need at least {needed} "
                          f"(--batch_size {args.batch_size} x {world_size} processes) for one full batch")
+    model, tokenizer = init_model(lm_config, args.from_weight, args.save_dir, args.tokenizer_path, device, tokenizer)
     long_prompts = count_long_prompts(dataset, tokenizer, args.max_seq_len)
     if long_prompts:
         Logger(f"warning: {long_prompts} of {len(dataset)} prompts are longer than --max_seq_len "

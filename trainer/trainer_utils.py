@@ -194,19 +194,20 @@ def build_config(hidden_size, num_hidden_layers, use_moe, vocab_size=6400):
 
 
 def init_model(lm_config, from_weight="none", save_dir=DEFAULT_SAVE_DIR, tokenizer_path=DEFAULT_TOKENIZER_PATH,
-               device="cpu"):
+               device="cpu", tokenizer=None):
     """Build a ``MiniMindForCausalLM`` and its tokenizer, loading weights strictly unless from_weight == 'none'.
 
     Args:
         lm_config: ``MiniMindConfig``.
         from_weight: a weight name resolved as ``{save_dir}/{name}_{hidden}[_moe].pth`` (then in the
             repository's ``out/``, see ``weight_path``), a path to a ``.pth`` file, or 'none' for random init.
+        tokenizer: an already loaded tokenizer (then ``tokenizer_path`` is not read again).
     Returns:
         (model fp32 on ``device``, tokenizer)
     Raises:
         FileNotFoundError / ValueError: see ``load_weights``.
     """
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(tokenizer_path)
     model = MiniMindForCausalLM(lm_config)
     if from_weight != "none":
         path = weight_path(from_weight, save_dir, lm_config.hidden_size, lm_config.use_moe)
