@@ -162,13 +162,6 @@ class KVCache:
         self.values[layer_idx][:, :, start:end] = value
         return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
 
-    def reorder(self, index):
-        """Keep only batch rows ``index`` (a LongTensor), e.g. to drop finished rows."""
-        for i in range(self.num_layers):
-            if self.keys[i] is not None:
-                self.keys[i] = self.keys[i].index_select(0, index)
-                self.values[i] = self.values[i].index_select(0, index)
-
 
 class Attention(nn.Module):
     """Grouped-query self-attention with per-head q/k RMSNorm and RoPE (Qwen3 layout)."""
@@ -540,6 +533,7 @@ class CriticModel(MiniMindPreTrainedModel):
         missing = set(result.missing_keys) - {"value_head.weight", "value_head.bias"}
         if missing or result.unexpected_keys:
             raise RuntimeError(
-                f"critic init from actor weights: missing {sorted(missing)}, unexpected {sorted(result.unexpected_keys)}"
+                f"critic init from actor weights: missing {sorted(missing)}, "
+                f"unexpected {sorted(result.unexpected_keys)}"
             )
 

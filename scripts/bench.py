@@ -2,7 +2,7 @@
 
 Every contestant runs in its own subprocess (a "worker") on the same weights, the same prompts and the same
 settings, so that peak resident memory is its own and one contestant's caches do not help another. Our
-contestants call this project's functions (``train_grpo.grpo_step``, ``optimizer_step``, the rollout
+contestants call this project's functions (``train_grpo.grpo_step``, ``nan_safe_step``, the rollout
 engine, ``train_ppo.ppo_rollout`` / ``ppo_update``); TRL's is ``trl.GRPOTrainer.train`` on the same weights
 exported as ``Qwen3ForCausalLM``, and TRL 1.9.2's ``PPOTrainer`` (the last release that has one) against our
 PPO step. TRL is a benchmark-only dependency (``requirements-bench.txt``; TRL 1.9.2 goes into its own folder,
@@ -45,7 +45,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
+import torch
 
 SIZES = {  # name -> (hidden_size, num_hidden_layers, starting weights)
     "default": (256, 4, os.path.join(ROOT, "out", "full_sft_256.pth")),
@@ -226,6 +226,7 @@ def load_minimind(spec):
 def run_ours_grpo(spec, tokenizer, timer):
     """Our GRPO step through train_grpo's own functions, each phase timed by wrapping what the step calls."""
     import trainer.train_grpo as grpo
+    from trainer.rl_harness import nan_safe_step
     from trainer.rollout_engine import TorchRolloutEngine
     from trainer.trainer_utils import build_cosine_scheduler
     args = grpo_args(spec)
@@ -238,16 +239,18 @@ def run_ours_grpo(spec, tokenizer, timer):
     engine = TorchRolloutEngine(model, tokenizer, generator=torch.Generator().manual_seed(0),
                                 logprobs_mode=args.torch_logprobs, ignore_eos=True)
     engine.rollout = timer.wrap(engine.rollout, "rollout")
-    grpo.calculate_rewards = timer.wrap(grpo.calculate_rewards, "reward")
+    reward_fn = timer.wrap(grpo.calculate_rewards, "reward")
     grpo.compute_per_token_logps = timer.wrap(grpo.compute_per_token_logps, logps_phase)
     batch = {"prompt": spec["prompts"], "answer": spec["answers"]}
 
     def step():
-        loss, _, _ = grpo.grpo_step(batch, model, ref_model, engine, None, tokenizer, args, "cpu")
+        loss, _, _ = grpo.grpo_step(batch, model, ref_model, engine, reward_fn, None, tokenizer, args, "cpu")
         with timer.phase("policy_backward"):
             loss.backward()
         with timer.phase("optimizer"):
-            grpo.optimizer_step(model, optimizer, scheduler, args.grad_clip, [], "cpu")
+            _, problems = nan_safe_step([model], [optimizer], args.grad_clip, [], "cpu")
+            if not problems:
+                scheduler.step()
 
     phases, totals = time_steps(step, spec, timer)
     num_rows = NUM_PROMPTS * NUM_GENERATIONS
@@ -311,7 +314,7 @@ def run_trl_grpo(spec, tokenizer, timer):
 
 def run_rollouts(spec, tokenizer, timer, contestant):
     """Rollout alone: our TorchRolloutEngine (with its old log-probs) or transformers' generate."""
-    from trainer.train_grpo import tokenize_prompts
+    from trainer.rollout_engine import tokenize_prompts
     prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, spec["prompts"], 512, "cpu")
     rows = NUM_PROMPTS * NUM_GENERATIONS
     if contestant == "ours_rollout":
@@ -364,7 +367,7 @@ def run_ours_ppo(spec, tokenizer, timer):
     engine = TorchRolloutEngine(model, tokenizer, generator=torch.Generator().manual_seed(0),
                                 logprobs_mode=args.torch_logprobs, ignore_eos=True)
     engine.rollout = timer.wrap(engine.rollout, "rollout")
-    ppo.calculate_rewards = timer.wrap(ppo.calculate_rewards, "reward")
+    reward_fn = timer.wrap(ppo.calculate_rewards, "reward")
     ppo.compute_per_token_logps = timer.wrap(ppo.compute_per_token_logps, logps_phase)
     prompts = [spec["prompts"][i % NUM_PROMPTS] for i in range(rows)]
     answers = [spec["answers"][i % NUM_PROMPTS] for i in range(rows)]
@@ -372,7 +375,7 @@ def run_ours_ppo(spec, tokenizer, timer):
     generator = torch.Generator().manual_seed(0)
 
     def step():
-        data = ppo.ppo_rollout(batch, model, ref_model, critic, engine, None, tokenizer, args, "cpu")
+        data = ppo.ppo_rollout(batch, model, ref_model, critic, engine, reward_fn, None, tokenizer, args, "cpu")
         ppo.ppo_update(data, model, critic, actor_optimizer, critic_optimizer, actor_scheduler, critic_scheduler,
                        args, "cpu", generator)
 

@@ -23,15 +23,13 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import requests  # noqa: E402
-import torch  # noqa: E402
+import requests
+import torch
 
-from dataset.lm_dataset import RLAIFDataset  # noqa: E402
-from model.hf_qwen3 import save_qwen3_folder  # noqa: E402
-from trainer.rollout_engine import SGLangRolloutEngine, TorchRolloutEngine  # noqa: E402
-from trainer.train_grpo import main as grpo_main  # noqa: E402
-from trainer.train_grpo import tokenize_prompts  # noqa: E402
-from trainer.trainer_utils import (  # noqa: E402
+from dataset.lm_dataset import RLAIFDataset
+from model.hf_qwen3 import save_qwen3_folder
+from trainer.rollout_engine import SGLangRolloutEngine, TorchRolloutEngine, tokenize_prompts
+from trainer.trainer_utils import (
     DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, init_model, weight_path,
 )
 
@@ -109,13 +107,15 @@ def run_grpo_steps(args, url, work_dir):
     """``args.grpo_steps`` GRPO steps with ``--rollout_engine sglang``; returns each step's metrics row."""
     run_dir = os.path.join(work_dir, "run")
     weights = weight_path(args.from_weight, args.save_dir, args.hidden_size, 0)
-    grpo_main(["--rollout_engine", "sglang", "--sglang_url", url, "--max_steps", str(args.grpo_steps),
-               "--save_dir", work_dir, "--from_weight", weights, "--hidden_size", str(args.hidden_size),
-               "--num_hidden_layers", str(args.num_hidden_layers), "--tokenizer_path", args.tokenizer_path,
-               "--data_path", args.data_path, "--max_gen_len", str(args.max_gen_len), "--run_dir", run_dir,
-               "--sglang_shared_path", os.path.join(work_dir, "shared_grpo"), "--temperature", str(args.temperature),
-               "--num_generations", str(args.num_generations), "--save_interval", str(10 ** 9),
-               "--eval_interval", "0"])  # the SGLang steps only: each row is a training step
+    flags = ["--rollout_engine", "sglang", "--sglang_url", url, "--max_steps", str(args.grpo_steps),
+             "--save_dir", work_dir, "--from_weight", weights, "--hidden_size", str(args.hidden_size),
+             "--num_hidden_layers", str(args.num_hidden_layers), "--tokenizer_path", args.tokenizer_path,
+             "--data_path", args.data_path, "--max_gen_len", str(args.max_gen_len), "--run_dir", run_dir,
+             "--sglang_shared_path", os.path.join(work_dir, "shared_grpo"), "--temperature", str(args.temperature),
+             "--num_generations", str(args.num_generations), "--save_interval", str(10 ** 9),
+             "--eval_interval", "0"]  # the SGLang steps only: each row is a training step
+    # run as a user runs it: the training script is a program, not a library
+    subprocess.run([sys.executable, os.path.join(ROOT, "trainer", "train_grpo.py"), *flags], check=True)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 

@@ -17,12 +17,12 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
+import torch
 
-from model.hf_qwen3 import DTYPES, load_qwen3_folder, save_qwen3_folder  # noqa: E402
-from model.model_minimind import MiniMindForCausalLM  # noqa: E402
-from trainer.trainer_utils import (  # noqa: E402
-    DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, atomic_save, build_config, init_model, weight_path,
+from model.hf_qwen3 import DTYPES, load_qwen3_folder, save_qwen3_folder
+from model.model_minimind import MiniMindForCausalLM
+from trainer.trainer_utils import (
+    DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, add_bool_flag, atomic_save, build_config, init_model, weight_path,
 )
 
 
@@ -66,7 +66,7 @@ def parse_args(argv=None):
     hf.add_argument("--save_dir", default=DEFAULT_SAVE_DIR)
     hf.add_argument("--hidden_size", type=int, default=256)
     hf.add_argument("--num_hidden_layers", type=int, default=4)
-    hf.add_argument("--use_moe", type=int, default=0, choices=[0, 1])
+    add_bool_flag(hf, "--use_moe", help="1: mixture-of-experts MLPs")
     hf.add_argument("--tokenizer_path", default=DEFAULT_TOKENIZER_PATH)
     hf.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="storage dtype of the weights")
     hf.add_argument("--out", required=True, help="folder to write (replaced atomically if it exists)")

@@ -19,13 +19,12 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
 
-from dataset.lm_dataset import RLAIFDataset  # noqa: E402
-from trainer.evaluation import evaluate  # noqa: E402
-from trainer.trainer_utils import (  # noqa: E402
-    DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, LMForRewardModel, build_config, init_model, prompt_to_messages,
-    read_reward_model_config,
+from dataset.lm_dataset import RLAIFDataset
+from trainer.evaluation import evaluate
+from trainer.trainer_utils import (
+    DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, LMForRewardModel, add_bool_flag, build_config, init_model,
+    prompt_to_messages, read_reward_model_config,
 )
 
 
@@ -67,15 +66,15 @@ def main(argv=None):
     parser.add_argument("--tokenizer_path", default=DEFAULT_TOKENIZER_PATH)
     parser.add_argument("--hidden_size", type=int, default=256)
     parser.add_argument("--num_hidden_layers", type=int, default=4)
-    parser.add_argument("--use_moe", type=int, default=0, choices=[0, 1])
+    add_bool_flag(parser, "--use_moe", help="1: mixture-of-experts MLPs")
     parser.add_argument("--num_prompts", type=int, default=1000)
     parser.add_argument("--batch_size", type=int, default=100)
     parser.add_argument("--max_gen_len", type=int, default=96)
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--greedy", action="store_true")
+    add_bool_flag(parser, "--greedy", help="1: greedy answers instead of sampled ones")
     parser.add_argument("--thinking_ratio", type=float, default=1.0)
     parser.add_argument("--reward_model_path", default="none", help="e.g. out/reward_model_256 (as in training)")
-    parser.add_argument("--trust_remote_code", action="store_true", help="allow a get_score remote-code reward model")
+    add_bool_flag(parser, "--trust_remote_code", help="allow a get_score remote-code reward model")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--show_samples", type=int, default=3, help="prompts shown with every checkpoint's answer")
     parser.add_argument("--json_out", default="", help="also write the table as JSON here")

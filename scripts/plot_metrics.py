@@ -17,11 +17,11 @@ import sys
 import matplotlib
 
 matplotlib.use("Agg")  # files only, no display needed
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from dataset.lm_dataset import iter_jsonl  # noqa: E402
+from dataset.lm_dataset import iter_jsonl
 
 # (metric key, panel title); the order of the panels. The keys are those train_grpo.py / train_ppo.py log.
 CURVES = [

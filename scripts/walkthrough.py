@@ -21,13 +21,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
+import torch
 
-from dataset.lm_dataset import RLAIFDataset  # noqa: E402
-from scripts.eval_policy import question_of  # noqa: E402
-from trainer import train_grpo, train_ppo  # noqa: E402
-from trainer.rollout_engine import TorchRolloutEngine, compute_per_token_logps  # noqa: E402
-from trainer.trainer_utils import (  # noqa: E402
+from dataset.lm_dataset import RLAIFDataset
+from scripts.eval_policy import question_of
+from trainer import train_grpo, train_ppo
+from trainer.rl_harness import nan_safe_step
+from trainer.rollout_engine import TorchRolloutEngine, compute_per_token_logps, tokenize_prompts
+from trainer.trainer_utils import (
     DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, build_cosine_scheduler, build_policy_optimizer,
     calculate_rewards, init_model, k3_kl, masked_mean, setup_seed,
 )
@@ -167,7 +168,7 @@ def grpo_walkthrough(batch, grpo_args, model, ref_model, tokenizer, seed, stages
 
     # 1. prompts
     prompts, answers = batch["prompt"], batch["answer"]
-    prompt_ids, attention_mask, _ = train_grpo.tokenize_prompts(tokenizer, prompts, grpo_args.max_seq_len, "cpu")
+    prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, prompts, grpo_args.max_seq_len, "cpu")
     lines += [f"### {stages[0]}", ""]
     lines += ["`tokenize_prompts` renders nothing new: the dataset already applied the chat template "
               "(`open_thinking`, so each prompt ends in `<think>`). The batch is left-padded with the pad id "
@@ -268,7 +269,8 @@ def grpo_walkthrough(batch, grpo_args, model, ref_model, tokenizer, seed, stages
                                        grpo_args.final_norm_learning_rate)  # as train_grpo.py builds it
     scheduler = build_cosine_scheduler(optimizer, grpo_args.max_steps)
     policy_loss.backward()
-    grad_norm, problems = train_grpo.optimizer_step(model, optimizer, scheduler, grpo_args.grad_clip, [], "cpu")
+    (grad_norm,), problems = nan_safe_step([model], [optimizer], grpo_args.grad_clip, [], "cpu")
+    scheduler.step()
     if problems:
         raise RuntimeError(f"the GRPO step produced non-finite {', '.join(problems)}")
     with torch.no_grad():
@@ -278,7 +280,7 @@ def grpo_walkthrough(batch, grpo_args, model, ref_model, tokenizer, seed, stages
     new_kl = masked_mean(k3_kl(ref_per_token_logps, new_per_token_logps), completion_mask)
     agree = int(((delta > 0) == (advantages > 0))[advantages != 0].sum())
     lines += [f"### {stages[6]}", ""]
-    lines += ["`optimizer_step` projects the final norm gain's gradient on the gain (it learns one number, the "
+    lines += ["`nan_safe_step` projects the final norm gain's gradient on the gain (it learns one number, the "
               "output's sharpness), clips the gradient norm and takes one AdamW step. Scoring the same answers again: "
               "answers with a positive advantage became more likely (their mean log-prob rose), those with a "
               "negative one less likely, and the policy has moved away from the reference (k3 KL > 0).", ""]
@@ -312,31 +314,32 @@ def ppo_walkthrough(batch, ppo_args, actor, ref_model, critic, tokenizer, seed, 
     actor.train()
     critic.train()
     engine = TorchRolloutEngine(actor, tokenizer, generator=torch.Generator().manual_seed(seed))
-    data = train_ppo.ppo_rollout(batch, actor, ref_model, critic, engine, None, tokenizer, ppo_args, "cpu")
-    mask = data["completion_mask"]  # [B, R]
+    data = train_ppo.ppo_rollout(batch, actor, ref_model, critic, engine, calculate_rewards, None, tokenizer, ppo_args,
+                                 "cpu")
+    mask = data.completion_mask  # [B, R]
     R = mask.size(1)
     lines += [f"### {stages[0]}", ""]
     lines += ["`ppo_rollout` samples one answer per prompt and scores it as GRPO does; under `no_grad` it also "
               "gets the reference log-probs and the critic's [价值模型] old values V(s_t) for every completion "
               "position (`CriticModel`, chapter 8.4.1; its value head starts at 0, so V = 0 at the first step).", ""]
-    block = format_tensor("output_ids", data["output_ids"], max_values=10)
+    block = format_tensor("output_ids", data.output_ids, max_values=10)
     block += format_tensor("completion_mask", mask, max_values=12)
     block += [f"answer lengths: {mask.sum(dim=1).tolist()}"]
-    block += ["answers:"] + [f"  [{i}] {json.dumps(c, ensure_ascii=False)}" for i, c in enumerate(data["completions"])]
-    block += format_tensor("rule_rewards", data["reward_parts"]["rule_rewards"], decimals=6)
-    block += format_tensor("answer_rewards", data["reward_parts"]["answer_rewards"], decimals=6)
-    block += format_tensor("rewards", data["rewards"], decimals=6)
-    block += format_tensor("old_per_token_logps", data["old_per_token_logps"])
-    block += format_tensor("ref_per_token_logps", data["ref_per_token_logps"])
-    block += format_tensor("old_resp_values", data["old_resp_values"], max_values=12)
+    block += ["answers:"] + [f"  [{i}] {json.dumps(c, ensure_ascii=False)}" for i, c in enumerate(data.completions)]
+    block += format_tensor("rule_rewards", data.reward_parts["rule_rewards"], decimals=6)
+    block += format_tensor("answer_rewards", data.reward_parts["answer_rewards"], decimals=6)
+    block += format_tensor("rewards", data.rewards, decimals=6)
+    block += format_tensor("old_per_token_logps", data.old_per_token_logps)
+    block += format_tensor("ref_per_token_logps", data.ref_per_token_logps)
+    block += format_tensor("old_resp_values", data.old_resp_values, max_values=12)
     lines += code_block(block)
     lines += [f"(`rewards` = rule + reward model + {ppo_args.answer_reward_weight:g} × answer, computed by "
               "`calculate_rewards` as in the GRPO step.)", ""]
 
     # 2-4. the same functions ppo_rollout called, shown stage by stage
-    scores = train_ppo.normalize_rewards(data["rewards"]) if ppo_args.reward_norm else data["rewards"]  # [B]
+    scores = train_ppo.normalize_rewards(data.rewards) if ppo_args.reward_norm else data.rewards  # [B]
     token_rewards = train_ppo.place_sequence_rewards(scores, mask)  # [B, R]
-    gae_advantages, returns = train_ppo.compute_gae(token_rewards, data["old_resp_values"], mask, ppo_args.gamma,
+    gae_advantages, returns = train_ppo.compute_gae(token_rewards, data.old_resp_values, mask, ppo_args.gamma,
                                                     ppo_args.lam)  # [B, R]
     whitened = train_ppo.masked_whiten(gae_advantages, mask)  # [B, R]
     lines += [f"### {stages[1]}", ""]
@@ -353,7 +356,7 @@ def ppo_walkthrough(batch, ppo_args, actor, ref_model, critic, tokenizer, seed, 
               "token of an answer gets its whole reward minus the critic's value; at the chapter's λ = 0.95 the "
               "first of 50 tokens would get 0.95^49 ≈ 8% of it.", ""]
     block = format_tensor("advantages (GAE, before whitening)", gae_advantages, max_values=12)
-    block += format_window("old_resp_values", data["old_resp_values"], last, decimals=6)
+    block += format_window("old_resp_values", data.old_resp_values, last, decimals=6)
     block += format_window("advantages (GAE, before whitening)", gae_advantages, last, decimals=6)
     block += format_window("returns", returns, last, decimals=6)
     lines += code_block(block)
@@ -363,7 +366,7 @@ def ppo_walkthrough(batch, ppo_args, actor, ref_model, critic, tokenizer, seed, 
               "answer rewarded above the batch's token-weighted mean gets a positive advantage on every token, the "
               "others a negative one; with λ < 1 and all rewards positive, the early tokens of an answer can go "
               "negative even when its reward is above the batch's, while its late tokens go positive.", ""]
-    max_diff = (whitened - data["advantages"]).abs().max().item()
+    max_diff = (whitened - data.advantages).abs().max().item()
     block = format_tensor("advantages (whitened)", whitened, max_values=12)
     block += [f"masked mean {masked_mean(whitened, mask).item():.6f}, masked std "
               f"{masked_mean(whitened ** 2, mask).sqrt().item():.6f}",
@@ -372,9 +375,9 @@ def ppo_walkthrough(batch, ppo_args, actor, ref_model, critic, tokenizer, seed, 
 
     # 5. ppo_update
     with torch.no_grad():
-        first_per_token_logps = compute_per_token_logps(actor, data["output_ids"], R, data["full_mask"],
+        first_per_token_logps = compute_per_token_logps(actor, data.output_ids, R, data.full_mask,
                                                         ppo_args.temperature)  # [B, R]
-    first_ratio_error = ((first_per_token_logps - data["old_per_token_logps"]).abs() * mask).max().item()
+    first_ratio_error = ((first_per_token_logps - data.old_per_token_logps).abs() * mask).max().item()
     actor_optimizer = build_policy_optimizer(actor, ppo_args.learning_rate, ppo_args.weight_decay,
                                              ppo_args.final_norm_learning_rate)  # as train_ppo.py builds it
     critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=ppo_args.critic_learning_rate,
@@ -395,15 +398,15 @@ def ppo_walkthrough(batch, ppo_args, actor, ref_model, critic, tokenizer, seed, 
 
     # 6. after the update
     with torch.no_grad():
-        new_per_token_logps = compute_per_token_logps(actor, data["output_ids"], R, data["full_mask"],
+        new_per_token_logps = compute_per_token_logps(actor, data.output_ids, R, data.full_mask,
                                                       ppo_args.temperature)  # [B, R]
         policy_loss, stats = train_ppo.ppo_policy_loss(
-            new_per_token_logps, data["old_per_token_logps"], data["ref_per_token_logps"], data["advantages"],
+            new_per_token_logps, data.old_per_token_logps, data.ref_per_token_logps, data.advantages,
             mask, ppo_args.clip_epsilon, ppo_args.kl_coef)
-        new_values = critic(data["output_ids"], attention_mask=data["full_mask"])[:, -R - 1:-1]  # [B, R], as ppo_update
-        value_loss, value_clipfrac = train_ppo.ppo_value_loss(new_values, data["old_resp_values"], data["returns"],
+        new_values = critic(data.output_ids, attention_mask=data.full_mask)[:, -R - 1:-1]  # [B, R], as ppo_update
+        value_loss, value_clipfrac = train_ppo.ppo_value_loss(new_values, data.old_resp_values, data.returns,
                                                               mask, ppo_args.cliprange_value)
-    ratio = torch.exp(new_per_token_logps - data["old_per_token_logps"]) * mask  # [B, R], for display
+    ratio = torch.exp(new_per_token_logps - data.old_per_token_logps) * mask  # [B, R], for display
     clipped_ratio = torch.clamp(ratio, 1 - ppo_args.clip_epsilon, 1 + ppo_args.clip_epsilon) * mask
     lines += [f"### {stages[5]}", ""]
     lines += ["Scoring the same answers with the updated actor and critic shows what the next minibatch would "
@@ -413,16 +416,16 @@ def ppo_walkthrough(batch, ppo_args, actor, ref_model, critic, tokenizer, seed, 
               f"`early_stop_kl` = {ppo_args.early_stop_kl}. `ppo_value_loss` (chapter 8.4.4) is 0.5 × max of the "
               "unclipped and the clipped squared error to the returns.", ""]
     block = format_tensor("ratio", ratio, max_values=12)
-    block += format_tensor("-A * ratio", -data["advantages"] * ratio, max_values=12)
-    block += format_tensor("-A * clip(ratio)", -data["advantages"] * clipped_ratio, max_values=12)
+    block += format_tensor("-A * ratio", -data.advantages * ratio, max_values=12)
+    block += format_tensor("-A * clip(ratio)", -data.advantages * clipped_ratio, max_values=12)
     block += [f"policy_loss (surrogate + {ppo_args.kl_coef} × k3): {policy_loss.item():.6f}",
               f"approx_kl: {stats['approx_kl'].item():.3e}   clipfrac: {stats['clipfrac'].item():.4f}   "
               f"kl_ref (k3): {stats['kl_ref'].item():.3e}"]
     block += format_tensor("values after the update", new_values * mask, max_values=12)
     block += [f"value_loss: {value_loss.item():.6f}   value_clipfrac: {value_clipfrac.item():.4f}"]
     lines += code_block(block)
-    summary = {"answers": data["output_ids"].size(0), "advantage_shape": list(data["advantages"].shape),
-               "advantages_first_answer": len(set(data["advantages"][0][mask[0].bool()].tolist())),
+    summary = {"answers": data.output_ids.size(0), "advantage_shape": list(data.advantages.shape),
+               "advantages_first_answer": len(set(data.advantages[0][mask[0].bool()].tolist())),
                "models": model_parameters(actor, ref_model, critic),
                "optimizer_steps": int(update["optimizer_steps"])}
     return lines, summary

@@ -13,14 +13,14 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from trainer.rollout_engine import compute_per_token_logps  # noqa: E402
-from trainer.train_grpo import wrap_ddp  # noqa: E402
-from trainer.train_ppo import ppo_update  # noqa: E402
-from trainer.trainer_utils import build_config, build_cosine_scheduler, init_distributed_mode  # noqa: E402
-from model.model_minimind import CriticModel, MiniMindForCausalLM  # noqa: E402
+from trainer.rollout_engine import compute_per_token_logps
+from trainer.rl_harness import wrap_ddp
+from trainer.train_ppo import PPORolloutBatch, ppo_update
+from trainer.trainer_utils import build_config, build_cosine_scheduler, init_distributed_mode
+from model.model_minimind import CriticModel, MiniMindForCausalLM
 
 
 def toy_linear(local_rank, device):
@@ -52,15 +52,15 @@ def ppo_one_rank_kl(local_rank, device, early_stop_kl):
     with torch.no_grad():
         per_token_logps = compute_per_token_logps(actor, output_ids, gen_len, full_mask)  # [B, R]
     offset = 2.0 if dist.get_rank() == 0 else 0.0
-    data = {
-        "output_ids": output_ids, "full_mask": full_mask, "completion_mask": completion_mask,
-        "old_per_token_logps": per_token_logps + offset, "ref_per_token_logps": per_token_logps,
-        "advantages": torch.randn(batch, gen_len, generator=generator),
-        "returns": torch.randn(batch, gen_len, generator=generator), "old_resp_values": torch.zeros(batch, gen_len),
-    }
+    data = PPORolloutBatch(
+        output_ids=output_ids, full_mask=full_mask, completion_mask=completion_mask,
+        old_per_token_logps=per_token_logps + offset, ref_per_token_logps=per_token_logps,
+        advantages=torch.randn(batch, gen_len, generator=generator),
+        returns=torch.randn(batch, gen_len, generator=generator), old_resp_values=torch.zeros(batch, gen_len),
+    )
     args = argparse.Namespace(ppo_update_iters=2, mini_batch_size=2, temperature=1.0, clip_epsilon=0.2, kl_coef=0.02,
-                              early_stop_kl=early_stop_kl, cliprange_value=0.2, vf_coef=0.5, accumulation_steps=1,
-                              grad_clip=1.0, dtype="float32")
+                              early_stop_kl=early_stop_kl, cliprange_value=0.2, vf_coef=0.5,
+                              minibatch_accumulation_steps=1, grad_clip=1.0, dtype="float32")
     result = ppo_update(data, ddp_actor, ddp_critic, actor_optimizer, critic_optimizer,
                         build_cosine_scheduler(actor_optimizer, 10), build_cosine_scheduler(critic_optimizer, 10),
                         args, device, torch.Generator().manual_seed(0))

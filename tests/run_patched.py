@@ -1,4 +1,5 @@
-"""Test harness: runs train_grpo.main / train_ppo.main (also under torchrun) with instruments the tests need.
+"""Test harness: runs train_grpo.main / train_ppo.main (also under torchrun) with instruments the tests need,
+injected through main's reward_fn and run_class arguments.
 
     python tests/run_patched.py {grpo|ppo} [harness flags] -- [script flags]
 
@@ -20,14 +21,10 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
 
-from trainer import train_grpo, train_ppo, trainer_utils  # noqa: E402
-
-
-def rank():
-    return dist.get_rank() if dist.is_initialized() else 0
+from trainer import train_grpo, train_ppo, trainer_utils
+from trainer.rl_harness import RLRun, parameter_digest
 
 
 def text_rewards(prompts, responses, answers, reward_model, answer_reward_weight):
@@ -52,48 +49,44 @@ def main():
         harness_argv, script_argv = harness_argv[:i], harness_argv[i + 1:]
     opts = parser.parse_args(harness_argv)
     module = train_grpo if opts.script == "grpo" else train_ppo
-
-    if opts.text_reward:
-        module.calculate_rewards = text_rewards
-
-    if opts.trace_dir:
-        os.makedirs(opts.trace_dir, exist_ok=True)
-        step_fn_name = "grpo_step" if opts.script == "grpo" else "ppo_rollout"
-        original_step = getattr(module, step_fn_name)
-
-        def traced_step(batch, *args, **kwargs):
-            with open(os.path.join(opts.trace_dir, f"indices_rank{rank()}.jsonl"), "a") as f:
-                f.write(json.dumps(batch["index"].tolist()) + "\n")
-            return original_step(batch, *args, **kwargs)
-
-        setattr(module, step_fn_name, traced_step)
-
-    original_save = module.save_checkpoint
-    original_torch_save = trainer_utils.torch.save
+    real_torch_save = torch.save
 
     def killing_torch_save(obj, f):
         if "_resume.pth" not in f.name:  # the weights files are written as usual
-            return original_torch_save(obj, f)
+            return real_torch_save(obj, f)
         f.write(b"\0" * 4096)  # part of the resume file, then the process dies as if killed mid-write
         f.flush()
         os.kill(os.getpid(), signal.SIGKILL)
 
-    def instrumented_save(args, script, lm_config, objects, progress, weights):
-        if opts.kill_during_save and progress["step"] == opts.kill_during_save:
-            trainer_utils.torch.save = killing_torch_save
-        path = original_save(args, script, lm_config, objects, progress, weights)
-        trainer_utils.torch.save = original_torch_save
-        if opts.trace_dir:
-            digests = {name: trainer_utils.parameter_digest(objects[name])
-                       for name in ("model", "critic") if name in objects}
-            with open(os.path.join(opts.trace_dir, f"digest_rank{rank()}.txt"), "a") as f:
-                f.write(json.dumps({"step": progress["step"], **digests}) + "\n")
-        if opts.kill_after_save and progress["step"] == opts.kill_after_save:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return path
+    class InstrumentedRun(RLRun):
+        """The harness with the instruments asked for: traces, and kills at a checkpoint."""
 
-    module.save_checkpoint = instrumented_save
-    module.main(script_argv)
+        def batches(self):
+            for step, batch in super().batches():
+                if opts.trace_dir:
+                    with open(os.path.join(opts.trace_dir, f"indices_rank{self.rank}.jsonl"), "a") as f:
+                        f.write(json.dumps(batch["index"].tolist()) + "\n")
+                yield step, batch
+
+        def save(self):
+            step = self.progress["step"]
+            if opts.kill_during_save and step == opts.kill_during_save:
+                torch.save = killing_torch_save  # torch's own function: the harness's atomic_save calls it
+            path = super().save()
+            torch.save = real_torch_save
+            if opts.trace_dir:
+                digests = {name: parameter_digest(self.objects[name])
+                           for name in ("model", "critic") if name in self.objects}
+                with open(os.path.join(opts.trace_dir, f"digest_rank{self.rank}.txt"), "a") as f:
+                    f.write(json.dumps({"step": step, **digests}) + "\n")
+            if opts.kill_after_save and step == opts.kill_after_save:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return path
+
+    if opts.trace_dir:
+        os.makedirs(opts.trace_dir, exist_ok=True)
+    module.main(script_argv, reward_fn=text_rewards if opts.text_reward else trainer_utils.calculate_rewards,
+                run_class=InstrumentedRun)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,11 @@ import pytest
 
 from conftest import ROOT
 
-from trainer.trainer_utils import build_config, init_model, parameter_digest
+from trainer.trainer_utils import build_config, init_model
+from trainer.rl_harness import parameter_digest
 
-TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--from_weight", "tiny", "--max_gen_len", "8", "--eval_interval",
-        "0", "--batch_size", "2", "--max_steps", "3", "--save_interval", "3"]
+TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--from_weight", "tiny", "--max_gen_len", "8",
+        "--eval_interval", "0", "--batch_size", "2", "--max_steps", "3", "--save_interval", "3"]
 
 
 def torchrun(args, timeout=300):

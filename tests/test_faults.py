@@ -15,9 +15,11 @@ from run_patched import text_rewards
 
 from dataset.lm_dataset import RLAIFDataset, SFTDataset
 from trainer import train_grpo, train_ppo, trainer_utils
+from trainer.rl_harness import RLRun, save_checkpoint
 from trainer.train_grpo import grpo_loss
 from trainer.train_ppo import compute_gae, place_sequence_rewards, ppo_policy_loss, ppo_value_loss
-from trainer.trainer_utils import atomic_save, calculate_rewards, completion_mask_from_ids, parameter_digest
+from trainer.trainer_utils import atomic_save, calculate_rewards, completion_mask_from_ids
+from trainer.rl_harness import parameter_digest
 
 TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--from_weight", "tiny", "--max_gen_len", "8",
         "--eval_interval", "0"]  # the held-out evaluation has its own tests (test_evaluation.py)
@@ -134,16 +136,15 @@ def test_empty_and_endless_responses_stay_finite():
 
 
 # ----------------------------------------------------------------------------- NaN / inf
-def run_in_process(module, argv, monkeypatch, save_digests):
-    """main(argv) in this process, recording the policy digest at each checkpoint into save_digests."""
-    original_save = module.save_checkpoint
+def run_in_process(module, argv, save_digests, reward_fn=calculate_rewards):
+    """main(argv) in this process with ``reward_fn``, recording the policy digest at each checkpoint."""
 
-    def recording_save(args, script, lm_config, objects, progress, weights):
-        save_digests[progress["step"]] = parameter_digest(objects["model"])
-        return original_save(args, script, lm_config, objects, progress, weights)
+    class RecordingRun(RLRun):
+        def save(self):
+            save_digests[self.progress["step"]] = parameter_digest(self.objects["model"])
+            return super().save()
 
-    monkeypatch.setattr(module, "save_checkpoint", recording_save)
-    module.main(argv)
+    module.main(argv, reward_fn=reward_fn, run_class=RecordingRun)
 
 
 def nan_on_calls(function, bad_calls, key="rewards"):
@@ -161,11 +162,10 @@ def nan_on_calls(function, bad_calls, key="rewards"):
 
 
 def test_grpo_nan_reward_skips_that_update(tiny_weights, small_data, tmp_path, monkeypatch, capsys, restore_signals):
-    monkeypatch.setattr(train_grpo, "calculate_rewards", nan_on_calls(text_rewards, {2}))
     digests = {}
     run_in_process(train_grpo, TINY + ["--save_dir", tiny_weights[0], "--data_path", small_data, "--batch_size", "2",
                                        "--num_generations", "3", "--max_steps", "3", "--save_interval", "1",
-                                       "--run_dir", str(tmp_path / "run")], monkeypatch, digests)
+                                       "--run_dir", str(tmp_path / "run")], digests, nan_on_calls(text_rewards, {2}))
     assert "step 2: update skipped, non-finite rewards" in capsys.readouterr().out
     rows = read_rows(tmp_path / "run" / "metrics.jsonl")
     assert [r["skipped_update"] for r in rows] == [0.0, 1.0, 0.0]
@@ -184,8 +184,7 @@ def test_grpo_stops_after_max_bad_steps_and_saves_no_nan(tiny_weights, small_dat
     with pytest.raises(SystemExit, match="stopping at step 3: 3 updates in a row had non-finite loss, gradients"):
         run_in_process(train_grpo, TINY + ["--save_dir", tiny_weights[0], "--data_path", small_data,
                                            "--batch_size", "2", "--num_generations", "2", "--max_steps", "10",
-                                           "--save_interval", "1", "--run_dir", str(tmp_path / "run")],
-                       monkeypatch, {})
+                                           "--save_interval", "1", "--run_dir", str(tmp_path / "run")], {})
     saved = torch.load(os.path.join(tiny_weights[0], "grpo_64.pth"), weights_only=True)
     assert all(torch.isfinite(v).all() for v in saved.values())
     initial = torch.load(os.path.join(tiny_weights[0], "tiny_64.pth"), weights_only=True)
@@ -194,7 +193,6 @@ def test_grpo_stops_after_max_bad_steps_and_saves_no_nan(tiny_weights, small_dat
 
 def test_ppo_nan_gradient_and_nan_reward_skip_updates(tiny_weights, small_data, tmp_path, monkeypatch, capsys,
                                                       restore_signals):
-    monkeypatch.setattr(train_ppo, "calculate_rewards", nan_on_calls(text_rewards, {3}))
     original = train_ppo.ppo_value_loss
     calls = {"n": 0}
 
@@ -208,7 +206,7 @@ def test_ppo_nan_gradient_and_nan_reward_skip_updates(tiny_weights, small_data, 
     run_in_process(train_ppo, TINY + ["--save_dir", tiny_weights[0], "--data_path", small_data, "--batch_size", "2",
                                       "--mini_batch_size", "1", "--max_steps", "4", "--save_interval", "1",
                                       "--early_stop_kl", "1e9", "--run_dir", str(tmp_path / "run")],
-                   monkeypatch, digests)
+                   digests, nan_on_calls(text_rewards, {3}))
     out = capsys.readouterr().out
     assert "step 1: update skipped, non-finite gradients" in out
     assert "step 3: update skipped, non-finite rewards" in out
@@ -227,12 +225,12 @@ def test_checkpoint_with_nan_is_refused_and_previous_file_kept(tiny_weights, tmp
     objects = {"model": model}
     progress = {"step": 1, "epoch": 0, "batch_in_epoch": 1, "run_dir": None, "wandb_id": None,
                 "bad_steps_in_a_row": 0}
-    train_grpo.save_checkpoint(args, "grpo", model.config, objects, progress, {"nan_test": model})
+    save_checkpoint(args, "grpo", model.config, objects, progress, {"nan_test": model})
     before = (tmp_path / "nan_test_64.pth").read_bytes(), (tmp_path / "nan_test_64_resume.pth").read_bytes()
     with torch.no_grad():
         model.model.norm.weight[3] = float("nan")
     with pytest.raises(ValueError, match="model.norm.weight holds a NaN or inf"):
-        train_grpo.save_checkpoint(args, "grpo", model.config, objects, dict(progress, step=2), {"nan_test": model})
+        save_checkpoint(args, "grpo", model.config, objects, dict(progress, step=2), {"nan_test": model})
     after = (tmp_path / "nan_test_64.pth").read_bytes(), (tmp_path / "nan_test_64_resume.pth").read_bytes()
     assert after == before
 
@@ -286,7 +284,7 @@ def test_fuzz_prompts_one_step_finite(script, extra, tiny_weights, tmp_path, mon
     module = train_grpo if script == "grpo" else train_ppo
     run_in_process(module, TINY + extra + ["--save_dir", tiny_weights[0], "--data_path", str(data),
                                            "--batch_size", "16", "--max_steps", "1", "--max_seq_len", "48",
-                                           "--run_dir", str(tmp_path / "run")], monkeypatch, {})
+                                           "--run_dir", str(tmp_path / "run")], {})
     row = read_rows(tmp_path / "run" / "metrics.jsonl")[0]
     assert row["skipped_update"] == 0.0
     for key in ("reward", "rule_reward", "answer_reward", "advantages_mean", "advantages_std"):

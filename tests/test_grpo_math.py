@@ -152,7 +152,8 @@ def test_selective_log_softmax_saves_no_copy_of_the_logits():
         saved.clear()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):  # the plain formula, for scale
             torch.log_softmax(logits / temperature, dim=-1).gather(-1, index.unsqueeze(-1))
-        assert sum(t.numel() * t.element_size() for t in saved if t.data_ptr() != logits.data_ptr()) >= logits.numel() * 4
+        saved_bytes = sum(t.numel() * t.element_size() for t in saved if t.data_ptr() != logits.data_ptr())
+        assert saved_bytes >= logits.numel() * 4
 
 
 def test_masked_mean_ignores_masked_and_empty():
@@ -207,7 +208,7 @@ def test_masked_k3_is_zero_with_zero_gradient_where_masked():
 
 
 def test_accumulation_windows_cover_every_step_once_with_their_own_size():
-    from trainer.train_grpo import accumulation_window_size
+    from trainer.rl_harness import accumulation_window_size
     # --max_steps 5 --accumulation_steps 2: windows {1, 2}, {3, 4}, {5}; the last gradient was scaled by 1/2
     # instead of 1 before (gradients 1.0, 1.0, 0.5 for a constant loss)
     assert [accumulation_window_size(s, 5, 2) for s in range(1, 6)] == [2, 2, 2, 2, 1]

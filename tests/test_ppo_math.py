@@ -46,7 +46,7 @@ def test_script_and_function_share_the_default_lambda():
 
 
 def test_gae_chapter_lambda_leaves_the_first_token_8_percent_of_the_reward():
-    # The chapter's lambda 0.95 with V = 0 and a 50-token answer: A_0 = 0.95^49 * r = 0.08099 * r (the README's 8%).
+    # The chapter's lambda 0.95 with V = 0 and a 50-token answer: A_0 = 0.95^49 * r = 0.080995 * r (by hand).
     length = 50
     token_rewards = torch.zeros(1, length)
     token_rewards[0, -1] = 2.0
@@ -143,9 +143,11 @@ def test_explained_variance():
 def make_update_inputs(tokenizer):
     from argparse import Namespace
 
+    from trainer.train_ppo import PPORolloutBatch
+
     from model.model_minimind import CriticModel, MiniMindForCausalLM
     from trainer.rollout_engine import TorchRolloutEngine, compute_per_token_logps
-    from trainer.train_grpo import tokenize_prompts
+    from trainer.rollout_engine import tokenize_prompts
     from trainer.trainer_utils import build_config
     torch.manual_seed(0)
     config = build_config(64, 2, 0)
@@ -160,13 +162,13 @@ def make_update_inputs(tokenizer):
     with torch.no_grad():
         values = critic(rollout.output_ids, rollout.attention_mask)[:, -gen_len - 1:-1]
         ref = compute_per_token_logps(actor, rollout.output_ids, gen_len, rollout.attention_mask)
-    data = {"output_ids": rollout.output_ids, "full_mask": rollout.attention_mask,
-            "completion_mask": rollout.completion_mask, "old_per_token_logps": rollout.per_token_logps,
-            "ref_per_token_logps": ref, "old_resp_values": values,
-            "advantages": torch.randn(4, gen_len), "returns": torch.randn(4, gen_len)}
+    data = PPORolloutBatch(output_ids=rollout.output_ids, full_mask=rollout.attention_mask,
+                           completion_mask=rollout.completion_mask, old_per_token_logps=rollout.per_token_logps,
+                           ref_per_token_logps=ref, old_resp_values=values,
+                           advantages=torch.randn(4, gen_len), returns=torch.randn(4, gen_len))
     args = Namespace(ppo_update_iters=2, mini_batch_size=1, temperature=1.0, clip_epsilon=0.2, kl_coef=0.02,
-                     cliprange_value=0.2, vf_coef=0.5, accumulation_steps=1, grad_clip=1.0, early_stop_kl=0.25,
-                     dtype="float32")
+                     cliprange_value=0.2, vf_coef=0.5, minibatch_accumulation_steps=1, grad_clip=1.0,
+                     early_stop_kl=0.25, dtype="float32")
     return actor, critic, data, args
 
 
@@ -231,23 +233,24 @@ class GradNormRecorder(torch.optim.SGD):
 
 
 def test_ppo_last_partial_accumulation_window_gets_its_own_size():
-    # 4 identical rows, minibatches of 1, 2 epochs = 8 minibatches, --accumulation_steps 3: windows of 3, 3, 2.
+    # 4 identical rows, minibatches of 1, 2 epochs = 8 minibatches, --minibatch_accumulation_steps 3: windows 3, 3, 2.
     # Each optimizer step must apply the mean gradient of its window, so the three norms are equal; before,
     # the last window was divided by 3 instead of 2 (norms in the ratio 3 : 3 : 2).
     import types
 
     from model.model_minimind import CriticModel, MiniMindForCausalLM
-    from trainer.train_ppo import ppo_update
+    from trainer.train_ppo import PPORolloutBatch, ppo_update
     from trainer.trainer_utils import build_config, build_cosine_scheduler
     torch.manual_seed(0)
     config = build_config(64, 2, 0)
     actor, critic = MiniMindForCausalLM(config), CriticModel(config)
     ids = torch.randint(3, 100, (1, 8)).repeat(4, 1)  # [4, 8]
-    data = {"output_ids": ids, "full_mask": torch.ones_like(ids), "completion_mask": torch.ones(4, 5, dtype=torch.long),
-            "old_per_token_logps": torch.full((4, 5), -4.0), "ref_per_token_logps": torch.full((4, 5), -4.0),
-            "advantages": torch.ones(4, 5), "old_resp_values": torch.zeros(4, 5), "returns": torch.ones(4, 5)}
+    data = PPORolloutBatch(output_ids=ids, full_mask=torch.ones_like(ids),
+                           completion_mask=torch.ones(4, 5, dtype=torch.long),
+                           old_per_token_logps=torch.full((4, 5), -4.0), ref_per_token_logps=torch.full((4, 5), -4.0),
+                           advantages=torch.ones(4, 5), old_resp_values=torch.zeros(4, 5), returns=torch.ones(4, 5))
     actor_optimizer, critic_optimizer = GradNormRecorder(actor.parameters()), GradNormRecorder(critic.parameters())
-    args = types.SimpleNamespace(ppo_update_iters=2, mini_batch_size=1, accumulation_steps=3, dtype="float32",
+    args = types.SimpleNamespace(ppo_update_iters=2, mini_batch_size=1, minibatch_accumulation_steps=3, dtype="float32",
                                  temperature=1.0, clip_epsilon=0.2, kl_coef=0.0, early_stop_kl=100.0,
                                  cliprange_value=0.2, vf_coef=0.5, grad_clip=1e9)
     result = ppo_update(data, actor, critic, actor_optimizer, critic_optimizer,

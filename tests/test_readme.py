@@ -54,9 +54,10 @@ def test_readme_commands():
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         text = f.read()
     assert "pip install -r requirements.txt && python trainer/train_grpo.py" in text
-    assert "pip install -r requirements.txt && python -m pytest -q tests" in text
+    assert "pip install -r requirements.txt && python -m ruff check . && python -m pytest -q tests" in text
     with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
-        assert "pytest -q tests" in f.read()
+        ci = f.read()
+    assert "ruff check ." in ci and "pytest -q tests" in ci
 
 
 def test_mapped_functions_cite_their_section():

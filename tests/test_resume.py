@@ -14,9 +14,7 @@ import torch
 
 from conftest import ROOT
 
-from trainer.trainer_utils import (
-    ResumableBatchSampler, get_rng_state, load_resume, resume_progress, set_rng_state,
-)
+from trainer.rl_harness import ResumableBatchSampler, get_rng_state, load_resume, resume_progress, set_rng_state
 
 TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--from_weight", "tiny", "--max_gen_len", "8",
         "--eval_interval", "0"]  # the held-out evaluation has its own tests (test_evaluation.py)
@@ -26,7 +24,8 @@ PPO = TINY + ["--batch_size", "2", "--mini_batch_size", "1", "--max_steps", "6",
 
 def harness(script, harness_flags, script_flags, timeout=300):
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, os.path.join(ROOT, "tests", "run_patched.py"), script] + harness_flags + ["--"] + script_flags
+    harness_script = os.path.join(ROOT, "tests", "run_patched.py")
+    cmd = [sys.executable, harness_script, script] + harness_flags + ["--"] + script_flags
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -188,7 +187,7 @@ def test_load_resume_missing_file_starts_fresh_and_garbage_is_named(tmp_path):
 
 
 def test_wandb_run_id_is_kept_on_resume(tmp_path, monkeypatch):
-    from trainer.trainer_utils import MetricsWriter
+    from trainer.rl_harness import MetricsWriter
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     first = MetricsWriter(str(tmp_path / "run"), use_wandb=True, wandb_project="test")
@@ -216,7 +215,7 @@ def test_resume_refuses_when_from_weight_is_the_saved_policy(tmp_path, tiny_weig
 
 
 def test_resume_command_quotes_arguments():
-    from trainer.trainer_utils import resume_command
+    from trainer.rl_harness import resume_command
     command = resume_command(os.path.join(ROOT, "trainer", "train_grpo.py"),
                              ["--run_dir", "my runs/a", "--from_resume", "0"], world_size=2)
     assert command.startswith("torchrun --nproc_per_node 2 ")

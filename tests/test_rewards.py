@@ -43,7 +43,8 @@ def test_answer_reward_and_number_extraction():
 
 
 def test_prompt_to_messages():
-    prompt = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi <|im_end|>\n<|im_start|>assistant\n<think>\n"
+    prompt = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi <|im_end|>\n"
+              "<|im_start|>assistant\n<think>\n")
     assert prompt_to_messages(prompt) == [{"role": "system", "content": "Be brief."},
                                           {"role": "user", "content": "Hi"}]
 

@@ -4,7 +4,7 @@ import torch
 
 from model.model_minimind import MiniMindForCausalLM
 from trainer.rollout_engine import TorchRolloutEngine, compute_per_token_logps, create_rollout_engine
-from trainer.train_grpo import tokenize_prompts
+from trainer.rollout_engine import tokenize_prompts
 from trainer.trainer_utils import build_config
 
 PROMPTS = ["<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n<think>\n",

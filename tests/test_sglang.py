@@ -12,7 +12,7 @@ from model.model_minimind import MiniMindForCausalLM
 from sglang_standin import SGLangStandin
 from trainer.rollout_engine import SGLangRolloutEngine, create_rollout_engine, parse_sglang_output
 from trainer.train_grpo import main as grpo_main
-from trainer.train_grpo import tokenize_prompts
+from trainer.rollout_engine import tokenize_prompts
 from trainer.train_ppo import main as ppo_main
 from trainer.trainer_utils import build_config
 

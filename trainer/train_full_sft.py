@@ -17,18 +17,18 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel  # noqa: E402
-from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
 
-from dataset.lm_dataset import SFTDataset, sft_collate  # noqa: E402
-from trainer.trainer_utils import (  # noqa: E402
-    DEFAULT_SAVE_DIR, BadStepGuard, Logger, any_rank, atomic_save, build_config, build_cosine_scheduler,
-    check_writable_dir, half_state_dict, init_distributed_mode, init_model, is_main_process, nonfinite_parts,
-    setup_seed, weight_path,
+from dataset.lm_dataset import SFTDataset, sft_collate
+from trainer.trainer_utils import (
+    DEFAULT_SAVE_DIR, Logger, add_bool_flag, atomic_save, build_config, build_cosine_scheduler, check_writable_dir,
+    half_state_dict, init_distributed_mode, init_model, is_main_process, setup_seed, weight_path,
 )
+from trainer.rl_harness import BadStepGuard, nan_safe_step, nonfinite_parts
 
 
 def parse_args(argv=None):
@@ -39,7 +39,7 @@ def parse_args(argv=None):
     parser.add_argument("--from_weight", default="none", help="'none' = random init")
     parser.add_argument("--hidden_size", type=int, default=256)
     parser.add_argument("--num_hidden_layers", type=int, default=4)
-    parser.add_argument("--use_moe", type=int, default=0, choices=[0, 1])
+    add_bool_flag(parser, "--use_moe", help="1: mixture-of-experts MLPs")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--max_steps", type=int, default=800, help="optimizer steps (0 = whole epochs)")
     parser.add_argument("--batch_size", type=int, default=32)
@@ -117,16 +117,13 @@ def main(argv=None):
             loss = sft_loss(out.logits, labels) + out.aux_loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
             step += 1
-            problems = nonfinite_parts(loss=loss.detach(), gradients=grad_norm)
-            if any_rank(bool(problems), device):  # a NaN/inf update is skipped on every rank
-                optimizer.zero_grad(set_to_none=True)
-                guard.record(step, problems or ["values on another rank"])
-            else:
-                optimizer.step()
+            # a NaN/inf loss or gradient skips the update on every rank
+            _, problems = nan_safe_step([model], [optimizer], args.grad_clip, nonfinite_parts(loss=loss.detach()),
+                                        device)
+            if not problems:
                 scheduler.step()
-                guard.record(step, [])
+            guard.record(step, problems)
             if step % args.log_interval == 0 or step == total_steps:
                 Logger(f"step {step}/{total_steps} loss {loss.item():.4f} lr {scheduler.get_last_lr()[0]:.2e} "
                        f"elapsed {time.time() - start:.0f}s")

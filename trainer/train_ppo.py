@@ -6,8 +6,8 @@ One step, in chapter order:
   2. rewards [B] = rule reward + reward-model score + answer reward (8.3, ``calculate_rewards``);
   3. token_rewards [B, R]: the sequence reward on the last real token (``place_sequence_rewards``, 8.4.2);
   4. GAE: advantages and returns = advantages + values (``compute_gae``), then masked whitening of the
-     advantages (``masked_whiten``) (8.4.2). The default lambda is 1.0, not the chapter's 0.95 (``--lam``):
-     with the reward on the last token only, 0.95 hands the first of ~50 tokens 0.95^49 = 8% of it;
+     advantages (``masked_whiten``) (8.4.2). The default lambda is 1.0, not the chapter's 0.95 (``--lam``),
+     because the reward sits on the last token only and 0.95 decays it geometrically towards the first;
   5. ``ppo_update_iters`` epochs over shuffled minibatches: clipped surrogate + kl_coef * k3 reference KL
      (``ppo_policy_loss``, 8.4.3) and the clipped value loss (``ppo_value_loss``, 8.4.4),
      loss = policy_loss + vf_coef * value_loss + aux_loss; the epochs stop early once the approximate KL
@@ -22,29 +22,26 @@ Other examples:
     torchrun --nproc_per_node 2 trainer/train_ppo.py
 """
 import argparse
-import math
 import os
 import sys
-import time
+from dataclasses import dataclass, field
+from typing import Optional
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (the repository root)
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
 
-from model.model_minimind import CriticModel  # noqa: E402
-from trainer.rollout_engine import compute_per_token_logps, create_rollout_engine  # noqa: E402
-from trainer.train_grpo import (  # noqa: E402
-    accumulation_window_size, add_common_rl_args, build_run, check_common_rl_args, count_total_steps,
-    evaluate_if_due, mean_over_ranks, open_metrics, print_debug_samples, rollout_engine_kwargs, save_checkpoint,
-    start_or_resume, tokenize_prompts, wrap_ddp,
+from model.model_minimind import CriticModel
+from trainer.rl_harness import (
+    RLRun, accumulation_window_size, add_common_rl_args, all_ranks_mean, check_common_rl_args, nan_safe_step,
+    print_debug_samples, wrap_ddp,
 )
-from trainer.trainer_utils import (  # noqa: E402
-    BadStepGuard, Logger, StepTimer, StopSignal, any_rank, autocast_context, build_cosine_scheduler,
-    build_policy_optimizer, calculate_rewards, k3_kl, masked_mean, nonfinite_parts, project_scale_only_gradients,
-    resume_command, shutdown_distributed, unwrap_model, weight_path,
+from trainer.rollout_engine import compute_per_token_logps, tokenize_prompts
+from trainer.trainer_utils import (
+    add_bool_flag, autocast_context, build_cosine_scheduler, build_policy_optimizer, calculate_rewards, k3_kl,
+    masked_mean, shutdown_distributed, unwrap_model, weight_path,
 )
+from trainer.rl_harness import any_rank, nonfinite_parts
 
 
 # ----------------------------------------------------------------------------- the math (chapter 8.4)
@@ -176,16 +173,7 @@ def explained_variance(values, returns, mask):
     return (1.0 - var_residual / var_returns).item()
 
 
-def all_ranks_mean(value, device):
-    """Mean of a float over ranks (so every rank takes the same early-stop decision)."""
-    if not dist.is_initialized():
-        return float(value)
-    tensor = torch.tensor([float(value)], dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
-    return tensor.item() / dist.get_world_size()
-
-
-# ----------------------------------------------------------------------------- set-up
+# ----------------------------------------------------------------------------- flags and the critic
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="MiniMind PPO (Proximal Policy Optimization)")
     add_common_rl_args(parser)
@@ -206,11 +194,14 @@ def parse_args(argv=None):
     parser.add_argument("--early_stop_kl", type=float, default=0.25,
                         help="stop the epochs once the approximate KL 0.5 * E[(log ratio)^2] passes this")
     parser.add_argument("--mini_batch_size", type=int, default=8, help="rollout rows per minibatch update")
-    parser.add_argument("--reward_norm", type=int, default=0, choices=[0, 1],
-                        help="1 = standardise the batch's rewards before GAE (learner's article 5.4); 0 = raw (chapter)")
+    parser.add_argument("--minibatch_accumulation_steps", type=int, default=1,
+                        help="minibatches whose gradients make one optimizer step")
+    add_bool_flag(parser, "--reward_norm",
+                  help="1 = standardise the batch's rewards before GAE (learner's article 5.4); "
+                             "0 = raw (chapter)")
     args = parser.parse_args(argv)
     check_common_rl_args(parser, args)
-    for flag in ("mini_batch_size", "ppo_update_iters"):
+    for flag in ("mini_batch_size", "ppo_update_iters", "minibatch_accumulation_steps"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     for flag in ("gamma", "lam"):
@@ -236,12 +227,34 @@ def build_critic(lm_config, args, device):
 
 
 # ----------------------------------------------------------------------------- the loop
+@dataclass
+class PPORolloutBatch:
+    """What ``ppo_rollout`` hands to ``ppo_update``: one rollout of B prompts, one answer each (R answer tokens).
+
+    The tensors ``ppo_update`` reads come first; the rest is for metrics and ``--debug_mode``.
+    """
+    output_ids: torch.Tensor  # [B, P+R] long, prompt (left-padded) + answer (right-padded)
+    full_mask: torch.Tensor  # [B, P+R] 0/1, real prompt and answer tokens
+    completion_mask: torch.Tensor  # [B, R] 0/1, answer tokens through the first EOS
+    old_per_token_logps: torch.Tensor  # [B, R] fp32, log pi_old of the sampled tokens (8.2)
+    ref_per_token_logps: torch.Tensor  # [B, R] fp32, log pi_ref (8.6)
+    old_resp_values: torch.Tensor  # [B, R] fp32, V(s_t) of the critic before the update, 0 where masked
+    advantages: torch.Tensor  # [B, R] fp32, whitened GAE advantages (8.4.2)
+    returns: torch.Tensor  # [B, R] fp32, GAE returns = advantages + values (before whitening)
+    rewards: Optional[torch.Tensor] = None  # [B] fp32, the sequence rewards (8.3)
+    reward_parts: dict = field(default_factory=dict)  # the reward function's parts, each [B]
+    completions: list = field(default_factory=list)  # B decoded answers
+    prompts: list = field(default_factory=list)  # B prompts
+    truncated: int = 0  # prompts cut to --max_seq_len
+    rollout_metrics: dict = field(default_factory=dict)  # the rollout engine's own metrics
+
+
 @torch.no_grad()
-def ppo_rollout(batch, actor, ref_model, critic, rollout_engine, reward_model, tokenizer, args, device):
+def ppo_rollout(batch, actor, ref_model, critic, rollout_engine, reward_fn, reward_model, tokenizer, args, device):
     """Steps 1-4 of a PPO step (chapter 8.4): rollout, rewards, reference log-probs, old values, GAE.
 
-    Returns a dict of tensors with B rows (output_ids, full_mask, completion_mask, old_per_token_logps,
-    ref_per_token_logps, old_resp_values, advantages, returns, rewards) and the decoded completions.
+    ``reward_fn`` is ``calculate_rewards`` (chapter 8.3) or a replacement with the same arguments and result.
+    Returns a ``PPORolloutBatch`` of B rows.
     """
     prompts, answers = batch["prompt"], batch["answer"]  # list[str] of length B
     prompt_ids, attention_mask, truncated = tokenize_prompts(tokenizer, prompts, args.max_seq_len, device)
@@ -252,7 +265,7 @@ def ppo_rollout(batch, actor, ref_model, critic, rollout_engine, reward_model, t
     completion_mask = rollout.completion_mask  # [B, R]
     gen_len = rollout.completion_ids.size(1)  # R
 
-    reward_parts = calculate_rewards(prompts, rollout.completions, answers, reward_model, args.answer_reward_weight)
+    reward_parts = reward_fn(prompts, rollout.completions, answers, reward_model, args.answer_reward_weight)
     rewards = reward_parts["rewards"].to(device)  # [B]
     critic_module = unwrap_model(critic)
     critic_module.eval()
@@ -266,31 +279,13 @@ def ppo_rollout(batch, actor, ref_model, critic, rollout_engine, reward_model, t
     token_rewards = place_sequence_rewards(scores, completion_mask)  # [B, R]
     advantages, returns = compute_gae(token_rewards, old_resp_values, completion_mask, args.gamma, args.lam)
     advantages = masked_whiten(advantages, completion_mask)  # [B, R]
-    return {
-        "output_ids": output_ids, "full_mask": full_mask, "completion_mask": completion_mask,
-        "old_per_token_logps": rollout.per_token_logps, "ref_per_token_logps": ref_per_token_logps,
-        "old_resp_values": old_resp_values * completion_mask, "advantages": advantages, "returns": returns,
-        "rewards": rewards, "reward_parts": reward_parts, "completions": rollout.completions, "prompts": prompts,
-        "truncated": truncated, "rollout_metrics": rollout.metrics,
-    }
-
-
-def step_actor_and_critic(actor, critic, actor_optimizer, critic_optimizer, grad_clip, device):
-    """Clip both gradient norms, step both optimizers, clear both gradients.
-
-    Returns True when the step was taken; False when a gradient norm is NaN/inf on any rank, in which case
-    nothing is stepped on any rank (the gradients are cleared).
-    """
-    project_scale_only_gradients(actor_optimizer)  # the final norm gain learns one number (build_policy_optimizer)
-    actor_norm = float(torch.nn.utils.clip_grad_norm_(actor.parameters(), grad_clip))
-    critic_norm = float(torch.nn.utils.clip_grad_norm_(critic.parameters(), grad_clip))
-    skip = any_rank(not (math.isfinite(actor_norm) and math.isfinite(critic_norm)), device)
-    if not skip:
-        actor_optimizer.step()
-        critic_optimizer.step()
-    actor_optimizer.zero_grad(set_to_none=True)
-    critic_optimizer.zero_grad(set_to_none=True)
-    return not skip
+    return PPORolloutBatch(
+        output_ids=output_ids, full_mask=full_mask, completion_mask=completion_mask,
+        old_per_token_logps=rollout.per_token_logps, ref_per_token_logps=ref_per_token_logps,
+        old_resp_values=old_resp_values * completion_mask, advantages=advantages, returns=returns,
+        rewards=rewards, reward_parts=reward_parts, completions=rollout.completions, prompts=prompts,
+        truncated=truncated, rollout_metrics=rollout.metrics,
+    )
 
 
 def ppo_update(data, actor, critic, actor_optimizer, critic_optimizer, actor_scheduler, critic_scheduler, args,
@@ -299,44 +294,48 @@ def ppo_update(data, actor, critic, actor_optimizer, critic_optimizer, actor_sch
 
     Every rank draws the same permutation, and the approx-KL early stop uses the mean over ranks, so all
     ranks stop on the same minibatch. An optimizer step whose gradient norm is NaN/inf is skipped on every
-    rank. ``--accumulation_steps`` minibatches make one optimizer step; each minibatch's loss is divided by the
-    size of its window (the last one may be shorter: ``accumulation_window_size``), so every optimizer step
-    applies a mean gradient. Returns a dict of averaged stats, the number of optimizer steps taken and skipped.
+    rank. ``--minibatch_accumulation_steps`` minibatches make one optimizer step; each minibatch's loss is
+    divided by the size of its window (the last one may be shorter: ``accumulation_window_size``), so every
+    optimizer step applies a mean gradient. The schedules step once per rollout.
+
+    Args:
+        data: ``PPORolloutBatch``; generator: ``torch.Generator`` of the minibatch permutations.
+    Returns a dict of stats averaged over minibatches, early_stop (0/1), optimizer_steps, skipped_steps.
     """
-    batch_size = data["output_ids"].size(0)
-    gen_len = data["completion_mask"].size(1)
+    batch_size = data.output_ids.size(0)
+    gen_len = data.completion_mask.size(1)
+    accumulation = args.minibatch_accumulation_steps
     total_micro = args.ppo_update_iters * -(-batch_size // args.mini_batch_size)  # minibatches without early stop
     sums, count, optimizer_steps, skipped_steps, stop_ppo, micro = {}, 0, 0, 0, False, 0
+    models, optimizers = [actor, critic], [actor_optimizer, critic_optimizer]
     for _ in range(args.ppo_update_iters):
         permutation = torch.randperm(batch_size, generator=generator)
         for start in range(0, batch_size, args.mini_batch_size):
             inds = permutation[start:start + args.mini_batch_size].to(device)
-            mask = data["completion_mask"][inds]  # [mb, R]
+            mask = data.completion_mask[inds]  # [mb, R]
             with autocast_context(device, args.dtype):
                 mb_resp_logp, aux_loss = compute_per_token_logps(
-                    actor, data["output_ids"][inds], gen_len, data["full_mask"][inds], args.temperature,
+                    actor, data.output_ids[inds], gen_len, data.full_mask[inds], args.temperature,
                     return_aux_loss=True)  # [mb, R]
             policy_loss, stats = ppo_policy_loss(
-                mb_resp_logp, data["old_per_token_logps"][inds], data["ref_per_token_logps"][inds],
-                data["advantages"][inds], mask, args.clip_epsilon, args.kl_coef)
+                mb_resp_logp, data.old_per_token_logps[inds], data.ref_per_token_logps[inds],
+                data.advantages[inds], mask, args.clip_epsilon, args.kl_coef)
             approx_kl = all_ranks_mean(stats["approx_kl"], device)
             if approx_kl > args.early_stop_kl:
                 stop_ppo = True  # this minibatch and the rest of the epochs are skipped
-                sums["early_stops"] = sums.get("early_stops", 0.0) + 1.0
                 break
             with autocast_context(device, args.dtype):
-                mb_resp_values = critic(data["output_ids"][inds],
-                                        attention_mask=data["full_mask"][inds])[:, -gen_len - 1:-1]  # [mb, R]
+                mb_resp_values = critic(data.output_ids[inds],
+                                        attention_mask=data.full_mask[inds])[:, -gen_len - 1:-1]  # [mb, R]
             value_loss, value_clipfrac = ppo_value_loss(
-                mb_resp_values, data["old_resp_values"][inds], data["returns"][inds], mask, args.cliprange_value)
+                mb_resp_values, data.old_resp_values[inds], data.returns[inds], mask, args.cliprange_value)
             loss = policy_loss + args.vf_coef * value_loss + aux_loss
             micro += 1
-            (loss / accumulation_window_size(micro, total_micro, args.accumulation_steps)).backward()
-            if micro % args.accumulation_steps == 0:
-                stepped = step_actor_and_critic(actor, critic, actor_optimizer, critic_optimizer, args.grad_clip,
-                                                device)
-                optimizer_steps += int(stepped)
-                skipped_steps += int(not stepped)
+            (loss / accumulation_window_size(micro, total_micro, accumulation)).backward()
+            if micro % accumulation == 0:
+                _, problems = nan_safe_step(models, optimizers, args.grad_clip, [], device)
+                optimizer_steps += int(not problems)
+                skipped_steps += int(bool(problems))
             for key, value in {"policy_loss": policy_loss, "value_loss": value_loss, "value_clipfrac": value_clipfrac,
                                "approx_kl": stats["approx_kl"], "clipfrac": stats["clipfrac"],
                                "kl_ref": stats["kl_ref"]}.items():
@@ -344,136 +343,94 @@ def ppo_update(data, actor, critic, actor_optimizer, critic_optimizer, actor_sch
             count += 1
         if stop_ppo:
             break
-    if micro % args.accumulation_steps != 0 and not stop_ppo:  # apply a last partial accumulation
-        stepped = step_actor_and_critic(actor, critic, actor_optimizer, critic_optimizer, args.grad_clip, device)
-        optimizer_steps += int(stepped)
-        skipped_steps += int(not stepped)
+    if micro % accumulation != 0 and not stop_ppo:  # apply a last partial accumulation
+        _, problems = nan_safe_step(models, optimizers, args.grad_clip, [], device)
+        optimizer_steps += int(not problems)
+        skipped_steps += int(bool(problems))
     actor_optimizer.zero_grad(set_to_none=True)  # an early stop drops its partial accumulation
     critic_optimizer.zero_grad(set_to_none=True)
     if optimizer_steps:  # a rollout whose every update was skipped leaves the schedules where they were
         actor_scheduler.step()
         critic_scheduler.step()
-    result = {k: v / max(count, 1) for k, v in sums.items() if k != "early_stops"}
+    result = {k: v / max(count, 1) for k, v in sums.items()}
     result["early_stop"] = float(stop_ppo)
     result["optimizer_steps"] = float(optimizer_steps)
     result["skipped_steps"] = float(skipped_steps)
     return result
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    run = build_run(args, "PPO")
-    device, actor, ref_model, tokenizer = run["device"], run["model"], run["ref_model"], run["tokenizer"]
-    lm_config, loader, batch_sampler = run["lm_config"], run["loader"], run["batch_sampler"]
-    critic = build_critic(lm_config, args, device)
+def ppo_metrics(data, update, problems):
+    """The step's metrics: reward parts, advantage and critic statistics, lengths, and ``update``'s stats."""
+    mask = data.completion_mask
+    return {
+        "reward": data.rewards.mean().item(),
+        "rule_reward": data.reward_parts["rule_rewards"].mean().item(),
+        "reward_model_score": data.reward_parts["reward_model_scores"].mean().item(),
+        "answer_reward": data.reward_parts["answer_rewards"].mean().item(),
+        "advantages_mean": masked_mean(data.advantages, mask).item(),
+        "advantages_std": masked_std(data.advantages, mask).item(),
+        "explained_variance": explained_variance(data.old_resp_values, data.returns, mask),
+        "response_len": mask.sum(dim=1).float().mean().item(),
+        "truncated_prompts": data.truncated,
+        "skipped_update": float(bool(problems)),
+        **data.rollout_metrics,
+        **update,
+    }
 
-    steps_per_epoch = len(loader)
-    total_steps = count_total_steps(args.max_steps, args.epochs, steps_per_epoch)
+
+def ppo_log_line(metrics):
+    """The middle of PPO's log line: rewards, KLs, clipping, critic, length, learning rates."""
+    return (f"reward {metrics['reward']:.3f} (rule {metrics['rule_reward']:.3f}, "
+            f"rm {metrics['reward_model_score']:.3f}, answer {metrics['answer_reward']:.3f}) | "
+            f"kl_ref {metrics.get('kl_ref', 0.0):.4f} | approx_kl {metrics.get('approx_kl', 0.0):.4f} | "
+            f"clipfrac {metrics.get('clipfrac', 0.0):.3f} | value_loss {metrics.get('value_loss', 0.0):.4f} | "
+            f"explained_var {metrics['explained_variance']:.3f} | len {metrics['response_len']:.1f} | "
+            f"lr {metrics['learning_rate']:.2e}/{metrics['critic_learning_rate']:.2e}")
+
+
+def main(argv=None, reward_fn=calculate_rewards, run_class=RLRun):
+    """Train with PPO. ``reward_fn`` replaces the chapter's rewards and ``run_class`` the harness (tests)."""
+    args = parse_args(argv)
+    run = run_class.build(args, "ppo", __file__, argv, reward_fn)
+    actor, device = run.model, run.device
+    critic = build_critic(run.lm_config, args, device)
     actor_optimizer = build_policy_optimizer(actor, args.learning_rate, args.weight_decay,
                                              args.final_norm_learning_rate)
     critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate,
                                          weight_decay=args.weight_decay)
-    actor_scheduler = build_cosine_scheduler(actor_optimizer, total_steps)
-    critic_scheduler = build_cosine_scheduler(critic_optimizer, total_steps)
-    ddp_actor = wrap_ddp(actor, device, run["local_rank"])
-    ddp_critic = wrap_ddp(critic, device, run["local_rank"])
+    actor_scheduler = build_cosine_scheduler(actor_optimizer, run.total_steps)  # one schedule step per rollout
+    critic_scheduler = build_cosine_scheduler(critic_optimizer, run.total_steps)
+    ddp_actor, ddp_critic = wrap_ddp(actor, device, run.local_rank), wrap_ddp(critic, device, run.local_rank)
     minibatch_generator = torch.Generator().manual_seed(args.seed)  # the same on every rank
     objects = {"model": actor, "optimizer": actor_optimizer, "scheduler": actor_scheduler, "critic": critic,
                "critic_optimizer": critic_optimizer, "critic_scheduler": critic_scheduler,
                "minibatch_generator": minibatch_generator}
-    progress = start_or_resume(args, "ppo", run, objects, steps_per_epoch)
-    # made after the restore: the SGLang engine pushes the (restored) actor to its server at start-up
-    rollout_engine = create_rollout_engine(args.rollout_engine, actor, tokenizer, **rollout_engine_kwargs(args))
-    run_dir, writer = open_metrics(args, progress)
-    Logger(f"PPO: {total_steps} steps, {args.batch_size} prompts per step, {args.ppo_update_iters} epochs of "
-           f"minibatches of {args.mini_batch_size}, metrics in {run_dir}")
-
-    stop_signal = StopSignal()
-    stop = False  # agreed by all ranks at the end of each step
-    guard = BadStepGuard(args.max_bad_steps, progress["bad_steps_in_a_row"])
-    step = progress["step"]
-    if step == 0 and run["evaluator"] is not None:
-        writer.log({"step": 0, **evaluate_if_due(run["evaluator"], actor, 0, total_steps, args.eval_interval)})
-    timer = StepTimer(total_steps, start_step=progress["step"])  # after the step-0 evaluation: it times steps only
+    run.start(objects, {args.save_weight: actor, f"{args.save_weight}_critic": critic},
+              f"PPO: {run.total_steps} steps, {args.batch_size} prompts per step, {args.ppo_update_iters} epochs "
+              f"of minibatches of {args.mini_batch_size}", ppo_log_line)
     ddp_actor.train()
     ddp_critic.train()
-    for epoch in range(progress["epoch"], args.epochs):
-        if step >= total_steps:
-            break
-        batch_sampler.set_epoch(epoch, progress["batch_in_epoch"] if epoch == progress["epoch"] else 0)
-        for batch_in_epoch, batch in enumerate(loader, start=batch_sampler.skip_batches + 1):
-            step += 1
-            # the rates this step's updates use (the schedules step at the end of ppo_update)
-            learning_rate = actor_optimizer.param_groups[0]["lr"]
-            critic_learning_rate = critic_optimizer.param_groups[0]["lr"]
-            data = ppo_rollout(batch, ddp_actor, ref_model, ddp_critic, rollout_engine, run["reward_model"],
-                               tokenizer, args, device)
-            problems = nonfinite_parts(rewards=data["rewards"])
-            if any_rank(bool(problems), device):  # skip the whole update: GAE would spread the NaN
-                update = {"optimizer_steps": 0.0, "skipped_steps": float(args.ppo_update_iters)}
-                problems = problems or ["rewards on another rank"]
-            else:
-                update = ppo_update(data, ddp_actor, ddp_critic, actor_optimizer, critic_optimizer,
-                                    actor_scheduler, critic_scheduler, args, device, minibatch_generator)
-                problems = ["gradients"] if update["skipped_steps"] else []
-            guard.record(step, problems)
-            rollout_engine.update_policy(actor)
-            mask = data["completion_mask"]
-            metrics = {
-                "reward": data["rewards"].mean().item(),
-                "rule_reward": data["reward_parts"]["rule_rewards"].mean().item(),
-                "reward_model_score": data["reward_parts"]["reward_model_scores"].mean().item(),
-                "answer_reward": data["reward_parts"]["answer_rewards"].mean().item(),
-                "advantages_mean": masked_mean(data["advantages"], mask).item(),
-                "advantages_std": masked_std(data["advantages"], mask).item(),
-                "explained_variance": explained_variance(data["old_resp_values"], data["returns"], mask),
-                "response_len": mask.sum(dim=1).float().mean().item(),
-                "truncated_prompts": data["truncated"],
-                "skipped_update": float(bool(problems)),
-                **data["rollout_metrics"],
-                **update,
-            }
-            metrics = mean_over_ranks(metrics, device)
-            if args.debug_mode and step % args.debug_interval == 0:
-                print_debug_samples(step, data["prompts"], data["completions"], data["reward_parts"], 1)
-            metrics["final_norm_gain"] = actor.model.norm.weight.mean().item()  # the output's sharpness
-            eval_metrics = evaluate_if_due(run["evaluator"], actor, step, total_steps, args.eval_interval)
-            metrics.update(eval_metrics)
-            if step % args.log_interval == 0 or step == total_steps or eval_metrics:
-                elapsed, remaining = timer.eta(step)
-                metrics.update(step=step, total_steps=total_steps, epoch=epoch,
-                               learning_rate=learning_rate, critic_learning_rate=critic_learning_rate,
-                               elapsed_s=time.time() - timer.start, sample_indices=batch["index"].tolist())
-                Logger(f"step {step}/{total_steps} | reward {metrics['reward']:.3f} "
-                       f"(rule {metrics['rule_reward']:.3f}, rm {metrics['reward_model_score']:.3f}, "
-                       f"answer {metrics['answer_reward']:.3f}) | kl_ref {metrics.get('kl_ref', 0.0):.4f} | "
-                       f"approx_kl {metrics.get('approx_kl', 0.0):.4f} | clipfrac {metrics.get('clipfrac', 0.0):.3f} | "
-                       f"value_loss {metrics.get('value_loss', 0.0):.4f} | "
-                       f"explained_var {metrics['explained_variance']:.3f} | len {metrics['response_len']:.1f} | "
-                       f"lr {metrics['learning_rate']:.2e}/{metrics['critic_learning_rate']:.2e} | "
-                       f"{elapsed} elapsed, {remaining} left")
-                writer.log(metrics)
-            stop = stop_signal.requested(device)
-            if step % args.save_interval == 0 or step == total_steps or stop:
-                progress.update(step=step, epoch=epoch, batch_in_epoch=batch_in_epoch, run_dir=run_dir,
-                                wandb_id=writer.wandb_id, bad_steps_in_a_row=guard.in_a_row)
-                weights = {args.save_weight: actor, f"{args.save_weight}_critic": critic}
-                path = save_checkpoint(args, "ppo", lm_config, objects, progress, weights)
-                Logger(f"saved step {step}: actor and critic weights and {path}")
-            if stop:
-                Logger(f"stopped by {stop_signal.signal_name or 'a signal to another rank'} at step {step}; "
-                       f"resume with:\n"
-                       f"  {resume_command(__file__, sys.argv[1:] if argv is None else argv, run['world_size'])}")
-                break
-            if step >= total_steps:
-                break
-        if step >= total_steps or stop:
-            break
-    if run["evaluator"] is not None:
-        for line in run["evaluator"].summary_lines():
-            Logger(line)
-    writer.close()
-    stop_signal.restore()
+    for step, batch in run.batches():
+        # the rates this step's updates use (the schedules step at the end of ppo_update)
+        learning_rates = {"learning_rate": actor_optimizer.param_groups[0]["lr"],
+                          "critic_learning_rate": critic_optimizer.param_groups[0]["lr"]}
+        data = ppo_rollout(batch, ddp_actor, run.ref_model, ddp_critic, run.rollout_engine, run.reward_fn,
+                           run.reward_model, run.tokenizer, args, device)
+        problems = nonfinite_parts(rewards=data.rewards)
+        if any_rank(bool(problems), device):  # skip the whole update: GAE would spread the NaN
+            update = {"optimizer_steps": 0.0, "skipped_steps": float(args.ppo_update_iters)}
+            problems = problems or ["rewards on another rank"]
+        else:
+            update = ppo_update(data, ddp_actor, ddp_critic, actor_optimizer, critic_optimizer, actor_scheduler,
+                                critic_scheduler, args, device, minibatch_generator)
+            problems = ["gradients"] if update["skipped_steps"] else []
+        run.guard.record(step, problems)
+        run.rollout_engine.update_policy(actor)
+        if run.debug_due(step):
+            print_debug_samples(step, data.prompts, data.completions, data.reward_parts, 1)
+        run.log(step, ppo_metrics(data, update, problems), learning_rates)
+        run.save_if_due(step)
+    run.close()
     del ddp_actor, ddp_critic  # free the DDP wrappers while the process group is alive (see shutdown_distributed)
     shutdown_distributed()
 

@@ -31,16 +31,16 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from transformers import AutoTokenizer, Qwen3Config, Qwen3ForSequenceClassification  # noqa: E402
+import torch
+import torch.nn.functional as F
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForSequenceClassification
 
-from dataset.lm_dataset import read_preference_pairs  # noqa: E402
-from trainer.trainer_utils import (  # noqa: E402
-    DEFAULT_REWARD_MODEL_PATH, DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, DTYPES, Logger, MetricsWriter, StepTimer,
-    build_config, build_cosine_scheduler, render_reward_text, resolve_dtype, reward_model_messages, setup_seed,
-    weight_path,
+from dataset.lm_dataset import read_preference_pairs
+from trainer.trainer_utils import (
+    DEFAULT_REWARD_MODEL_PATH, DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, DTYPES, Logger, add_bool_flag, build_config,
+    build_cosine_scheduler, render_reward_text, resolve_dtype, reward_model_messages, setup_seed, weight_path,
 )
+from trainer.rl_harness import MetricsWriter, StepTimer
 
 
 # ----------------------------------------------------------------------------- the math
@@ -214,7 +214,7 @@ def parse_args(argv=None):
     parser.add_argument("--tokenizer_path", default=DEFAULT_TOKENIZER_PATH)
     parser.add_argument("--hidden_size", type=int, default=256)
     parser.add_argument("--num_hidden_layers", type=int, default=4)
-    parser.add_argument("--use_moe", type=int, default=0, choices=[0, 1])
+    add_bool_flag(parser, "--use_moe", help="1: mixture-of-experts MLPs")
     parser.add_argument("--max_seq_len", type=int, default=256, help="tokens kept per side (from the right)")
     parser.add_argument("--batch_size", type=int, default=16, help="pairs per step")
     parser.add_argument("--epochs", type=int, default=1)

@@ -19,8 +19,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from dataset.lm_dataset import read_conversations_jsonl  # noqa: E402
-from trainer.trainer_utils import check_writable_dir  # noqa: E402
+from dataset.lm_dataset import read_conversations_jsonl
+from trainer.trainer_utils import check_writable_dir
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 THINK_TOKENS = ["<think>", "</think>"]

@@ -6,28 +6,21 @@ Nothing here reads a global: every function takes what it needs as arguments.
 import contextlib
 import errno
 import glob
-import hashlib
 import json
 import math
 import os
 import random
 import re
-import shlex
-import signal
-import sys
-import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from model.hf_qwen3 import DTYPES  # noqa: F401 (the --*_dtype flag values, defined once)
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 
-from model.hf_qwen3 import DTYPES  # noqa: E402,F401 (the --*_dtype flag values, defined once)
-from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DEFAULT_TOKENIZER_PATH = os.path.join(ROOT, "model")
 DEFAULT_SAVE_DIR = os.path.join(ROOT, "out")
@@ -35,6 +28,8 @@ DEFAULT_REWARD_MODEL_PATH = os.path.join(ROOT, "out", "reward_model_256")  # tra
 
 
 # ----------------------------------------------------------------------------- processes and logging
+
+
 def is_main_process():
     """True on rank 0, or when not running distributed."""
     return not dist.is_initialized() or dist.get_rank() == 0
@@ -72,73 +67,17 @@ def setup_seed(seed):
     torch.cuda.manual_seed_all(seed)
 
 
-def get_rng_state():
-    """This process's random states (Python, NumPy, torch CPU, torch CUDA) as a picklable dict."""
-    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        # NumPy's key array as a tensor, so the resume file loads with torch.load(weights_only=True)
-        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached_gaussian),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
+def add_bool_flag(parser, name, default=0, help=None):
+    """A yes/no flag in MiniMind's 0/1 style: ``--name 1``, ``--name 0``, or a bare ``--name`` (= 1).
 
-
-def set_rng_state(state):
-    """Restore what ``get_rng_state`` returned (the CUDA states only when CUDA is present)."""
-    random.setstate(state["python"])
-    name, keys, pos, has_gauss, cached_gaussian = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached_gaussian))
-    torch.set_rng_state(state["torch"].cpu())
-    if torch.cuda.is_available() and state["cuda"]:
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
-
-
-def format_duration(seconds):
-    """Seconds -> 'H:MM:SS'."""
-    seconds = int(max(seconds, 0))
-    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
-
-
-class MetricsWriter:
-    """Appends one JSON object per step to ``run_dir/metrics.jsonl`` and mirrors it to wandb.
-
-    Only the main process writes. ``wandb`` is imported only when ``use_wandb`` is true
-    (``WANDB_MODE=offline`` works without a network).
+    The value is the int 0 or 1; anything else is an argparse error (exit 2) that names the flag.
     """
-
-    def __init__(self, run_dir, use_wandb=False, wandb_project="MiniMind-RL", run_name=None, config=None,
-                 wandb_id=None):
-        self.enabled = is_main_process()
-        self.path = os.path.join(run_dir, "metrics.jsonl")
-        self.wandb = None
-        self.wandb_id = wandb_id
-        if not self.enabled:
-            return
-        os.makedirs(run_dir, exist_ok=True)
-        if use_wandb:
-            import wandb
-            self.wandb = wandb
-            # a resumed run passes its saved id, so wandb continues the same run
-            run = wandb.init(project=wandb_project, name=run_name, config=config, dir=run_dir, id=wandb_id,
-                             resume="allow" if wandb_id else None)
-            self.wandb_id = run.id
-
-    def log(self, metrics):
-        """metrics: dict of str -> float/int (must include 'step')."""
-        if not self.enabled:
-            return
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(metrics) + "\n")
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=int(metrics["step"]))
-
-    def close(self):
-        if self.wandb is not None:
-            self.wandb.finish()
+    parser.add_argument(name, type=int, default=default, choices=[0, 1], nargs="?", const=1, help=help)
 
 
 # ----------------------------------------------------------------------------- models and checkpoints
+
+
 def weight_path(from_weight, save_dir, hidden_size, use_moe, allow_file=True):
     """MiniMind's naming: ``{save_dir}/{name}_{hidden}[_moe].pth``.
 
@@ -242,7 +181,8 @@ def atomic_save(obj, path):
         if os.path.exists(tmp):
             os.remove(tmp)
         reason = getattr(err, "strerror", None) or str(err)
-        raise OSError(getattr(err, "errno", None) or errno.EIO, f"could not save checkpoint to {path}: {reason}") from err
+        code = getattr(err, "errno", None) or errno.EIO
+        raise OSError(code, f"could not save checkpoint to {path}: {reason}") from err
 
 
 def half_state_dict(model):
@@ -258,137 +198,6 @@ def unwrap_model(model):
 
 
 # ----------------------------------------------------------------------------- resume, signals, bad steps
-RESUME_FORMAT_VERSION = 1
-ARCHITECTURE_FLAGS = ("hidden_size", "num_hidden_layers", "use_moe")
-
-
-def resume_path(save_weight, save_dir, hidden_size, use_moe):
-    """MiniMind's resume file name: ``{save_dir}/{save_weight}_{hidden}[_moe]_resume.pth``."""
-    suffix = "_moe" if use_moe else ""
-    return os.path.join(save_dir, f"{save_weight}_{hidden_size}{suffix}_resume.pth")
-
-
-def check_finite_state(state_dict, what):
-    """Raise ValueError naming ``what`` and the first tensor that holds a NaN or inf (checkpoints never do)."""
-    for name, tensor in state_dict.items():
-        if torch.is_tensor(tensor) and tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise ValueError(f"refusing to save {what}: {name} holds a NaN or inf")
-
-
-def gather_rng_states():
-    """Every rank's ``get_rng_state()`` as a list indexed by rank (a collective: all ranks must call it)."""
-    state = get_rng_state()
-    if not dist.is_initialized():
-        return [state]
-    states = [None] * dist.get_world_size()
-    dist.all_gather_object(states, state)
-    return states
-
-
-def save_resume(path, script, args, progress, states):
-    """Write a resume checkpoint (atomically, rank 0). A collective: every rank must call it.
-
-    Args:
-        path: the resume file (``resume_path``).
-        script: 'grpo' or 'ppo'; a resume by another script is refused.
-        args: the run's argparse namespace (stored as a dict, checked on resume).
-        progress: dict with step, epoch, batch_in_epoch (batches of ``epoch`` already trained on),
-            world_size, run_dir, wandb_id, ... (plain values).
-        states: name -> state_dict (model fp32, optimizer, scheduler, critic, generator states ...).
-    Raises:
-        ValueError: if a model/critic state holds a NaN or inf (nothing is written).
-        OSError: naming ``path`` when it cannot be written (the previous file stays as it was).
-    """
-    rng_states = gather_rng_states()
-    if not is_main_process():
-        return
-    for name, state in states.items():
-        if name in ("model", "critic"):
-            check_finite_state(state, f"{name} to {path}")
-    checkpoint = {
-        "format_version": RESUME_FORMAT_VERSION,
-        "script": script,
-        "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},
-        "progress": dict(progress),
-        "rng_states": rng_states,
-        "states": states,
-    }
-    atomic_save(checkpoint, path)
-
-
-def load_resume(path, script, args):
-    """Read and check a resume checkpoint written by ``save_resume``.
-
-    Returns:
-        the checkpoint dict, or None when ``path`` does not exist (the run then starts at step 0).
-    Raises:
-        ValueError: naming the file and the mismatch -- another format version, another script, or an
-            architecture flag (``--hidden_size``, ``--num_hidden_layers``, ``--use_moe``) with both values.
-    """
-    if not os.path.isfile(path):
-        return None
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # a truncated or foreign file
-        raise ValueError(f"{path} is not a readable resume checkpoint ({type(err).__name__}: {err})") from err
-    if not isinstance(checkpoint, dict) or checkpoint.get("format_version") != RESUME_FORMAT_VERSION:
-        found = checkpoint.get("format_version") if isinstance(checkpoint, dict) else type(checkpoint).__name__
-        raise ValueError(f"{path} has resume format {found!r}, this code reads format {RESUME_FORMAT_VERSION}")
-    if checkpoint["script"] != script:
-        raise ValueError(f"{path} was written by train_{checkpoint['script']}.py, not train_{script}.py; "
-                         f"use another --save_weight or --save_dir for this run")
-    saved_args = checkpoint["args"]
-    for flag in ARCHITECTURE_FLAGS:
-        if saved_args.get(flag) != getattr(args, flag):
-            raise ValueError(f"{path} was saved with --{flag} {saved_args.get(flag)} but this run has "
-                             f"--{flag} {getattr(args, flag)}; pass --{flag} {saved_args.get(flag)} to resume it")
-    return checkpoint
-
-
-def describe_changed_flags(saved_args, args, ignore=("from_resume", "run_dir", "use_wandb")):
-    """'--flag old -> new' for every flag whose value differs from the saved run's (announced on resume)."""
-    changes = []
-    for flag, value in sorted(vars(args).items()):
-        if flag in ignore or flag not in saved_args or saved_args[flag] == value:
-            continue
-        changes.append(f"--{flag} {saved_args[flag]} -> {value}")
-    return changes
-
-
-def resume_progress(checkpoint, world_size, steps_per_epoch, rank):
-    """Where a resumed run starts, and this rank's random state.
-
-    With the saved world size, every rank gets its own saved RNG state back and the run continues exactly.
-    With another world size, step and batch_in_epoch are rescaled by old/new world size (MiniMind's rule:
-    the number of prompts seen stays the same), the RNG states cannot be matched to ranks, and the caller
-    must announce it.
-    Returns:
-        (progress dict with step, epoch, batch_in_epoch; rng_state of this rank or None)
-    """
-    progress = dict(checkpoint["progress"])
-    saved_world_size = progress["world_size"]
-    rng_state = None
-    if saved_world_size == world_size:
-        rng_state = checkpoint["rng_states"][rank]
-    else:
-        progress["step"] = progress["step"] * saved_world_size // world_size
-        progress["batch_in_epoch"] = progress["batch_in_epoch"] * saved_world_size // world_size
-    if progress["batch_in_epoch"] >= steps_per_epoch:  # saved at the end of an epoch
-        progress["epoch"] += 1
-        progress["batch_in_epoch"] = 0
-    return progress, rng_state
-
-
-def resume_command(script, argv, world_size):
-    """The command line that resumes this run: ``script`` with ``argv`` and ``--from_resume 1``."""
-    argv = list(argv)
-    if "--from_resume" in argv:
-        i = argv.index("--from_resume")
-        del argv[i:i + 2]
-    argv += ["--from_resume", "1"]
-    launcher = ["torchrun", "--nproc_per_node", str(world_size)] if world_size > 1 else ["python"]
-    script = os.path.relpath(script) if not os.path.relpath(script).startswith("..") else script
-    return shlex.join(launcher + [script] + argv)
 
 
 def check_writable_dir(path):
@@ -417,162 +226,6 @@ def shutdown_distributed():
         return
     dist.barrier()
     dist.destroy_process_group()
-
-
-def any_rank(flag, device):
-    """True when ``flag`` is true on at least one rank (all_reduce MAX); the plain bool when not distributed."""
-    if not dist.is_initialized():
-        return bool(flag)
-    value = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item() > 0)
-
-
-class StopSignal:
-    """Turns SIGTERM / SIGINT (Ctrl-C) into a request that the loop honours at its next safe point.
-
-    The loop calls ``requested(device)`` once per step; it agrees across ranks (any rank signalled), so every
-    rank saves and exits at the same step. A second Ctrl-C aborts at once, without saving. Under torchrun the
-    launcher forwards the signal to every worker and sends SIGKILL 30 s later: a step plus a save that take
-    longer lose this save (the previous periodic checkpoint stays intact).
-    """
-
-    def __init__(self):
-        self.signal_name = None
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, self._handle)
-
-    def _handle(self, signum, frame):
-        # only set a flag: printing from a handler can hit a print in progress ("reentrant call")
-        if self.signal_name is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.signal_name = signal.Signals(signum).name
-
-    def requested(self, device):
-        """True when any rank has received SIGTERM or SIGINT (a collective: every rank calls it each step)."""
-        stop = any_rank(self.signal_name is not None, device)
-        if stop:
-            Logger(f"{self.signal_name or 'a signal to another rank'} received: saving a resume checkpoint "
-                   f"(under torchrun, within its 30 s before it sends SIGKILL)")
-        return stop
-
-    def restore(self):
-        """Give SIGTERM / SIGINT back their default behaviour."""
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-def nonfinite_parts(**tensors):
-    """Names of the given tensors (or floats) that hold a NaN or inf, e.g. ['rewards', 'loss']."""
-    bad = []
-    for name, value in tensors.items():
-        value = torch.as_tensor(value)
-        if value.is_floating_point() and not torch.isfinite(value).all():
-            bad.append(name)
-    return bad
-
-
-class BadStepGuard:
-    """Counts updates that were skipped because of a NaN or inf (in the rewards, the loss or the gradients).
-
-    ``record(step, problems)`` logs a skipped update and raises ``SystemExit`` (exit code 1, a clear message)
-    once ``max_bad_steps`` updates in a row were skipped; a good step resets the count.
-    """
-
-    def __init__(self, max_bad_steps, in_a_row=0, total=0):
-        self.max_bad_steps = max_bad_steps
-        self.in_a_row = in_a_row
-        self.total = total
-
-    def record(self, step, problems):
-        """problems: list of what was non-finite at ``step`` (empty for a good step)."""
-        if not problems:
-            self.in_a_row = 0
-            return
-        self.in_a_row += 1
-        self.total += 1
-        Logger(f"step {step}: update skipped, non-finite {', '.join(problems)} "
-               f"({self.in_a_row} in a row, --max_bad_steps {self.max_bad_steps})")
-        if self.in_a_row >= self.max_bad_steps:
-            raise SystemExit(f"stopping at step {step}: {self.in_a_row} updates in a row had non-finite "
-                             f"{', '.join(problems)}; the weights were not changed by them, and the last saved "
-                             f"checkpoint holds no NaN. Lower --learning_rate or check the reward function.")
-
-
-class ResumableBatchSampler(torch.utils.data.Sampler):
-    """Batches of one epoch's prompt indices for this rank, skipping the batches a resumed run already saw.
-
-    The order of epoch ``e`` is DistributedSampler's (a permutation seeded by ``seed + e``, split over ranks;
-    world size 1 when not distributed), so it does not depend on whether or where the run was interrupted.
-    ``set_epoch(e, skip_batches)`` picks the epoch; the last partial batch is dropped.
-    """
-
-    def __init__(self, dataset, batch_size, world_size, rank, seed):
-        self.sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=world_size, rank=rank,
-                                                           shuffle=True, seed=seed, drop_last=True)
-        self.batch_size = batch_size
-        self.skip_batches = 0
-
-    def set_epoch(self, epoch, skip_batches=0):
-        self.sampler.set_epoch(epoch)
-        self.skip_batches = skip_batches
-
-    def __iter__(self):
-        indices = list(self.sampler)
-        full = len(indices) // self.batch_size * self.batch_size
-        for start in range(self.skip_batches * self.batch_size, full, self.batch_size):
-            yield indices[start:start + self.batch_size]
-
-    def __len__(self):
-        return len(self.sampler) // self.batch_size - self.skip_batches
-
-
-def training_states(objects):
-    """name -> state for a resume file: ``state_dict()`` of models (fp32, unwrapped), optimizers and schedules,
-    ``get_state()`` of ``torch.Generator`` objects. A model's gradients that are not yet applied (a save in the
-    middle of ``--accumulation_steps``) go under ``{name}_grads``."""
-    states = {}
-    for name, obj in objects.items():
-        if isinstance(obj, torch.Generator):
-            states[name] = obj.get_state()
-        elif isinstance(obj, torch.nn.Module):
-            module = unwrap_model(obj)
-            states[name] = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
-            states[f"{name}_grads"] = {k: p.grad.detach().cpu().clone() for k, p in module.named_parameters()
-                                       if p.grad is not None}
-        else:
-            states[name] = obj.state_dict()
-    return states
-
-
-def load_training_states(objects, states, path):
-    """Inverse of ``training_states``: load each saved state into the object of the same name (strictly).
-
-    Raises:
-        ValueError: naming ``path`` and the missing entry when the file lacks a state this run needs.
-    """
-    for name, obj in objects.items():
-        if name not in states:
-            raise ValueError(f"{path} has no saved {name!r}; it was written by a different kind of run")
-        if isinstance(obj, torch.Generator):
-            obj.set_state(states[name])
-        elif isinstance(obj, torch.nn.Module):
-            module = unwrap_model(obj)
-            module.load_state_dict(states[name], strict=True)
-            grads = states.get(f"{name}_grads", {})
-            for param_name, param in module.named_parameters():
-                param.grad = grads[param_name].to(param.device) if param_name in grads else None
-        else:
-            obj.load_state_dict(states[name])
-
-
-def parameter_digest(model):
-    """sha256 over every parameter's name and bytes: equal digests mean bit-identical weights."""
-    digest = hashlib.sha256()
-    for name, param in unwrap_model(model).state_dict().items():
-        digest.update(name.encode())
-        digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
 
 
 def build_policy_optimizer(model, learning_rate, weight_decay, final_norm_learning_rate):
@@ -647,11 +300,13 @@ def build_cosine_scheduler(optimizer, total_steps, min_lr_ratio=0.1):
 
 
 # ----------------------------------------------------------------------------- masks and KL
+
+
 def completion_mask_from_ids(completion_ids, eos_token_id):
     """Mask of the completion tokens that count: every token up to and including the first EOS.
 
     completion_ids: long [N, R] -> long [N, R] of 0/1. A row without EOS (truncated) is all ones.
-    Everything after the first EOS (padding or stray tokens) is 0. (DESIGN.md, "Masks".)
+    Everything after the first EOS (padding or stray tokens) is 0.
     """
     is_eos = completion_ids == eos_token_id  # [N, R]
     positions = torch.arange(completion_ids.size(1), device=completion_ids.device).expand_as(completion_ids)
@@ -686,6 +341,8 @@ def k3_kl(ref_per_token_logps, per_token_logps, mask=None):
 
 
 # ----------------------------------------------------------------------------- rewards (chapter 8.3)
+
+
 def rep_penalty(text, n=3, cap=0.5):
     """n-gram repetition penalty of MiniMind's reward (chapter 8.3), in [0, cap].
 
@@ -980,18 +637,3 @@ def calculate_rewards(prompts, responses, answers, reward_model, answer_reward_w
     return {"rewards": rewards, "rule_rewards": rule_rewards, "reward_model_scores": reward_model_scores,
             "answer_rewards": answer_rewards}
 
-
-class StepTimer:
-    """Elapsed time and an estimate of the time left, for log lines."""
-
-    def __init__(self, total_steps, start_step=0):
-        self.start = time.time()
-        self.total_steps = total_steps
-        self.start_step = start_step
-
-    def eta(self, step):
-        """(elapsed 'H:MM:SS', remaining 'H:MM:SS') after ``step`` of ``total_steps``."""
-        elapsed = time.time() - self.start
-        done = max(step - self.start_step, 1)
-        remaining = elapsed / done * (self.total_steps - step)
-        return format_duration(elapsed), format_duration(remaining)
