@@ -517,9 +517,12 @@ class CriticModel(MiniMindPreTrainedModel):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids, attention_mask=None, **kwargs):
-        hidden_states, _ = self.model(input_ids, attention_mask)  # [B, T, hidden], already normed
-        return self.value_head(hidden_states).squeeze(-1).float()  # [B, T]
+    def forward(self, input_ids, attention_mask=None, return_aux_loss=False, **kwargs):
+        """values fp32 [B, T]; with ``return_aux_loss``, (values, aux_loss): the MoE load-balancing loss of the
+        critic's own routers (a 0 tensor for a dense model), which PPO adds to its loss as it does the actor's."""
+        hidden_states, aux_loss = self.model(input_ids, attention_mask)  # [B, T, hidden], already normed
+        values = self.value_head(hidden_states).squeeze(-1).float()  # [B, T]
+        return (values, aux_loss) if return_aux_loss else values
 
     def load_actor_state_dict(self, state_dict):
         """Load an actor (``MiniMindForCausalLM``) state dict into the backbone.

@@ -167,8 +167,8 @@ def make_update_inputs(tokenizer):
                            ref_per_token_logps=ref, old_resp_values=values,
                            advantages=torch.randn(4, gen_len), returns=torch.randn(4, gen_len))
     args = Namespace(ppo_update_iters=2, mini_batch_size=1, temperature=1.0, clip_epsilon=0.2, kl_coef=0.02,
-                     cliprange_value=0.2, vf_coef=0.5, minibatch_accumulation_steps=1, grad_clip=1.0,
-                     early_stop_kl=0.25, dtype="float32")
+                     cliprange_value=0.2, vf_coef=0.5, minibatch_accumulation_steps=1, kl_placement="loss",
+                     grad_clip=1.0, early_stop_kl=0.25, dtype="float32")
     return actor, critic, data, args
 
 
@@ -250,7 +250,8 @@ def test_ppo_last_partial_accumulation_window_gets_its_own_size():
                            old_per_token_logps=torch.full((4, 5), -4.0), ref_per_token_logps=torch.full((4, 5), -4.0),
                            advantages=torch.ones(4, 5), old_resp_values=torch.zeros(4, 5), returns=torch.ones(4, 5))
     actor_optimizer, critic_optimizer = GradNormRecorder(actor.parameters()), GradNormRecorder(critic.parameters())
-    args = types.SimpleNamespace(ppo_update_iters=2, mini_batch_size=1, minibatch_accumulation_steps=3, dtype="float32",
+    args = types.SimpleNamespace(ppo_update_iters=2, mini_batch_size=1, minibatch_accumulation_steps=3,
+                                 kl_placement="loss", dtype="float32",
                                  temperature=1.0, clip_epsilon=0.2, kl_coef=0.0, early_stop_kl=100.0,
                                  cliprange_value=0.2, vf_coef=0.5, grad_clip=1e9)
     result = ppo_update(data, actor, critic, actor_optimizer, critic_optimizer,
@@ -276,3 +277,90 @@ def test_advantages_std_metric_is_a_std_not_an_rms():
     mask = torch.tensor([[1, 1, 0]])
     # real tokens 3 and 5: mean 4, population std 1 (the RMS would be sqrt(17) = 4.123)
     assert masked_std(advantages, mask).item() == pytest.approx(1.0)
+
+
+def test_kl_penalty_rewards_hand_computed():
+    # logp - ref = [0.5, -1.0, 0.0 | masked 9]; -0.1 * that = [-0.05, 0.1, 0, 0]
+    from trainer.train_ppo import kl_penalty_rewards
+    old = torch.tensor([[-1.0, -2.0, -0.5, -10.0]])
+    ref = torch.tensor([[-1.5, -1.0, -0.5, -19.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    assert kl_penalty_rewards(old, ref, mask, 0.1)[0].tolist() == pytest.approx([-0.05, 0.1, 0.0, 0.0], abs=1e-7)
+
+
+def test_kl_in_the_reward_flows_through_gae_as_a_plain_return():
+    # --kl_placement reward: token rewards [-0.05, 0.1, 0 + 1.0 (sequence reward on the last real token)];
+    # with gamma = lambda = 1 and V = 0, A_t is the sum of the rewards from t on: [1.05, 1.1, 1.0]
+    from trainer.train_ppo import kl_penalty_rewards
+    old = torch.tensor([[-1.0, -2.0, -0.5]])
+    ref = torch.tensor([[-1.5, -1.0, -0.5]])
+    mask = torch.ones(1, 3, dtype=torch.long)
+    token_rewards = place_sequence_rewards(torch.tensor([1.0]), mask) + kl_penalty_rewards(old, ref, mask, 0.1)
+    advantages, returns = compute_gae(token_rewards, torch.zeros(1, 3), mask, gamma=1.0, lam=1.0)
+    assert advantages[0].tolist() == pytest.approx([1.05, 1.1, 1.0], abs=1e-6)
+    assert returns[0].tolist() == pytest.approx([1.05, 1.1, 1.0], abs=1e-6)
+
+
+def test_kl_placement_reward_takes_the_kl_out_of_the_loss(tokenizer):
+    # the same update with kl_coef 0.02 in the rewards and a loss without KL equals kl_coef 0 in the loss
+    from trainer.train_ppo import ppo_update
+    from trainer.trainer_utils import build_cosine_scheduler
+    results = []
+    for kl_coef, placement in ((0.0, "loss"), (0.02, "reward")):
+        actor, critic, data, args = make_update_inputs(tokenizer)
+        data.ref_per_token_logps = data.ref_per_token_logps - 1.0  # a KL the loss would see
+        args.kl_coef, args.kl_placement, args.ppo_update_iters = kl_coef, placement, 1
+        actor_opt = torch.optim.SGD(actor.parameters(), lr=0.0)
+        critic_opt = torch.optim.SGD(critic.parameters(), lr=0.0)
+        schedules = build_cosine_scheduler(actor_opt, 10), build_cosine_scheduler(critic_opt, 10)
+        results.append(ppo_update(data, actor, critic, actor_opt, critic_opt, *schedules, args, "cpu",
+                                  torch.Generator().manual_seed(0)))
+    assert results[1]["policy_loss"] == pytest.approx(results[0]["policy_loss"], abs=1e-7)
+    assert results[1]["kl_ref"] > 0.1  # still logged
+
+
+class GateGradRecorder(torch.optim.SGD):
+    """SGD with lr 0 that records, at every step, the gradient norm of the parameters whose name has 'gate'."""
+
+    def __init__(self, named_params):
+        named_params = list(named_params)
+        self.gates = [p for name, p in named_params if ".gate." in name]
+        super().__init__([p for _, p in named_params], lr=0.0)
+        self.gate_norms = []
+
+    def step(self, closure=None):
+        grads = [p.grad.flatten() for p in self.gates if p.grad is not None]
+        self.gate_norms.append(float(torch.cat(grads).norm()) if grads else 0.0)
+        return super().step(closure)
+
+
+def test_moe_critic_routers_get_the_load_balancing_gradient():
+    # The critic's value head starts at 0, so the value loss sends no gradient into its backbone at the first
+    # update: its MoE routers learn only from their own aux loss. Before CriticModel returned it, their
+    # gradient was exactly 0.
+    import types
+
+    from model.model_minimind import CriticModel, MiniMindForCausalLM
+    from trainer.train_ppo import PPORolloutBatch, ppo_update
+    from trainer.trainer_utils import build_config, build_cosine_scheduler
+    torch.manual_seed(0)
+    config = build_config(64, 2, 1)
+    actor, critic = MiniMindForCausalLM(config), CriticModel(config)
+    ids = torch.randint(3, 400, (2, 8))  # [2, 8]
+    data = PPORolloutBatch(output_ids=ids, full_mask=torch.ones_like(ids),
+                           completion_mask=torch.ones(2, 4, dtype=torch.long),
+                           old_per_token_logps=torch.full((2, 4), -6.0), ref_per_token_logps=torch.full((2, 4), -6.0),
+                           advantages=torch.ones(2, 4), old_resp_values=torch.zeros(2, 4), returns=torch.ones(2, 4))
+    args = types.SimpleNamespace(ppo_update_iters=1, mini_batch_size=2, minibatch_accumulation_steps=1,
+                                 kl_placement="loss", dtype="float32", temperature=1.0, clip_epsilon=0.2, kl_coef=0.0,
+                                 early_stop_kl=100.0, cliprange_value=0.2, vf_coef=0.5, grad_clip=1e9)
+    actor_optimizer = torch.optim.SGD(actor.parameters(), lr=0.0)
+    critic_optimizer = GateGradRecorder(critic.named_parameters())
+    assert len(critic_optimizer.gates) == 2  # one router per layer
+    ppo_update(data, actor, critic, actor_optimizer, critic_optimizer, build_cosine_scheduler(actor_optimizer, 10),
+               build_cosine_scheduler(critic_optimizer, 10), args, "cpu", torch.Generator().manual_seed(0))
+    assert critic_optimizer.gate_norms[0] > 0.0
+    values, aux_loss = critic(ids, return_aux_loss=True)
+    expected = sum(layer.mlp.aux_loss for layer in critic.model.layers)  # the routers' own losses, summed
+    assert aux_loss.item() == pytest.approx(float(expected), rel=1e-6) and aux_loss.item() > 0
+    assert torch.equal(values, critic(ids))

@@ -228,3 +228,36 @@ def test_saves_never_take_the_load_shortcut(tmp_path, monkeypatch):
     (tmp_path / "grpo").write_text("a file that happens to share the weight's name")
     assert weight_path("grpo", "out", 256, 0) == "grpo"  # loading accepts a path
     assert weight_path("grpo", "out", 256, 0, allow_file=False) == os.path.join("out", "grpo_256.pth")
+
+
+def test_world_size_change_moves_the_learning_rate_schedule_with_the_step(tmp_path, capsys):
+    # 40 optimizer steps saved by 1 process, resumed by 2: the step becomes 40 * 1 // 2 = 20 and the cosine
+    # learning rate must be the one of step 20 of 100: 0.1 + 0.9 * 0.5 * (1 + cos(0.2 * pi)) = 0.9140576 (by hand),
+    # not step 40's 0.6890576 (before, only the step was rescaled).
+    import types
+
+    from trainer.rl_harness import restore_from_checkpoint, training_states
+    from trainer.train_grpo import parse_args
+    from trainer.trainer_utils import build_cosine_scheduler
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = build_cosine_scheduler(optimizer, 100)
+    for _ in range(40):
+        optimizer.step()
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.6890576, abs=1e-6)  # 0.1 + 0.45 * (1 + cos(0.4 pi))
+    args = parse_args(["--save_dir", str(tmp_path), "--from_weight", "none", "--reward_model_path", "none"])
+    checkpoint = {"progress": {"step": 40, "epoch": 0, "batch_in_epoch": 40, "world_size": 1},
+                  "states": training_states({"model": model, "optimizer": optimizer, "scheduler": scheduler}),
+                  "rng_states": [None], "args": {}}
+    fresh_model = torch.nn.Linear(2, 1)
+    fresh_optimizer = torch.optim.SGD(fresh_model.parameters(), lr=1.0)
+    objects = {"model": fresh_model, "optimizer": fresh_optimizer,
+               "scheduler": build_cosine_scheduler(fresh_optimizer, 100)}
+    progress = {}
+    run = types.SimpleNamespace(world_size=2, rank=0)
+    restore_from_checkpoint(args, run, objects, 1000, str(tmp_path / "x_resume.pth"), checkpoint, progress)
+    assert progress["step"] == 20
+    assert objects["scheduler"].last_epoch == 20
+    assert fresh_optimizer.param_groups[0]["lr"] == pytest.approx(0.9140576, abs=1e-6)
+    assert "world size changed from 1 to 2" in capsys.readouterr().out

@@ -126,6 +126,25 @@ def test_sync_interval_pushes_every_nth_update(start_standin, tokenizer, tmp_pat
     assert os.listdir(tmp_path / "shared") == ["policy_v1"]  # older synced folders are removed
 
 
+def test_sync_cadence_survives_a_resume(start_standin, tokenizer, tmp_path):
+    # sync_interval 3: the uninterrupted engine pushes on calls 3 and 6. Saved after call 2, a new engine (the
+    # resumed run's, which pushes the restored policy at start-up) must push on the next call, not 3 calls later.
+    policy = make_policy(0)
+    server = start_standin(policy)
+    engine = SGLangRolloutEngine(policy, tokenizer, server.url, str(tmp_path / "shared"), sync_interval=3, **FAST)
+    for _ in range(2):
+        engine.update_policy(policy)
+    state = engine.state_dict()
+    assert state == {"num_update_calls": 2, "weight_version": 1}
+    resumed = SGLangRolloutEngine(policy, tokenizer, server.url, str(tmp_path / "shared2"), sync_interval=3, **FAST)
+    resumed.load_state_dict(state)
+    pushes_before = len(server.loaded_paths)
+    resumed.update_policy(policy)
+    assert len(server.loaded_paths) == pushes_before + 1  # the 3rd call pushes, as in the uninterrupted run
+    assert os.path.basename(server.loaded_paths[-1]) == "policy_v1"
+    assert resumed.state_dict() == {"num_update_calls": 3, "weight_version": 2}
+
+
 @pytest.mark.parametrize("temperature, refused", [(0.5, True), (1.0, False)])
 def test_server_mode_refuses_other_logprob_convention_at_first_batch(start_standin, tokenizer, tmp_path,
                                                                      temperature, refused):

@@ -3,6 +3,7 @@ import ast
 import os
 
 import pytest
+import torch
 
 from conftest import ROOT
 
@@ -61,3 +62,52 @@ def test_accumulation_flags_have_one_meaning_each():
     assert ppo_parse_args(["--minibatch_accumulation_steps", "3"]).minibatch_accumulation_steps == 3
     with pytest.raises(SystemExit):  # PPO's unit is the minibatch: the GRPO flag (steps) is not accepted there
         ppo_parse_args(["--accumulation_steps", "2"])
+
+
+def test_dtype_auto_is_float32_on_the_cpu_and_explicit_names_stay():
+    from trainer.trainer_utils import autocast_context, resolve_train_dtype
+    assert resolve_train_dtype("auto", "cpu") == "float32"
+    assert resolve_train_dtype("bfloat16", "cpu") == "bfloat16"
+    assert resolve_train_dtype("float32", "cuda:0") == "float32"
+    with autocast_context("cpu", "auto"):  # float32: no autocast, a matmul stays fp32
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+    with autocast_context("cpu", "bfloat16"):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("device, message", [
+    ("mps", "the scripts run on cpu or cuda"),
+    ("tpu:0", "is not a device"),
+    ("gpu", "is not a device"),
+])
+def test_bad_device_is_an_error_that_names_the_flag(device, message, capsys):
+    from trainer.train_grpo import parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["--device", device])
+    err = capsys.readouterr().err
+    assert f"--device {device!r}" in err and message in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_cuda_device_without_a_gpu_is_refused(capsys):
+    from trainer.train_ppo import parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["--device", "cuda:1"])
+    assert "this machine has no CUDA GPU" in capsys.readouterr().err
+
+
+def test_device_flag_picks_the_device():
+    from trainer.trainer_utils import init_distributed_mode
+    assert init_distributed_mode("cpu") == (0, "cpu")
+    assert init_distributed_mode("") == (0, "cuda:0" if torch.cuda.is_available() else "cpu")
+
+
+def test_use_compile_wraps_the_same_parameters_and_0_leaves_the_module():
+    # compiling is lazy (the first call compiles, ~1-3 min on a 2-core CPU), so this builds the wrapper only
+    from trainer.rl_harness import compile_for_training
+    from trainer.trainer_utils import unwrap_model
+    model = torch.nn.Linear(3, 2)
+    assert compile_for_training(model, 0) is model
+    compiled = compile_for_training(model, 1)
+    assert compiled is not model and unwrap_model(compiled) is model
+    assert [id(p) for p in compiled.parameters()] == [id(p) for p in model.parameters()]

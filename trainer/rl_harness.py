@@ -42,10 +42,10 @@ from trainer.rollout_engine import (
     ROLLOUT_ENGINES, SGLANG_LOGPROB_MODES, TORCH_LOGPROB_MODES, create_rollout_engine,
 )
 from trainer.trainer_utils import (
-    DEFAULT_REWARD_MODEL_PATH, DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, DTYPES, ROOT, TRAIN_DTYPES,
+    DEFAULT_REWARD_MODEL_PATH, DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, DTYPE_CHOICES, DTYPES, ROOT,
     LMForRewardModel, Logger, add_bool_flag, atomic_save, build_config, check_writable_dir,
     half_state_dict, init_distributed_mode, init_model, is_main_process, project_scale_only_gradients,
-    read_reward_model_config, resolve_dtype, setup_seed, unwrap_model, weight_path,
+    read_reward_model_config, resolve_dtype, resolve_train_dtype, setup_seed, unwrap_model, weight_path,
 )
 
 
@@ -357,8 +357,8 @@ class ResumableBatchSampler(torch.utils.data.Sampler):
 
 def training_states(objects):
     """name -> state for a resume file: ``state_dict()`` of models (fp32, unwrapped), optimizers and schedules,
-    ``get_state()`` of ``torch.Generator`` objects. A model's gradients that are not yet applied (a save in the
-    middle of ``--accumulation_steps``) go under ``{name}_grads``."""
+    ``get_state()`` of ``torch.Generator`` objects, a rollout engine's ``state_dict()``. A model's gradients that
+    are not yet applied (a save in the middle of an accumulation window) go under ``{name}_grads``."""
     states = {}
     for name, obj in objects.items():
         if isinstance(obj, torch.Generator):
@@ -445,8 +445,16 @@ def add_common_rl_args(parser):
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollout")
     parser.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling (1.0 = off)")
     parser.add_argument("--top_k", type=int, default=0, help="top-k sampling (0 = off)")
-    parser.add_argument("--dtype", default="float32", choices=TRAIN_DTYPES,
-                        help="autocast dtype of the policy/critic forwards (weights and log-softmax stay fp32)")
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                        help="autocast dtype of the policy/critic forwards (weights and log-softmax stay fp32); "
+                             "auto = bfloat16 on a CUDA GPU that supports it, float32 elsewhere")
+    parser.add_argument("--device", default="",
+                        help="e.g. cuda:1 or cpu (default: the first GPU if there is one; under torchrun each "
+                             "process takes the GPU of its LOCAL_RANK, and cpu keeps them all on the CPU)")
+    add_bool_flag(parser, "--use_compile",
+                  help="1: torch.compile the training forwards (policy; PPO's critic too), not the rollout's decode")
+    parser.add_argument("--num_workers", type=int, default=0,
+                        help="DataLoader worker processes that read the prompts (0 = in the training process)")
     parser.add_argument("--torch_logprobs", default="sampler", choices=TORCH_LOGPROB_MODES,
                         help="old log-probs of --rollout_engine torch: recorded while sampling, or one more forward")
     parser.add_argument("--thinking_ratio", type=float, default=0.9, help="share of prompts that open <think>")
@@ -518,6 +526,17 @@ def check_common_rl_args(parser, args):
         parser.error(f"--rollout_engine {args.rollout_engine!r} is unknown; valid: {', '.join(ROLLOUT_ENGINES)}")
     if not os.path.isfile(args.data_path):
         parser.error(f"--data_path {args.data_path} does not exist")
+    if args.num_workers < 0:
+        parser.error(f"--num_workers must be >= 0, got {args.num_workers}")
+    if args.device:
+        try:
+            device_type = torch.device(args.device).type
+        except RuntimeError:
+            parser.error(f"--device {args.device!r} is not a device (e.g. cpu, cuda, cuda:1)")
+        if device_type not in ("cpu", "cuda"):
+            parser.error(f"--device {args.device!r}: the scripts run on cpu or cuda")
+        if device_type == "cuda" and not torch.cuda.is_available():
+            parser.error(f"--device {args.device}: this machine has no CUDA GPU (torch.cuda.is_available() is False)")
     if args.grad_clip <= 0:
         parser.error(f"--grad_clip must be > 0, got {args.grad_clip}")
     if args.top_k < 0:
@@ -571,6 +590,13 @@ def wrap_ddp(model, device, local_rank):
     use_moe = bool(getattr(getattr(model, "config", None), "use_moe", False))
     return DistributedDataParallel(model, device_ids=[local_rank] if device.startswith("cuda") else None,
                                    find_unused_parameters=use_moe)
+
+
+def compile_for_training(model, use_compile):
+    """``--use_compile 1``: ``torch.compile(model, dynamic=True)`` (the lengths change every step), for the
+    forwards that train (log-probs with gradient, values); the rollout keeps the plain module. The compiled
+    wrapper shares the parameters; ``unwrap_model`` returns the plain module. ``use_compile`` 0: ``model``."""
+    return torch.compile(model, dynamic=True) if use_compile else model
 
 
 def all_ranks_mean(value, device):
@@ -683,20 +709,35 @@ def restore_from_checkpoint(args, run, objects, steps_per_epoch, path, checkpoin
                          f"to, so on resume the reference model would be the step-{checkpoint['progress']['step']} "
                          f"policy, not the starting one; start runs from a copy (another --save_weight)")
     load_training_states(objects, checkpoint["states"], path)
+    run.rollout_engine_state = checkpoint["states"].get("rollout_engine")  # loaded into the engine by start()
     resumed, rng_state = resume_progress(checkpoint, run.world_size, steps_per_epoch, run.rank)
     progress.update(resumed)
     if rng_state is not None:
         set_rng_state(rng_state)
     else:
         saved_world_size = checkpoint["progress"]["world_size"]
+        for obj in objects.values():  # the schedules move with the step (a cosine keyed to the old step would not)
+            if isinstance(obj, torch.optim.lr_scheduler.LambdaLR):
+                rescale_schedule(obj, saved_world_size, run.world_size)
         setup_seed(args.seed + run.rank + 1000 * progress["step"])
-        Logger(f"world size changed from {saved_world_size} to {run['world_size']}: step rescaled to "
-               f"{progress['step']}, data position to batch {progress['batch_in_epoch']} of epoch "
+        Logger(f"world size changed from {saved_world_size} to {run.world_size}: step and learning-rate schedules "
+               f"rescaled to {progress['step']}, data position to batch {progress['batch_in_epoch']} of epoch "
                f"{progress['epoch']}; random states reseeded, so this resume is not bit-exact")
     for change in describe_changed_flags(checkpoint["args"], args):
         Logger(f"warning: resuming with a changed flag: {change}")
     Logger(f"resumed from {path} at step {progress['step']} (epoch {progress['epoch']}, "
            f"batch {progress['batch_in_epoch']})")
+
+
+def rescale_schedule(scheduler, saved_world_size, world_size):
+    """Move a restored ``LambdaLR`` (``build_cosine_scheduler``) to where a resume across a world-size change
+    puts the step: its position is scaled by ``saved_world_size / world_size`` with the same integer rule as
+    ``resume_progress``, and every group's learning rate is recomputed at that position."""
+    scheduler.last_epoch = scheduler.last_epoch * saved_world_size // world_size
+    rates = [base * rate(scheduler.last_epoch) for base, rate in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, learning_rate in zip(scheduler.optimizer.param_groups, rates):
+        group["lr"] = learning_rate
+    scheduler._last_lr = rates
 
 
 def save_checkpoint(args, script, lm_config, objects, progress, weights):
@@ -786,12 +827,13 @@ class RLRun:
     weights: dict = field(default_factory=dict)  # name in save_dir -> module saved as a MiniMind .pth
     progress: dict = field(default_factory=dict)  # step, epoch, batch_in_epoch, run_dir, wandb_id, bad steps
     rollout_engine: Any = None
+    rollout_engine_state: Optional[dict] = None  # the engine's state from the resume file, if any
     run_dir: str = ""
     writer: Optional[MetricsWriter] = None
     stop_signal: Optional[StopSignal] = None
     guard: Optional[BadStepGuard] = None
     timer: Optional[StepTimer] = None
-    log_line: Optional[Callable] = None  # (metrics, elapsed, remaining) -> str, the script's log line
+    log_line: Optional[Callable] = None  # metrics -> str, the script's part of the log line
     # where the loop is (set by batches()):
     epoch: int = 0
     batch_in_epoch: int = 0
@@ -807,7 +849,8 @@ class RLRun:
             ValueError: when the data file has fewer prompts than one batch per rank (says how many of each).
             DataFormatError: a bad data line (file and line number).
         """
-        local_rank, device = init_distributed_mode()
+        local_rank, device = init_distributed_mode(args.device)
+        args.dtype = resolve_train_dtype(args.dtype, device)  # "auto" -> what this device runs
         rank = dist.get_rank() if dist.is_initialized() else 0
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         setup_seed(args.seed)  # identical initial weights on every rank
@@ -841,10 +884,11 @@ class RLRun:
                                          args.max_gen_len, args.max_seq_len, device)
         batch_sampler = ResumableBatchSampler(dataset, args.batch_size, world_size, rank, args.seed)
         # its own generator: creating the loader's iterator must not draw from the global RNG (exact resume)
-        loader = DataLoader(dataset, batch_sampler=batch_sampler, generator=torch.Generator().manual_seed(args.seed))
+        loader = DataLoader(dataset, batch_sampler=batch_sampler, num_workers=args.num_workers,
+                            generator=torch.Generator().manual_seed(args.seed))
         setup_seed(args.seed + rank)  # different sampling on every rank
         Logger(f"{script.upper()}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
-               f"{len(dataset)} prompts, world size {world_size}, device {device}")
+               f"{len(dataset)} prompts, world size {world_size}, device {device}, dtype {args.dtype}")
         total_steps = count_total_steps(args.max_steps, args.epochs, len(loader))
         return cls(args=args, script=script, script_path=script_path, argv=argv, reward_fn=reward_fn, device=device,
                    rank=rank, world_size=world_size, local_rank=local_rank, lm_config=lm_config, model=model,
@@ -859,7 +903,7 @@ class RLRun:
             objects: name -> model / optimizer / schedule / generator restored on resume and saved with it.
             weights: name in ``save_dir`` -> module saved as a MiniMind fp16 .pth at every checkpoint.
             summary: the run's one-line description (", metrics in DIR" is appended).
-            log_line: (metrics, elapsed, remaining) -> the script's log line.
+            log_line: metrics -> the script's part of the log line (after the rewards, before the times).
         """
         args = self.args
         self.objects, self.weights, self.log_line = objects, weights, log_line
@@ -867,6 +911,8 @@ class RLRun:
         # made after the restore: the SGLang engine pushes the (restored) policy to its server at start-up
         self.rollout_engine = create_rollout_engine(args.rollout_engine, self.model, self.tokenizer,
                                                     **rollout_engine_kwargs(args))
+        if self.rollout_engine_state is not None:
+            self.rollout_engine.load_state_dict(self.rollout_engine_state)
         self.run_dir, self.writer = open_metrics(args, self.progress)
         Logger(f"{summary}, metrics in {self.run_dir}")
         self.stop_signal = StopSignal()
@@ -918,7 +964,10 @@ class RLRun:
             elapsed, remaining = self.timer.eta(step)
             metrics.update(step=step, total_steps=self.total_steps, epoch=self.epoch, **learning_rates,
                            elapsed_s=time.time() - self.timer.start, sample_indices=self.sample_indices)
-            Logger(f"step {step}/{self.total_steps} | {self.log_line(metrics)} | {elapsed} elapsed, {remaining} left")
+            rewards = (f"reward {metrics['reward']:.3f} (rule {metrics['rule_reward']:.3f}, "
+                       f"rm {metrics['reward_model_score']:.3f}, answer {metrics['answer_reward']:.3f})")
+            Logger(f"step {step}/{self.total_steps} | {rewards} | {self.log_line(metrics)} | "
+                   f"{elapsed} elapsed, {remaining} left")
             self.writer.log(metrics)
         return metrics
 
@@ -941,7 +990,8 @@ class RLRun:
 
     def save(self):
         """One checkpoint (``save_checkpoint``) at ``self.progress``; returns the resume file's path."""
-        return save_checkpoint(self.args, self.script, self.lm_config, self.objects, self.progress, self.weights)
+        objects = dict(self.objects, rollout_engine=self.rollout_engine)  # its state is saved, restored by start()
+        return save_checkpoint(self.args, self.script, self.lm_config, objects, self.progress, self.weights)
 
     def close(self):
         """Print the held-out summary, close the metrics (and wandb), give the signals back."""

@@ -172,6 +172,13 @@ class RolloutEngine(ABC):
     def update_policy(self, model):
         """Make later rollouts sample from ``model``'s current weights."""
 
+    def state_dict(self):
+        """What a resumed run needs to continue this engine's bookkeeping (a dict; empty when there is none)."""
+        return {}
+
+    def load_state_dict(self, state):
+        """Restore ``state_dict()``'s result (resume)."""
+
 
 TORCH_LOGPROB_MODES = ("sampler", "recompute")
 
@@ -566,6 +573,17 @@ class SGLangRolloutEngine(RolloutEngine):
         if error is not None:
             raise RuntimeError(f"rank 0 could not sync the policy to SGLang: {error}")
         self.weight_version += 1
+
+    def state_dict(self):
+        """The sync cadence and the folder counter: without them a resume with ``sync_interval`` > 1 would push
+        on other steps than the run it continues."""
+        return {"num_update_calls": self.num_update_calls, "weight_version": self.weight_version}
+
+    def load_state_dict(self, state):
+        """Continue the cadence of ``state_dict()``: the next push happens on the call the saved run would have
+        made it (the start-up push of the restored policy already happened)."""
+        self.num_update_calls = int(state["num_update_calls"])
+        self.weight_version = max(self.weight_version, int(state["weight_version"]))
 
     def update_policy(self, model):
         """Every ``sync_interval``-th call, push ``model``'s weights to the server (see the class docstring)."""

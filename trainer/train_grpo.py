@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch
 
 from trainer.rl_harness import (
-    RLRun, accumulation_window_size, add_common_rl_args, check_common_rl_args, nan_safe_step, print_debug_samples,
-    wrap_ddp,
+    RLRun, accumulation_window_size, add_common_rl_args, check_common_rl_args, compile_for_training, nan_safe_step,
+    print_debug_samples, wrap_ddp,
 )
 from trainer.rollout_engine import compute_per_token_logps, tokenize_prompts
 from trainer.trainer_utils import (
@@ -217,10 +217,8 @@ def grpo_step(batch, model, ref_model, rollout_engine, reward_fn, reward_model, 
 
 
 def grpo_log_line(metrics):
-    """The middle of GRPO's log line: rewards, KL, advantages, loss, length, learning rate."""
-    return (f"reward {metrics['reward']:.3f} (rule {metrics['rule_reward']:.3f}, "
-            f"rm {metrics['reward_model_score']:.3f}, answer {metrics['answer_reward']:.3f}) | "
-            f"kl_ref {metrics['kl_ref']:.4f} | "
+    """GRPO's part of the log line (after the rewards): KL, advantages, loss, length, learning rate."""
+    return (f"kl_ref {metrics['kl_ref']:.4f} | "
             f"adv mean {metrics['advantages_mean']:.3f} std {metrics['advantages_std']:.3f} | "
             f"policy_loss {metrics['policy_loss']:.4f} | len {metrics['response_len']:.1f} | "
             f"lr {metrics['learning_rate']:.2e}")
@@ -234,7 +232,7 @@ def main(argv=None, reward_fn=calculate_rewards, run_class=RLRun):
     optimizer = build_policy_optimizer(model, args.learning_rate, args.weight_decay, args.final_norm_learning_rate)
     num_updates = -(-run.total_steps // args.accumulation_steps)  # ceil: the last window may be shorter
     scheduler = build_cosine_scheduler(optimizer, num_updates)
-    ddp_model = wrap_ddp(model, run.device, run.local_rank)
+    ddp_model = compile_for_training(wrap_ddp(model, run.device, run.local_rank), args.use_compile)
     run.start({"model": model, "optimizer": optimizer, "scheduler": scheduler}, {args.save_weight: model},
               f"GRPO: {run.total_steps} steps, {args.batch_size} prompts x {args.num_generations} answers per "
               f"step, loss {args.loss_type}", grpo_log_line)

@@ -4,13 +4,15 @@ One step, in chapter order:
   1. rollout of B prompts with one answer each: completions and old_per_token_logps (8.2); reference
      log-probs and the critic's old values under no_grad;
   2. rewards [B] = rule reward + reward-model score + answer reward (8.3, ``calculate_rewards``);
-  3. token_rewards [B, R]: the sequence reward on the last real token (``place_sequence_rewards``, 8.4.2);
+  3. token_rewards [B, R]: the sequence reward on the last real token (``place_sequence_rewards``, 8.4.2), plus
+     the per-token KL penalty with ``--kl_placement reward`` (``kl_penalty_rewards``);
   4. GAE: advantages and returns = advantages + values (``compute_gae``), then masked whitening of the
      advantages (``masked_whiten``) (8.4.2). The default lambda is 1.0, not the chapter's 0.95 (``--lam``),
      because the reward sits on the last token only and 0.95 decays it geometrically towards the first;
   5. ``ppo_update_iters`` epochs over shuffled minibatches: clipped surrogate + kl_coef * k3 reference KL
+     (with the default ``--kl_placement loss``)
      (``ppo_policy_loss``, 8.4.3) and the clipped value loss (``ppo_value_loss``, 8.4.4),
-     loss = policy_loss + vf_coef * value_loss + aux_loss; the epochs stop early once the approximate KL
+     loss = policy_loss + vf_coef * value_loss + both MoE aux losses; the epochs stop early once the approximate KL
      0.5 * E[(log ratio)^2] passes ``early_stop_kl``;
   6. two AdamW optimizers with cosine schedules (actor, critic; the actor's final RMSNorm gain in a group of
      its own, ``build_policy_optimizer``), one log line, atomic checkpoints, the held-out evaluation.
@@ -33,8 +35,8 @@ import torch
 
 from model.model_minimind import CriticModel
 from trainer.rl_harness import (
-    RLRun, accumulation_window_size, add_common_rl_args, all_ranks_mean, check_common_rl_args, nan_safe_step,
-    print_debug_samples, wrap_ddp,
+    RLRun, accumulation_window_size, add_common_rl_args, all_ranks_mean, check_common_rl_args, compile_for_training,
+    nan_safe_step, print_debug_samples, wrap_ddp,
 )
 from trainer.rollout_engine import compute_per_token_logps, tokenize_prompts
 from trainer.trainer_utils import (
@@ -42,6 +44,9 @@ from trainer.trainer_utils import (
     masked_mean, shutdown_distributed, unwrap_model, weight_path,
 )
 from trainer.rl_harness import any_rank, nonfinite_parts
+
+
+KL_PLACEMENTS = ("loss", "reward")
 
 
 # ----------------------------------------------------------------------------- the math (chapter 8.4)
@@ -67,6 +72,23 @@ def place_sequence_rewards(rewards, completion_mask):
     rows = torch.arange(completion_mask.size(0), device=rewards.device)[valid_resp]
     token_rewards[rows, resp_lengths[valid_resp] - 1] = rewards[valid_resp].float()
     return token_rewards
+
+
+def kl_penalty_rewards(old_per_token_logps, ref_per_token_logps, completion_mask, kl_coef):
+    """The KL penalty as a per-token reward, for ``--kl_placement reward`` (InstructGPT, Ouyang et al. 2022, eq. 2;
+    the learner's article; TRL's PPOTrainer): r_t = -kl_coef * (log pi_old(y_t) - log pi_ref(y_t)).
+
+    The chapter (8.6) puts k3 into the loss instead (``ppo_policy_loss``); this form adds the sampled log-ratio
+    (k1) to the rewards before GAE, so the critic learns the penalised return.
+
+    Args:
+        old_per_token_logps, ref_per_token_logps: fp32 [B, R]; completion_mask: [B, R] 0/1; kl_coef >= 0.
+    Returns:
+        fp32 [B, R], 0 where masked.
+    """
+    mask = completion_mask.bool()  # [B, R]
+    log_ratio = torch.where(mask, old_per_token_logps - ref_per_token_logps, torch.zeros_like(old_per_token_logps))
+    return -kl_coef * log_ratio.float()  # [B, R]
 
 
 def compute_gae(token_rewards, values, mask, gamma=1.0, lam=1.0):
@@ -184,7 +206,10 @@ def parse_args(argv=None):
     parser.add_argument("--critic_learning_rate", type=float, default=1e-4, help="AdamW learning rate of the critic")
     parser.add_argument("--clip_epsilon", type=float, default=0.2, help="clip range of the ratio (8.4.3)")
     parser.add_argument("--vf_coef", type=float, default=0.5, help="weight of the value loss in the total loss")
-    parser.add_argument("--kl_coef", type=float, default=0.02, help="weight of the k3 KL to the reference (8.6)")
+    parser.add_argument("--kl_coef", type=float, default=0.02, help="weight of the KL to the reference (8.6)")
+    parser.add_argument("--kl_placement", default="loss", choices=KL_PLACEMENTS,
+                        help="loss: kl_coef * k3 in the policy loss (the chapter); reward: -kl_coef * (logp - ref) "
+                             "added to every token's reward before GAE (InstructGPT, the article, TRL)")
     parser.add_argument("--gamma", type=float, default=1.0, help="discount of GAE (8.4.2)")
     parser.add_argument("--lam", type=float, default=1.0,
                         help="GAE lambda; 1.0 = Monte-Carlo return with the critic as baseline (the chapter: 0.95)")
@@ -277,6 +302,9 @@ def ppo_rollout(batch, actor, ref_model, critic, rollout_engine, reward_fn, rewa
 
     scores = normalize_rewards(rewards) if args.reward_norm else rewards  # [B]
     token_rewards = place_sequence_rewards(scores, completion_mask)  # [B, R]
+    if args.kl_placement == "reward":
+        token_rewards = token_rewards + kl_penalty_rewards(rollout.per_token_logps, ref_per_token_logps,
+                                                           completion_mask, args.kl_coef)  # [B, R]
     advantages, returns = compute_gae(token_rewards, old_resp_values, completion_mask, args.gamma, args.lam)
     advantages = masked_whiten(advantages, completion_mask)  # [B, R]
     return PPORolloutBatch(
@@ -305,6 +333,7 @@ def ppo_update(data, actor, critic, actor_optimizer, critic_optimizer, actor_sch
     batch_size = data.output_ids.size(0)
     gen_len = data.completion_mask.size(1)
     accumulation = args.minibatch_accumulation_steps
+    kl_coef = args.kl_coef if args.kl_placement == "loss" else 0.0  # in the rewards otherwise (ppo_rollout)
     total_micro = args.ppo_update_iters * -(-batch_size // args.mini_batch_size)  # minibatches without early stop
     sums, count, optimizer_steps, skipped_steps, stop_ppo, micro = {}, 0, 0, 0, False, 0
     models, optimizers = [actor, critic], [actor_optimizer, critic_optimizer]
@@ -319,17 +348,19 @@ def ppo_update(data, actor, critic, actor_optimizer, critic_optimizer, actor_sch
                     return_aux_loss=True)  # [mb, R]
             policy_loss, stats = ppo_policy_loss(
                 mb_resp_logp, data.old_per_token_logps[inds], data.ref_per_token_logps[inds],
-                data.advantages[inds], mask, args.clip_epsilon, args.kl_coef)
+                data.advantages[inds], mask, args.clip_epsilon, kl_coef)
             approx_kl = all_ranks_mean(stats["approx_kl"], device)
             if approx_kl > args.early_stop_kl:
                 stop_ppo = True  # this minibatch and the rest of the epochs are skipped
                 break
             with autocast_context(device, args.dtype):
-                mb_resp_values = critic(data.output_ids[inds],
-                                        attention_mask=data.full_mask[inds])[:, -gen_len - 1:-1]  # [mb, R]
+                mb_values, critic_aux_loss = critic(data.output_ids[inds], attention_mask=data.full_mask[inds],
+                                                    return_aux_loss=True)  # [mb, P+R]
+            mb_resp_values = mb_values[:, -gen_len - 1:-1]  # [mb, R], V(s_t) before each answer token
             value_loss, value_clipfrac = ppo_value_loss(
                 mb_resp_values, data.old_resp_values[inds], data.returns[inds], mask, args.cliprange_value)
-            loss = policy_loss + args.vf_coef * value_loss + aux_loss
+            # both MoE load-balancing losses (0 for dense models): the actor's and the critic's own routers
+            loss = policy_loss + args.vf_coef * value_loss + aux_loss + critic_aux_loss
             micro += 1
             (loss / accumulation_window_size(micro, total_micro, accumulation)).backward()
             if micro % accumulation == 0:
@@ -379,10 +410,8 @@ def ppo_metrics(data, update, problems):
 
 
 def ppo_log_line(metrics):
-    """The middle of PPO's log line: rewards, KLs, clipping, critic, length, learning rates."""
-    return (f"reward {metrics['reward']:.3f} (rule {metrics['rule_reward']:.3f}, "
-            f"rm {metrics['reward_model_score']:.3f}, answer {metrics['answer_reward']:.3f}) | "
-            f"kl_ref {metrics.get('kl_ref', 0.0):.4f} | approx_kl {metrics.get('approx_kl', 0.0):.4f} | "
+    """PPO's part of the log line (after the rewards): KLs, clipping, critic, length, learning rates."""
+    return (f"kl_ref {metrics.get('kl_ref', 0.0):.4f} | approx_kl {metrics.get('approx_kl', 0.0):.4f} | "
             f"clipfrac {metrics.get('clipfrac', 0.0):.3f} | value_loss {metrics.get('value_loss', 0.0):.4f} | "
             f"explained_var {metrics['explained_variance']:.3f} | len {metrics['response_len']:.1f} | "
             f"lr {metrics['learning_rate']:.2e}/{metrics['critic_learning_rate']:.2e}")
@@ -400,7 +429,8 @@ def main(argv=None, reward_fn=calculate_rewards, run_class=RLRun):
                                          weight_decay=args.weight_decay)
     actor_scheduler = build_cosine_scheduler(actor_optimizer, run.total_steps)  # one schedule step per rollout
     critic_scheduler = build_cosine_scheduler(critic_optimizer, run.total_steps)
-    ddp_actor, ddp_critic = wrap_ddp(actor, device, run.local_rank), wrap_ddp(critic, device, run.local_rank)
+    ddp_actor = compile_for_training(wrap_ddp(actor, device, run.local_rank), args.use_compile)
+    ddp_critic = compile_for_training(wrap_ddp(critic, device, run.local_rank), args.use_compile)
     minibatch_generator = torch.Generator().manual_seed(args.seed)  # the same on every rank
     objects = {"model": actor, "optimizer": actor_optimizer, "scheduler": actor_scheduler, "critic": critic,
                "critic_optimizer": critic_optimizer, "critic_scheduler": critic_scheduler,

@@ -41,16 +41,20 @@ def Logger(content):
         print(content, flush=True)
 
 
-def init_distributed_mode():
+def init_distributed_mode(device=""):
     """Initialise torch.distributed when launched by torchrun (RANK in the environment).
 
     Backend: nccl on CUDA (one device per LOCAL_RANK), gloo on CPU.
+    Args:
+        device: ``--device``: "" = the first GPU if there is one, else the CPU; "cpu" keeps every process on
+            the CPU (gloo) even where CUDA exists; "cuda:N" picks the GPU of a single process (under torchrun
+            each process takes the GPU of its LOCAL_RANK).
     Returns:
         (local_rank, device): local_rank is 0 without torchrun; device is a string like "cuda:1" or "cpu".
     """
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() and device != "cpu"
     if int(os.environ.get("RANK", -1)) == -1:
-        return 0, "cuda:0" if cuda else "cpu"
+        return 0, device or ("cuda:0" if cuda else "cpu")
     local_rank = int(os.environ["LOCAL_RANK"])
     dist.init_process_group(backend="nccl" if cuda else "gloo")
     if cuda:
@@ -485,25 +489,38 @@ def read_reward_model_config(path, trust_remote_code):
 
 
 TRAIN_DTYPES = ("float32", "bfloat16")
+DTYPE_CHOICES = ("auto", *TRAIN_DTYPES)
+
+
+def resolve_train_dtype(name, device):
+    """``--dtype`` as one of ``TRAIN_DTYPES``: "auto" is bfloat16 on a CUDA GPU that supports it (upstream
+    MiniMind's default) and float32 elsewhere (a CPU without bf16 matrix units runs bf16 slower than fp32)."""
+    if name != "auto":
+        return name
+    if torch.device(device).type == "cuda" and torch.cuda.is_bf16_supported():
+        return "bfloat16"
+    return "float32"
 
 
 def autocast_context(device, dtype_name):
     """The context for the policy's (and critic's) forwards under ``--dtype``.
 
-    "float32": no autocast. "bfloat16": ``torch.autocast`` on the device's type (CPU or CUDA); weights,
-    gradients and optimizer states stay fp32, matrix products run in bf16, and every log-softmax of this
-    project casts its logits to fp32 first (``selective_log_softmax``), so log-probs, KL and losses are fp32.
+    "auto": ``resolve_train_dtype``. "float32": no autocast. "bfloat16": ``torch.autocast`` on the device's type
+    (CPU or CUDA); weights, gradients and optimizer states stay fp32, matrix products run in bf16, and every
+    log-softmax of this project casts its logits to fp32 first (``selective_log_softmax``), so log-probs, KL and
+    losses are fp32.
     bf16 is only faster on hardware with bf16 matrix units (CUDA GPUs, CPUs with AMX / AVX512-BF16); on a
     CPU without them it is much slower (``scripts/bench.py`` measures both peaks).
 
     Args:
         device: a torch.device or string ("cpu", "cuda:0").
-        dtype_name: one of ``TRAIN_DTYPES``.
+        dtype_name: one of ``DTYPE_CHOICES``.
     Raises:
         ValueError: for another name.
     """
-    if dtype_name not in TRAIN_DTYPES:
-        raise ValueError(f"unknown --dtype {dtype_name!r}; valid: {', '.join(TRAIN_DTYPES)}")
+    if dtype_name not in DTYPE_CHOICES:
+        raise ValueError(f"unknown --dtype {dtype_name!r}; valid: {', '.join(DTYPE_CHOICES)}")
+    dtype_name = resolve_train_dtype(dtype_name, device)
     if dtype_name == "float32":
         return contextlib.nullcontext()
     return torch.autocast(device_type=torch.device(device).type, dtype=DTYPES[dtype_name])
