@@ -13,7 +13,9 @@ MiniMind-3-sized model (hidden 768, 8 layers, random weights); 2 prompts x 6 gen
 tokens (as many bundled questions as fit: 41 tokens), 64 and 256 generated tokens with EOS ignored (every
 contestant does full-length work), beta 0.1,
 CISPO (epsilon_high 5), temperature 1, no top-k / top-p, one optimizer step per rollout, no gradient
-checkpointing, fp32 (TRL's own defaults are bf16 and gradient checkpointing; both are switched off here).
+checkpointing (TRL's default is on; switched off here), fp32 and, where the machine has bf16 matrix units
+(``has_bf16_units``: a CUDA GPU, or a CPU with AMX / AVX512-BF16), bf16 autocast for both contestants.
+``--device cuda`` runs every contestant on the GPU (timings wait for the GPU's queue).
 
 Figures per contestant: median and spread (min-max) of the step time over ``--steps`` steps after
 ``--warmup`` steps, split into rollout / reward / reference forward / policy forward / policy backward /
@@ -28,10 +30,12 @@ Run:
     pip install --no-deps --target .bench/trl-1.9.2 trl==1.9.2   # for trl_ppo only
     python scripts/bench.py                    # about 20 minutes on a 2-core CPU; table + out/bench/bench.json
     python scripts/bench.py --tiny             # seconds: a 2-layer model, 8 tokens (what the test runs)
+    python scripts/bench.py --device cuda --dtype bfloat16 --lengths 64   # on a GPU (scripts/check_gpu.py)
 """
 import argparse
 import contextlib
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -62,18 +66,27 @@ NUM_GENERATIONS = 6
 
 
 # ----------------------------------------------------------------------------- measuring
+def synchronize(device):
+    """Wait for the device's queued work (CUDA runs asynchronously; a clock read without it times the launch)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class PhaseTimer:
     """Wall-clock seconds per named phase within one step; ``wrap`` times every call of a function."""
 
-    def __init__(self):
+    def __init__(self, device="cpu"):
         self.current = {}
+        self.device = device
 
     @contextlib.contextmanager
     def phase(self, name):
+        synchronize(self.device)
         start = time.perf_counter()
         try:
             yield
         finally:
+            synchronize(self.device)
             self.current[name] = self.current.get(name, 0.0) + time.perf_counter() - start
 
     def wrap(self, fn, name):
@@ -99,8 +112,10 @@ def time_steps(step, spec, timer):
     phases, totals = [], []
     for i in range(spec["warmup"] + spec["steps"]):
         timer.take()
+        synchronize(spec["device"])
         start = time.perf_counter()
         step()
+        synchronize(spec["device"])
         total = time.perf_counter() - start
         if i >= spec["warmup"]:
             phases.append(timer.take())
@@ -108,15 +123,30 @@ def time_steps(step, spec, timer):
     return phases, totals
 
 
-def measure_matmul_peak(dtype, size=2048, repeats=3):
-    """GFLOP/s of a [size x size] @ [size x size] product in ``dtype`` (best of ``repeats``), on the CPU."""
-    a = torch.randn(size, size).to(dtype)
-    b = torch.randn(size, size).to(dtype)
+def has_bf16_units(device):
+    """True where bf16 matrix products run on dedicated units: a CUDA GPU that supports bf16, or a CPU whose
+    flags (/proc/cpuinfo) list amx_bf16 or avx512_bf16. Elsewhere bf16 is emulated and slower than fp32."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def measure_matmul_peak(dtype, size=2048, repeats=3, device="cpu"):
+    """GFLOP/s of a [size x size] @ [size x size] product in ``dtype`` (best of ``repeats``) on ``device``."""
+    a = torch.randn(size, size).to(device=device, dtype=dtype)
+    b = torch.randn(size, size).to(device=device, dtype=dtype)
     a @ b  # warm-up
+    synchronize(device)
     best = math.inf
     for _ in range(repeats):
         start = time.perf_counter()
         a @ b
+        synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * size ** 3 / best / 1e9
 
@@ -214,13 +244,13 @@ def grpo_args(spec):
 
 
 def load_minimind(spec):
-    """(MiniMindForCausalLM with the workload's weights, its config), fp32 on the CPU."""
+    """(MiniMindForCausalLM with the workload's weights, its config), fp32 on spec["device"]."""
     from model.model_minimind import MiniMindForCausalLM
     from trainer.trainer_utils import build_config
     config = build_config(spec["hidden_size"], spec["num_hidden_layers"], 0)
     model = MiniMindForCausalLM(config)
     model.load_state_dict(torch.load(spec["pth"], map_location="cpu", weights_only=True))
-    return model, config
+    return model.to(spec["device"]), config
 
 
 def run_ours_grpo(spec, tokenizer, timer):
@@ -230,13 +260,14 @@ def run_ours_grpo(spec, tokenizer, timer):
     from trainer.rollout_engine import TorchRolloutEngine
     from trainer.trainer_utils import build_cosine_scheduler
     args = grpo_args(spec)
+    device = spec["device"]
     model, config = load_minimind(spec)
     ref_model, _ = load_minimind(spec)
     ref_model.eval().requires_grad_(False)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
     scheduler = build_cosine_scheduler(optimizer, spec["warmup"] + spec["steps"])
-    engine = TorchRolloutEngine(model, tokenizer, generator=torch.Generator().manual_seed(0),
+    engine = TorchRolloutEngine(model, tokenizer, generator=torch.Generator(spec["device"]).manual_seed(0),
                                 logprobs_mode=args.torch_logprobs, ignore_eos=True)
     engine.rollout = timer.wrap(engine.rollout, "rollout")
     reward_fn = timer.wrap(grpo.calculate_rewards, "reward")
@@ -244,11 +275,11 @@ def run_ours_grpo(spec, tokenizer, timer):
     batch = {"prompt": spec["prompts"], "answer": spec["answers"]}
 
     def step():
-        loss, _, _ = grpo.grpo_step(batch, model, ref_model, engine, reward_fn, None, tokenizer, args, "cpu")
+        loss, _, _ = grpo.grpo_step(batch, model, ref_model, engine, reward_fn, None, tokenizer, args, device)
         with timer.phase("policy_backward"):
             loss.backward()
         with timer.phase("optimizer"):
-            _, problems = nan_safe_step([model], [optimizer], args.grad_clip, [], "cpu")
+            _, problems = nan_safe_step([model], [optimizer], args.grad_clip, [], device)
             if not problems:
                 scheduler.step()
 
@@ -294,7 +325,7 @@ def run_trl_grpo(spec, tokenizer, timer):
         output_dir=spec["tmp_dir"], per_device_train_batch_size=rows, gradient_accumulation_steps=1,
         num_generations=NUM_GENERATIONS, max_completion_length=spec["gen_len"], temperature=1.0, top_k=0, top_p=1.0,
         beta=0.1, loss_type="cispo", epsilon_high=5.0, learning_rate=5e-5, max_grad_norm=1.0, max_steps=steps,
-        logging_steps=1, report_to="none", use_cpu=True, bf16=spec["dtype"] == "bfloat16",
+        logging_steps=1, report_to="none", use_cpu=spec["device"] == "cpu", bf16=spec["dtype"] == "bfloat16",
         gradient_checkpointing=False, save_strategy="no", disable_tqdm=True, seed=0,
         generation_kwargs={"min_new_tokens": spec["gen_len"]},  # ignore EOS: full-length work
         model_init_kwargs={"dtype": torch.float32},
@@ -315,19 +346,19 @@ def run_trl_grpo(spec, tokenizer, timer):
 def run_rollouts(spec, tokenizer, timer, contestant):
     """Rollout alone: our TorchRolloutEngine (with its old log-probs) or transformers' generate."""
     from trainer.rollout_engine import tokenize_prompts
-    prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, spec["prompts"], 512, "cpu")
+    prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, spec["prompts"], 512, spec["device"])
     rows = NUM_PROMPTS * NUM_GENERATIONS
     if contestant == "ours_rollout":
         from trainer.rollout_engine import TorchRolloutEngine
         model, config = load_minimind(spec)
-        engine = TorchRolloutEngine(model, tokenizer, generator=torch.Generator().manual_seed(0),
+        engine = TorchRolloutEngine(model, tokenizer, generator=torch.Generator(spec["device"]).manual_seed(0),
                                     logprobs_mode=spec["torch_logprobs"], ignore_eos=True)
 
         def rollout():
             return engine.rollout(prompt_ids, attention_mask, NUM_GENERATIONS, spec["gen_len"]).completion_ids
     else:
         from transformers import Qwen3ForCausalLM
-        model = Qwen3ForCausalLM.from_pretrained(spec["qwen3_folder"], dtype=torch.float32).eval()
+        model = Qwen3ForCausalLM.from_pretrained(spec["qwen3_folder"], dtype=torch.float32).eval().to(spec["device"])
         config = model.config
         repeated_ids = prompt_ids.repeat_interleave(NUM_GENERATIONS, dim=0)  # [N, P]
         repeated_mask = attention_mask.repeat_interleave(NUM_GENERATIONS, dim=0)  # [N, P]
@@ -359,12 +390,13 @@ def run_ours_ppo(spec, tokenizer, timer):
     from model.model_minimind import CriticModel
     critic = CriticModel(config)
     critic.load_actor_state_dict(model.state_dict())
+    critic = critic.to(spec["device"])
     actor_optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
     critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate)
     steps = spec["warmup"] + spec["steps"]
     actor_scheduler = build_cosine_scheduler(actor_optimizer, steps)
     critic_scheduler = build_cosine_scheduler(critic_optimizer, steps)
-    engine = TorchRolloutEngine(model, tokenizer, generator=torch.Generator().manual_seed(0),
+    engine = TorchRolloutEngine(model, tokenizer, generator=torch.Generator(spec["device"]).manual_seed(0),
                                 logprobs_mode=args.torch_logprobs, ignore_eos=True)
     engine.rollout = timer.wrap(engine.rollout, "rollout")
     reward_fn = timer.wrap(ppo.calculate_rewards, "reward")
@@ -375,9 +407,10 @@ def run_ours_ppo(spec, tokenizer, timer):
     generator = torch.Generator().manual_seed(0)
 
     def step():
-        data = ppo.ppo_rollout(batch, model, ref_model, critic, engine, reward_fn, None, tokenizer, args, "cpu")
+        data = ppo.ppo_rollout(batch, model, ref_model, critic, engine, reward_fn, None, tokenizer, args,
+                               spec["device"])
         ppo.ppo_update(data, model, critic, actor_optimizer, critic_optimizer, actor_scheduler, critic_scheduler,
-                       args, "cpu", generator)
+                       args, spec["device"], generator)
 
     phases, totals = time_steps(step, spec, timer)
     return phases, totals, rows * spec["gen_len"], config
@@ -424,7 +457,8 @@ def run_trl_ppo(spec, tokenizer, timer):
         output_dir=spec["tmp_dir"], per_device_train_batch_size=2, gradient_accumulation_steps=rows // 2,
         num_mini_batches=rows // 2, num_ppo_epochs=2, total_episodes=rows * steps, response_length=spec["gen_len"],
         temperature=1.0, kl_coef=0.02, vf_coef=0.5, cliprange=0.2, cliprange_value=0.2, gamma=1.0, lam=0.95,
-        learning_rate=1e-5, local_rollout_forward_batch_size=rows, report_to="none", use_cpu=True, bf16=False,
+        learning_rate=1e-5, local_rollout_forward_batch_size=rows, report_to="none",
+        use_cpu=spec["device"] == "cpu", bf16=False,
         gradient_checkpointing=False, num_sample_generations=0, save_strategy="no", seed=0, stop_token=None,
     )
     generation_config_class = trl_ppo_module.GenerationConfig
@@ -451,7 +485,7 @@ def worker(spec):
     torch.manual_seed(0)
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
-    timer = PhaseTimer()
+    timer = PhaseTimer(spec["device"])
     contestant = spec["contestant"]
     if contestant == "ours_grpo":
         phases, totals, tokens, config = run_ours_grpo(spec, tokenizer, timer)
@@ -467,6 +501,8 @@ def worker(spec):
     flops = grpo_model_flops(config, rows, spec["prompt_len"], spec["gen_len"]) if contestant.endswith("grpo") else 0
     result = summarize(phases, totals, tokens, flops, spec["peaks"], spec["dtype"])
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if torch.device(spec["device"]).type == "cuda":
+        result["peak_gpu_mib"] = torch.cuda.max_memory_allocated(spec["device"]) / 2 ** 20
     print("BENCH_RESULT " + json.dumps(result), flush=True)
 
 
@@ -495,10 +531,10 @@ def run_worker(spec, timeout):
     return {"error": (result.stderr.strip().splitlines() or ["no output"])[-1][:300]}
 
 
-def format_table(results, peaks, dtype):
+def format_table(results, peaks):
     """The results as a plain-text table, one row per workload and contestant, with ours/theirs ratios."""
     lines = [f"matmul peaks measured in this run: fp32 {peaks['float32']:.1f} GFLOP/s (2048^3), "
-             f"bf16 {peaks['bfloat16']:.1f} GFLOP/s (512^3); MFU below is against the {dtype} peak",
+             f"bf16 {peaks['bfloat16']:.1f} GFLOP/s (512^3); each row's MFU is against the peak of its dtype",
              "", "| workload | contestant | step s (median) | min-max | rollout | reward | ref fwd | policy fwd | "
              "policy bwd | optimizer | other | rollout tok/s | peak RSS MiB | MFU |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -541,7 +577,9 @@ def parse_args(argv=None):
     parser.add_argument("--contestants", default=",".join(CONTESTANTS), help=f"comma list of {', '.join(CONTESTANTS)}")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per contestant")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="auto: float32, and bfloat16 too where the machine has bf16 units (has_bf16_units)")
+    parser.add_argument("--device", default="cpu", help="where every contestant runs: cpu or cuda[:N]")
     parser.add_argument("--torch_logprobs", default="sampler", choices=["sampler", "recompute"])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads per worker")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per worker")
@@ -579,34 +617,37 @@ def main(argv=None):
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
     prompts, answers = bench_prompts(tokenizer, os.path.join(ROOT, "dataset", "rlaif_train.jsonl"))
     prompt_len = max(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts)
-    peaks = {"float32": measure_matmul_peak(torch.float32), "bfloat16": measure_matmul_peak(torch.bfloat16, 512, 1)}
+    peaks = {"float32": measure_matmul_peak(torch.float32, device=args.device),
+             "bfloat16": measure_matmul_peak(torch.bfloat16, 512, 1, device=args.device)}
     print(f"threads {args.threads}, prompts of {prompt_len} tokens, matmul peaks fp32 {peaks['float32']:.1f} / "
           f"bf16 {peaks['bfloat16']:.1f} GFLOP/s", flush=True)
+    dtypes = [args.dtype] if args.dtype != "auto" else ["float32"] + (["bfloat16"] * has_bf16_units(args.device))
+    print(f"dtypes: {', '.join(dtypes)} (bf16 units here: {has_bf16_units(args.device)})", flush=True)
     results = []
     with tempfile.TemporaryDirectory() as work_dir:
-        for size in args.sizes.split(","):
+        for size, gen_len, dtype in itertools.product(args.sizes.split(","), args.lengths, dtypes):
             pth, folder = prepare_weights(size, work_dir, tokenizer)
             hidden, layers, _ = SIZES[size]
-            for gen_len in args.lengths:
-                workload = f"{size} (h{hidden} x{layers}), {gen_len} tok"
-                for contestant in args.contestants.split(","):
-                    spec = dict(contestant=contestant, hidden_size=hidden, num_hidden_layers=layers, pth=pth,
-                                qwen3_folder=folder, gen_len=gen_len, prompts=prompts, answers=answers,
-                                prompt_len=prompt_len, steps=args.steps, warmup=args.warmup, dtype=args.dtype,
-                                torch_logprobs=args.torch_logprobs, threads=args.threads, peaks=peaks,
-                                tmp_dir=os.path.join(work_dir, f"trl_{size}_{gen_len}"),
-                                trl_ppo_path=args.trl_ppo_path)
-                    reason = contestant_available(contestant, args.trl_ppo_path)
-                    result = {"skipped": reason} if reason else run_worker(spec, args.timeout)
-                    results.append({"workload": workload, "contestant": contestant, "size": size,
-                                    "gen_len": gen_len, "result": result})
-                    print(f"{workload} | {contestant}: " + (
-                        f"{result['step_s_median']:.2f} s/step" if "step_s_median" in result else str(result)),
-                        flush=True)
-    table = format_table(results, peaks, args.dtype)
+            workload = f"{size} (h{hidden} x{layers}), {gen_len} tok, {dtype}"
+            for contestant in args.contestants.split(","):
+                spec = dict(contestant=contestant, hidden_size=hidden, num_hidden_layers=layers, pth=pth,
+                            qwen3_folder=folder, gen_len=gen_len, prompts=prompts, answers=answers,
+                            prompt_len=prompt_len, steps=args.steps, warmup=args.warmup, dtype=dtype,
+                            torch_logprobs=args.torch_logprobs, threads=args.threads, peaks=peaks,
+                            device=args.device, tmp_dir=os.path.join(work_dir, f"trl_{size}_{gen_len}_{dtype}"),
+                            trl_ppo_path=args.trl_ppo_path)
+                reason = contestant_available(contestant, args.trl_ppo_path)
+                result = {"skipped": reason} if reason else run_worker(spec, args.timeout)
+                results.append({"workload": workload, "contestant": contestant, "size": size,
+                                "gen_len": gen_len, "dtype": dtype, "result": result})
+                print(f"{workload} | {contestant}: " + (
+                    f"{result['step_s_median']:.2f} s/step" if "step_s_median" in result else str(result)),
+                    flush=True)
+    table = format_table(results, peaks)
     print(table)
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    report = {"torch": torch.__version__, "threads": args.threads, "dtype": args.dtype, "prompt_tokens": prompt_len,
+    report = {"torch": torch.__version__, "threads": args.threads, "dtype": args.dtype, "device": args.device,
+              "prompt_tokens": prompt_len,
               "num_prompts": NUM_PROMPTS, "num_generations": NUM_GENERATIONS, "matmul_peak_gflops": peaks,
               "torch_logprobs": args.torch_logprobs, "results": results, "table": table}
     tmp = args.json + ".tmp"

@@ -30,7 +30,7 @@ def test_tiny_bench_runs_every_contestant(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["matmul_peak_gflops"]["float32"] > 0
-    by_name = {row["contestant"]: row["result"] for row in report["results"]}
+    by_name = {row["contestant"]: row["result"] for row in report["results"] if row["dtype"] == "float32"}
     assert set(by_name) == {"ours_grpo", "trl_grpo", "ours_rollout", "hf_generate", "ours_ppo", "trl_ppo"}
     if importlib.util.find_spec("trl") is None:
         assert by_name.pop("trl_grpo") == {"skipped": "trl not installed (pip install -r requirements-bench.txt)"}
@@ -45,4 +45,23 @@ def test_tiny_bench_runs_every_contestant(tmp_path):
         assert figures["rollout_tokens_per_s"] == NUM_PROMPTS * NUM_GENERATIONS * 8 / phases["rollout"]
         assert figures["peak_rss_mib"] > 0
     assert by_name["ours_grpo"]["phases_s"]["policy_backward"] > 0
-    assert "| tiny (h64 x2), 8 tok | ours_grpo |" in result.stdout
+    assert "| tiny (h64 x2), 8 tok, float32 | ours_grpo |" in result.stdout
+    # --dtype auto: fp32 always, bf16 as well only where the CPU lists bf16 matrix units
+    from scripts.bench import has_bf16_units
+    expected_dtypes = {"float32", "bfloat16"} if has_bf16_units("cpu") else {"float32"}
+    assert {row["dtype"] for row in report["results"]} == expected_dtypes
+
+
+def test_bf16_units_are_read_from_the_cpu_flags(tmp_path, monkeypatch):
+    import builtins
+
+    from scripts.bench import has_bf16_units
+    real_open = builtins.open
+    for flags, expected in (("fpu avx2 avx512f", False), ("fpu avx512f avx512_bf16", True),
+                            ("fpu amx_tile amx_bf16 amx_int8", True)):
+        cpuinfo = tmp_path / "cpuinfo"
+        cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        monkeypatch.setattr(builtins, "open", lambda path, *a, **k: real_open(
+            cpuinfo if path == "/proc/cpuinfo" else path, *a, **k))
+        assert has_bf16_units("cpu") is expected, flags
+    monkeypatch.setattr(builtins, "open", real_open)

@@ -180,3 +180,23 @@ def test_random_init_reference_equals_policy(tmp_path):
                          "--run_dir", str(run_dir), "--eval_interval", "0"] + TINY)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["kl_ref"] == 0.0
+
+
+def test_check_gpu_step_zero_ratio_is_one_in_fp32_on_the_cpu():
+    # the GPU check's first figure, on the CPU in fp32: the rollout's own log-probs and a fresh forward agree
+    from scripts.check_gpu import step_zero_ratio
+    result = step_zero_ratio("cpu", "float32", num_prompts=2, num_generations=2, max_gen_len=8)
+    assert result["tokens"] > 0
+    assert result["max_abs_diff"] < 1e-4
+    assert abs(result["ratio_mean"] - 1.0) < 1e-4
+
+
+def test_check_gpu_refuses_cuda_without_a_gpu(capsys):
+    import torch
+
+    from scripts.check_gpu import parse_args
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(SystemExit):
+        parse_args([])
+    assert "torch.cuda.is_available() is False" in capsys.readouterr().err

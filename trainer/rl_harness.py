@@ -958,6 +958,8 @@ class RLRun:
         args = self.args
         metrics = mean_over_ranks(metrics, self.device)
         metrics["final_norm_gain"] = self.model.model.norm.weight.mean().item()  # the output's sharpness
+        if torch.device(self.device).type == "cuda":
+            metrics["gpu_peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2 ** 30
         eval_metrics = evaluate_if_due(self.evaluator, self.model, step, self.total_steps, args.eval_interval)
         metrics.update(eval_metrics)
         if step % args.log_interval == 0 or step == self.total_steps or eval_metrics:
