@@ -519,8 +519,12 @@ def contestant_available(name, trl_ppo_path):
 
 def run_worker(spec, timeout):
     """Start a worker subprocess for ``spec``; return its result dict, or {"error": ...}."""
-    command = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
+    device = torch.device(spec["device"])
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled")
+    if device.type == "cuda" and device.index is not None:  # TRL's accelerate takes the first visible GPU
+        env["CUDA_VISIBLE_DEVICES"] = str(device.index)
+        spec = dict(spec, device="cuda:0")
+    command = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
@@ -625,8 +629,9 @@ def main(argv=None):
     print(f"dtypes: {', '.join(dtypes)} (bf16 units here: {has_bf16_units(args.device)})", flush=True)
     results = []
     with tempfile.TemporaryDirectory() as work_dir:
+        weights = {size: prepare_weights(size, work_dir, tokenizer) for size in args.sizes.split(",")}
         for size, gen_len, dtype in itertools.product(args.sizes.split(","), args.lengths, dtypes):
-            pth, folder = prepare_weights(size, work_dir, tokenizer)
+            pth, folder = weights[size]
             hidden, layers, _ = SIZES[size]
             workload = f"{size} (h{hidden} x{layers}), {gen_len} tok, {dtype}"
             for contestant in args.contestants.split(","):

@@ -144,7 +144,7 @@ def training_flags(args):
 
 
 def load_policy_and_reference(args, seed):
-    """(policy, frozen reference copy, tokenizer), as ``build_run`` makes them (chapter 8.1), on the CPU."""
+    """(policy, frozen reference copy, tokenizer), as ``RLRun.build`` makes them (chapter 8.1), on the CPU."""
     setup_seed(seed)
     lm_config = build_config(args.hidden_size, args.num_hidden_layers, 0)
     model, tokenizer = init_model(lm_config, args.from_weight, args.save_dir, args.tokenizer_path, "cpu")

@@ -261,3 +261,24 @@ def test_world_size_change_moves_the_learning_rate_schedule_with_the_step(tmp_pa
     assert objects["scheduler"].last_epoch == 20
     assert fresh_optimizer.param_groups[0]["lr"] == pytest.approx(0.9140576, abs=1e-6)
     assert "world size changed from 1 to 2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [
+    ["--from_resume", "--max_steps", "5"],  # a bare 0/1 flag means 1: the next word is another flag
+    ["--from_resume=0", "--max_steps", "5"],
+    ["--max_steps", "5", "--from_resume", "0"],
+])
+def test_resume_command_replaces_every_form_of_from_resume(argv):
+    from trainer.rl_harness import resume_command
+    expected = "python trainer/train_grpo.py --max_steps 5 --from_resume 1"
+    assert resume_command("trainer/train_grpo.py", argv, 1) == expected
+
+
+def test_sglang_engine_resumes_from_a_torch_engine_state():
+    # a resume file of --rollout_engine torch holds {} for the engine: the SGLang cadence starts afresh
+    import types
+
+    from trainer.rollout_engine import SGLangRolloutEngine
+    engine = types.SimpleNamespace(num_update_calls=0, weight_version=1)
+    SGLangRolloutEngine.load_state_dict(engine, {})
+    assert (engine.num_update_calls, engine.weight_version) == (0, 1)

@@ -239,11 +239,16 @@ def resume_progress(checkpoint, world_size, steps_per_epoch, rank):
 
 def resume_command(script, argv, world_size):
     """The command line that resumes this run: ``script`` with ``argv`` and ``--from_resume 1``."""
-    argv = list(argv)
-    if "--from_resume" in argv:
-        i = argv.index("--from_resume")
-        del argv[i:i + 2]
-    argv += ["--from_resume", "1"]
+    kept, i = [], 0
+    while i < len(argv):  # drop every --from_resume: bare, with its 0/1, or as --from_resume=...
+        word = argv[i]
+        if word == "--from_resume":
+            i += 2 if i + 1 < len(argv) and argv[i + 1] in ("0", "1") else 1
+            continue
+        if not word.startswith("--from_resume="):
+            kept.append(word)
+        i += 1
+    argv = kept + ["--from_resume", "1"]
     launcher = ["torchrun", "--nproc_per_node", str(world_size)] if world_size > 1 else ["python"]
     script = os.path.relpath(script) if not os.path.relpath(script).startswith("..") else script
     return shlex.join(launcher + [script] + argv)
@@ -537,6 +542,9 @@ def check_common_rl_args(parser, args):
             parser.error(f"--device {args.device!r}: the scripts run on cpu or cuda")
         if device_type == "cuda" and not torch.cuda.is_available():
             parser.error(f"--device {args.device}: this machine has no CUDA GPU (torch.cuda.is_available() is False)")
+        index = torch.device(args.device).index
+        if device_type == "cuda" and index is not None and index >= torch.cuda.device_count():
+            parser.error(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
     if args.grad_clip <= 0:
         parser.error(f"--grad_clip must be > 0, got {args.grad_clip}")
     if args.top_k < 0:
@@ -600,12 +608,8 @@ def compile_for_training(model, use_compile):
 
 
 def all_ranks_mean(value, device):
-    """Mean of a float over ranks (e.g. so that every rank takes the same early-stop decision)."""
-    if not dist.is_initialized():
-        return float(value)
-    tensor = torch.tensor([float(value)], dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
-    return tensor.item() / dist.get_world_size()
+    """Mean of one float over ranks (so that every rank takes the same early-stop decision)."""
+    return float(mean_over_ranks({"value": float(value)}, device)["value"])
 
 
 def mean_over_ranks(metrics, device):

@@ -581,9 +581,10 @@ class SGLangRolloutEngine(RolloutEngine):
 
     def load_state_dict(self, state):
         """Continue the cadence of ``state_dict()``: the next push happens on the call the saved run would have
-        made it (the start-up push of the restored policy already happened)."""
-        self.num_update_calls = int(state["num_update_calls"])
-        self.weight_version = max(self.weight_version, int(state["weight_version"]))
+        made it (the start-up push of the restored policy already happened). An empty state (a resume file of
+        ``--rollout_engine torch``) starts the cadence afresh."""
+        self.num_update_calls = int(state.get("num_update_calls", 0))
+        self.weight_version = max(self.weight_version, int(state.get("weight_version", 0)))
 
     def update_policy(self, model):
         """Every ``sync_interval``-th call, push ``model``'s weights to the server (see the class docstring)."""

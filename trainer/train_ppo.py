@@ -325,7 +325,8 @@ def ppo_update(data, actor, critic, actor_optimizer, critic_optimizer, actor_sch
     ranks stop on the same minibatch. An optimizer step whose gradient norm is NaN/inf is skipped on every
     rank. ``--minibatch_accumulation_steps`` minibatches make one optimizer step; each minibatch's loss is
     divided by the size of its window (the last one may be shorter: ``accumulation_window_size``), so every
-    optimizer step applies a mean gradient. The schedules step once per rollout.
+    optimizer step applies a mean gradient. The schedules step once per rollout that made at least one optimizer
+    step.
 
     Args:
         data: ``PPORolloutBatch``; generator: ``torch.Generator`` of the minibatch permutations.

@@ -24,7 +24,6 @@ import argparse
 import copy
 import os
 import random
-import shutil
 import sys
 import time
 
@@ -36,6 +35,7 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForSequenceClassification
 
 from dataset.lm_dataset import read_preference_pairs
+from model.hf_qwen3 import write_folder_atomically
 from trainer.trainer_utils import (
     DEFAULT_REWARD_MODEL_PATH, DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, DTYPES, Logger, add_bool_flag, build_config,
     build_cosine_scheduler, render_reward_text, resolve_dtype, reward_model_messages, setup_seed, weight_path,
@@ -110,27 +110,18 @@ def build_reward_model(lm_config, pad_token_id, weights_path=None):
 
 
 def save_reward_model(model, tokenizer, path, dtype):
-    """Write a transformers folder (config.json, model.safetensors, tokenizer files) atomically: into a new folder
-    next to ``path``, then renamed onto it; a crash leaves the previous folder (or none) in place.
+    """Write a transformers folder (config.json, model.safetensors, tokenizer files) atomically
+    (``write_folder_atomically``): a crash leaves the previous folder (or none) in place.
 
     The weights are saved in ``dtype`` (a copy; ``model`` is unchanged). Returns ``path``.
     Raises:
         OSError: naming ``path`` when writing or renaming fails.
     """
-    path = os.path.abspath(path)
-    tmp = f"{path}.tmp{os.getpid()}"
-    old = f"{path}.old{os.getpid()}"
-    try:
-        copy.deepcopy(model).to(dtype).save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        if os.path.exists(path):
-            os.rename(path, old)
-        os.rename(tmp, path)
-    except OSError as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise OSError(err.errno, f"could not save the reward model to {path}: {err.strerror}") from err
-    shutil.rmtree(old, ignore_errors=True)
-    return path
+    def write(folder):
+        copy.deepcopy(model).to(dtype).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+    return write_folder_atomically(path, write)
 
 
 # ----------------------------------------------------------------------------- data

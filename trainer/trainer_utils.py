@@ -54,7 +54,10 @@ def init_distributed_mode(device=""):
     """
     cuda = torch.cuda.is_available() and device != "cpu"
     if int(os.environ.get("RANK", -1)) == -1:
-        return 0, device or ("cuda:0" if cuda else "cpu")
+        device = device or ("cuda:0" if cuda else "cpu")
+        if torch.device(device).type == "cuda":
+            torch.cuda.set_device(device)  # later calls without an index (bf16 support, memory) mean this GPU
+        return 0, device
     local_rank = int(os.environ["LOCAL_RANK"])
     dist.init_process_group(backend="nccl" if cuda else "gloo")
     if cuda:
