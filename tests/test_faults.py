@@ -14,6 +14,7 @@ from conftest import ROOT
 from run_patched import text_rewards
 
 from dataset.lm_dataset import RLAIFDataset, SFTDataset
+from model.model_minimind import MiniMindForCausalLM
 from trainer import train_grpo, train_ppo, trainer_utils
 from trainer.rl_harness import RLRun, save_checkpoint
 from trainer.train_grpo import grpo_loss
@@ -219,7 +220,6 @@ def test_ppo_nan_gradient_and_nan_reward_skip_updates(tiny_weights, small_data, 
 
 
 def test_checkpoint_with_nan_is_refused_and_previous_file_kept(tiny_weights, tmp_path):
-    from model.model_minimind import MiniMindForCausalLM
     model = MiniMindForCausalLM(trainer_utils.build_config(64, 2, 0))
     args = train_grpo.parse_args(TINY + ["--save_dir", str(tmp_path), "--save_weight", "nan_test"])
     objects = {"model": model}
@@ -315,6 +315,26 @@ def test_from_weight_name_falls_back_to_the_bundled_out_folder(tmp_path):
     # a name found nowhere is reported in --save_dir
     with pytest.raises(FileNotFoundError, match="missing_256.pth"):
         trainer_utils.load_weights(torch.nn.Linear(1, 1), trainer_utils.weight_path("missing", str(tmp_path), 256, 0))
+
+
+def test_checkpoint_of_another_size_is_named_for_the_policy_and_the_reward_model(tmp_path):
+    # one key/shape check serves the policy load and the reward model's backbone load
+    from trainer.train_reward import build_reward_model
+    small = trainer_utils.build_config(64, 1, 0)
+    path = tmp_path / "full_sft_64.pth"
+    torch.save(MiniMindForCausalLM(small).state_dict(), path)
+    other = MiniMindForCausalLM(trainer_utils.build_config(128, 1, 0))
+    with pytest.raises(ValueError, match=r"full_sft_64\.pth: parameter model\.embed_tokens\.weight has shape "
+                                         r"\(6400, 64\) .* expects \(6400, 128\); change --hidden_size"):
+        trainer_utils.load_weights(other, str(path))
+    with pytest.raises(ValueError, match=r"full_sft_64\.pth: parameter model\.embed_tokens\.weight has shape"):
+        build_reward_model(trainer_utils.build_config(128, 1, 0), 0, str(path))
+    deeper = trainer_utils.build_config(64, 2, 0)
+    with pytest.raises(ValueError, match=r"missing keys \['model\.layers\.1\."):
+        build_reward_model(deeper, 0, str(path))
+    # the fresh score head is the one key the checkpoint may lack
+    reward_model = build_reward_model(small, 0, str(path))
+    assert torch.equal(reward_model.model.embed_tokens.weight, torch.load(path)["model.embed_tokens.weight"])
 
 
 @pytest.mark.parametrize("script", ["train_grpo.py", "train_ppo.py"])

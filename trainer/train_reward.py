@@ -32,13 +32,14 @@ sys.path.insert(0, ROOT)
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoTokenizer, Qwen3Config, Qwen3ForSequenceClassification
+from transformers import AutoTokenizer, Qwen3ForSequenceClassification
 
 from dataset.lm_dataset import read_preference_pairs
-from model.hf_qwen3 import write_folder_atomically
+from model.hf_qwen3 import qwen3_config_from_minimind, write_folder_atomically
 from trainer.trainer_utils import (
     DEFAULT_REWARD_MODEL_PATH, DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, DTYPES, Logger, add_bool_flag, build_config,
-    build_cosine_scheduler, render_reward_text, resolve_dtype, reward_model_messages, setup_seed, weight_path,
+    build_cosine_scheduler, check_state_dict_fits, render_reward_text, resolve_dtype, reward_model_messages,
+    setup_seed, weight_path,
 )
 from trainer.rl_harness import MetricsWriter, StepTimer
 
@@ -68,15 +69,12 @@ def qwen3_config(lm_config, pad_token_id):
     """
     if lm_config.use_moe:
         raise ValueError("--use_moe 1: the reward model is a dense Qwen3ForSequenceClassification; use --use_moe 0")
-    return Qwen3Config(
-        vocab_size=lm_config.vocab_size, hidden_size=lm_config.hidden_size,
-        intermediate_size=lm_config.intermediate_size, num_hidden_layers=lm_config.num_hidden_layers,
-        num_attention_heads=lm_config.num_attention_heads, num_key_value_heads=lm_config.num_key_value_heads,
-        head_dim=lm_config.head_dim, rms_norm_eps=lm_config.rms_norm_eps, rope_theta=lm_config.rope_theta,
-        max_position_embeddings=lm_config.max_position_embeddings, attention_bias=False, tie_word_embeddings=False,
-        num_labels=1, pad_token_id=pad_token_id, bos_token_id=lm_config.bos_token_id,
-        eos_token_id=lm_config.eos_token_id,
-    )
+    config = qwen3_config_from_minimind(lm_config)  # the same backbone the exported policy gets
+    config.architectures = ["Qwen3ForSequenceClassification"]
+    config.num_labels = 1
+    config.pad_token_id = pad_token_id
+    config.tie_word_embeddings = False
+    return config
 
 
 def build_reward_model(lm_config, pad_token_id, weights_path=None):
@@ -96,15 +94,8 @@ def build_reward_model(lm_config, pad_token_id, weights_path=None):
         raise FileNotFoundError(f"--from_weight: {weights_path} does not exist")
     state_dict = torch.load(weights_path, map_location="cpu", weights_only=True)
     backbone = {k: v.float() for k, v in state_dict.items() if k != "lm_head.weight"}
-    own = model.state_dict()
-    for name, tensor in backbone.items():
-        if name in own and own[name].shape != tensor.shape:
-            raise ValueError(f"{weights_path}: {name} has shape {tuple(tensor.shape)}, the model built from "
-                             f"--hidden_size / --num_hidden_layers expects {tuple(own[name].shape)}")
-    missing = sorted(set(own) - set(backbone) - {"score.weight"})
-    unexpected = sorted(set(backbone) - set(own))
-    if missing or unexpected:
-        raise ValueError(f"{weights_path}: missing keys {missing[:8]}, unexpected keys {unexpected[:8]}")
+    check_state_dict_fits(weights_path, model.state_dict(), backbone, "--hidden_size / --num_hidden_layers",
+                          may_be_missing={"score.weight"})
     model.load_state_dict(backbone, strict=False)
     return model
 

@@ -105,6 +105,27 @@ def weight_path(from_weight, save_dir, hidden_size, use_moe, allow_file=True):
     return path
 
 
+def check_state_dict_fits(path, own, state_dict, flag_hint, may_be_missing=()):
+    """Raise unless ``state_dict`` (read from ``path``) has exactly the keys and shapes of ``own`` (a model's
+    state dict); keys in ``may_be_missing`` may be absent from ``state_dict`` (a freshly initialised head).
+
+    Raises:
+        ValueError: naming ``path``, the parameter, both shapes and ``flag_hint`` on a shape mismatch, or listing
+            the missing / unexpected keys (first 8 of each).
+    """
+    for name, tensor in state_dict.items():
+        if name in own and own[name].shape != tensor.shape:
+            raise ValueError(
+                f"{path}: parameter {name} has shape {tuple(tensor.shape)} but the model built from the flags "
+                f"expects {tuple(own[name].shape)}; change {flag_hint} to match the checkpoint"
+            )
+    missing = sorted(set(own) - set(state_dict) - set(may_be_missing))
+    unexpected = sorted(set(state_dict) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"{path}: missing keys {missing[:8]}, unexpected keys {unexpected[:8]}; "
+                         f"check {flag_hint}")
+
+
 def load_weights(model, path, flag_hint="--hidden_size / --num_hidden_layers / --use_moe"):
     """Load a ``.pth`` state dict into ``model`` strictly (weights_only=True).
 
@@ -119,17 +140,7 @@ def load_weights(model, path, flag_hint="--hidden_size / --num_hidden_layers / -
         raise FileNotFoundError(f"weights not found: {path} (in {folder}: {found or 'no .pth files'})")
     state_dict = torch.load(path, map_location="cpu", weights_only=True)
     own = model.state_dict()
-    for name, tensor in state_dict.items():
-        if name in own and own[name].shape != tensor.shape:
-            raise ValueError(
-                f"{path}: parameter {name} has shape {tuple(tensor.shape)} but the model built from the flags "
-                f"expects {tuple(own[name].shape)}; change {flag_hint} to match the checkpoint"
-            )
-    missing = sorted(set(own) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(own))
-    if missing or unexpected:
-        raise ValueError(f"{path}: missing keys {missing[:8]}, unexpected keys {unexpected[:8]}; "
-                         f"check {flag_hint}")
+    check_state_dict_fits(path, own, state_dict, flag_hint)
     model.load_state_dict({k: v.to(own[k].dtype) for k, v in state_dict.items()}, strict=True)
 
 
