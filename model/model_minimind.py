@@ -162,6 +162,19 @@ class KVCache:
         self.values[layer_idx][:, :, start:end] = value
         return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
 
+    def repeat_interleave(self, repeats, extra_capacity=0):
+        """A new cache whose row b * repeats + g (g < repeats) holds row b of this one (the rollout's P0,P0,..,P1
+        order), with room for ``extra_capacity`` more positions. Differentiable: a forward that reads the new
+        cache sends its gradient back to the keys and values of this one (summed over the repeats)."""
+        repeated = KVCache(self.num_layers, capacity=self.seq_len + extra_capacity)
+        repeated.seq_len = self.seq_len
+        for i in range(self.num_layers):
+            for source, target in ((self.keys, repeated.keys), (self.values, repeated.values)):
+                filled = source[i][:, :, :self.seq_len].repeat_interleave(repeats, dim=0)  # [B*G, Hkv, S, D]
+                room = filled.new_zeros((*filled.shape[:2], extra_capacity, filled.size(3)))  # [B*G, Hkv, extra, D]
+                target[i] = torch.cat([filled, room], dim=2)  # [B*G, Hkv, S + extra, D]
+        return repeated
+
 
 class Attention(nn.Module):
     """Grouped-query self-attention with per-head q/k RMSNorm and RoPE (Qwen3 layout)."""
@@ -384,15 +397,20 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel):
             input_ids: long [B, T].
             attention_mask: [B, S] with 1 on real tokens, S = cached + T (left padding supported).
             past_key_values: a ``KVCache`` or None; with ``use_cache`` and None, a new cache is made.
-            logits_to_keep: k > 0 computes logits of the last k positions only; 0 keeps all T.
+            logits_to_keep: k > 0 computes logits of the last k positions only; 0 keeps all T; a long tensor
+                [B, n] computes the logits of those positions of each row (a padding-free batch, where each
+                row's completion starts elsewhere).
         Returns:
-            ``MoeCausalLMOutputWithPast`` with ``logits`` [B, T or k, V] (model dtype),
+            ``MoeCausalLMOutputWithPast`` with ``logits`` [B, T or k or n, V] (model dtype),
             ``aux_loss`` (scalar fp32, 0 without MoE) and ``cache`` (the ``KVCache``, or None).
         """
         if use_cache and past_key_values is None:
             past_key_values = KVCache(self.config.num_hidden_layers)
         hidden_states, aux_loss = self.model(input_ids, attention_mask, past_key_values)
-        if logits_to_keep > 0:
+        if torch.is_tensor(logits_to_keep):
+            index = logits_to_keep.unsqueeze(-1).expand(-1, -1, hidden_states.size(-1))  # [B, n, hidden]
+            hidden_states = hidden_states.gather(1, index)
+        elif logits_to_keep > 0:
             hidden_states = hidden_states[:, -logits_to_keep:, :]
         logits = self.lm_head(hidden_states)
         return MoeCausalLMOutputWithPast(logits=logits, aux_loss=aux_loss, cache=past_key_values)
@@ -517,11 +535,15 @@ class CriticModel(MiniMindPreTrainedModel):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids, attention_mask=None, return_aux_loss=False, **kwargs):
-        """values fp32 [B, T]; with ``return_aux_loss``, (values, aux_loss): the MoE load-balancing loss of the
-        critic's own routers (a 0 tensor for a dense model), which PPO adds to its loss as it does the actor's."""
+    def forward(self, input_ids, attention_mask=None, return_aux_loss=False, positions=None, **kwargs):
+        """values fp32 [B, T] (or [B, n]: the values at ``positions``, long [B, n], of each row); with
+        ``return_aux_loss``, (values, aux_loss): the MoE load-balancing loss of the critic's own routers (a 0
+        tensor for a dense model), which PPO adds to its loss as it does the actor's."""
         hidden_states, aux_loss = self.model(input_ids, attention_mask)  # [B, T, hidden], already normed
-        values = self.value_head(hidden_states).squeeze(-1).float()  # [B, T]
+        if positions is not None:
+            index = positions.unsqueeze(-1).expand(-1, -1, hidden_states.size(-1))  # [B, n, hidden]
+            hidden_states = hidden_states.gather(1, index)
+        values = self.value_head(hidden_states).squeeze(-1).float()  # [B, T or n]
         return (values, aux_loss) if return_aux_loss else values
 
     def load_actor_state_dict(self, state_dict):

@@ -239,7 +239,7 @@ def grpo_args(spec):
         "--batch_size", str(NUM_PROMPTS), "--num_generations", str(NUM_GENERATIONS),
         "--max_gen_len", str(spec["gen_len"]), "--max_seq_len", "512", "--beta", "0.1", "--loss_type", "cispo",
         "--epsilon_high", "5.0", "--temperature", "1.0", "--reward_model_path", "none", "--dtype", spec["dtype"],
-        "--torch_logprobs", spec["torch_logprobs"],
+        "--torch_logprobs", spec["torch_logprobs"], *spec["ours_flags"],
     ])
 
 
@@ -272,6 +272,7 @@ def run_ours_grpo(spec, tokenizer, timer):
     engine.rollout = timer.wrap(engine.rollout, "rollout")
     reward_fn = timer.wrap(grpo.calculate_rewards, "reward")
     grpo.compute_per_token_logps = timer.wrap(grpo.compute_per_token_logps, logps_phase)
+    grpo.compute_group_per_token_logps = timer.wrap(grpo.compute_group_per_token_logps, logps_phase)
     batch = {"prompt": spec["prompts"], "answer": spec["answers"]}
 
     def step():
@@ -344,8 +345,10 @@ def run_trl_grpo(spec, tokenizer, timer):
 
 
 def run_rollouts(spec, tokenizer, timer, contestant):
-    """Rollout alone: our TorchRolloutEngine (with its old log-probs) or transformers' generate."""
+    """Rollout alone: our TorchRolloutEngine (with its old log-probs) or transformers' generate, both under the
+    workload's dtype (bf16 autocast, as the GRPO step runs its rollout)."""
     from trainer.rollout_engine import tokenize_prompts
+    from trainer.trainer_utils import autocast_context
     prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, spec["prompts"], 512, spec["device"])
     rows = NUM_PROMPTS * NUM_GENERATIONS
     if contestant == "ours_rollout":
@@ -355,7 +358,8 @@ def run_rollouts(spec, tokenizer, timer, contestant):
                                     logprobs_mode=spec["torch_logprobs"], ignore_eos=True)
 
         def rollout():
-            return engine.rollout(prompt_ids, attention_mask, NUM_GENERATIONS, spec["gen_len"]).completion_ids
+            with autocast_context(spec["device"], spec["dtype"]):
+                return engine.rollout(prompt_ids, attention_mask, NUM_GENERATIONS, spec["gen_len"]).completion_ids
     else:
         from transformers import Qwen3ForCausalLM
         model = Qwen3ForCausalLM.from_pretrained(spec["qwen3_folder"], dtype=torch.float32).eval().to(spec["device"])
@@ -364,12 +368,23 @@ def run_rollouts(spec, tokenizer, timer, contestant):
         repeated_mask = attention_mask.repeat_interleave(NUM_GENERATIONS, dim=0)  # [N, P]
 
         def rollout():
-            with torch.no_grad():
+            with torch.no_grad(), autocast_context(spec["device"], spec["dtype"]):
                 return model.generate(repeated_ids, attention_mask=repeated_mask, do_sample=True, temperature=1.0,
                                       top_k=0, top_p=1.0, max_new_tokens=spec["gen_len"],
                                       min_new_tokens=spec["gen_len"], pad_token_id=tokenizer.pad_token_id)
     phases, totals = time_steps(timer.wrap(rollout, "rollout"), spec, timer)
     return phases, totals, rows * spec["gen_len"], config
+
+
+def without_flag(flags, name):
+    """``flags`` (a list of words) without ``name`` and the value that follows it."""
+    kept, skip = [], False
+    for word in flags:
+        if skip or word == name:
+            skip = word == name
+            continue
+        kept.append(word)
+    return kept
 
 
 def run_ours_ppo(spec, tokenizer, timer):
@@ -383,6 +398,7 @@ def run_ours_ppo(spec, tokenizer, timer):
         "--batch_size", str(rows), "--max_gen_len", str(spec["gen_len"]), "--max_seq_len", "512",
         "--reward_model_path", "none", "--dtype", spec["dtype"], "--torch_logprobs", spec["torch_logprobs"],
         "--mini_batch_size", "2", "--lam", "0.95",  # as run_trl_ppo's PPOConfig: lam=0.95, minibatches of 2 rows
+        *without_flag(spec["ours_flags"], "--shared_prefix"),  # a GRPO flag
     ])
     model, config = load_minimind(spec)
     ref_model, _ = load_minimind(spec)
@@ -458,7 +474,7 @@ def run_trl_ppo(spec, tokenizer, timer):
         num_mini_batches=rows // 2, num_ppo_epochs=2, total_episodes=rows * steps, response_length=spec["gen_len"],
         temperature=1.0, kl_coef=0.02, vf_coef=0.5, cliprange=0.2, cliprange_value=0.2, gamma=1.0, lam=0.95,
         learning_rate=1e-5, local_rollout_forward_batch_size=rows, report_to="none",
-        use_cpu=spec["device"] == "cpu", bf16=False,
+        use_cpu=spec["device"] == "cpu", bf16=spec["dtype"] == "bfloat16",
         gradient_checkpointing=False, num_sample_generations=0, save_strategy="no", seed=0, stop_token=None,
     )
     generation_config_class = trl_ppo_module.GenerationConfig
@@ -585,6 +601,9 @@ def parse_args(argv=None):
                         help="auto: float32, and bfloat16 too where the machine has bf16 units (has_bf16_units)")
     parser.add_argument("--device", default="cpu", help="where every contestant runs: cpu or cuda[:N]")
     parser.add_argument("--torch_logprobs", default="sampler", choices=["sampler", "recompute"])
+    parser.add_argument("--ours_flags", default="",
+                        help="extra flags of our training scripts for our step contestants, e.g. \"--padding_free 0 "
+                             "--shared_prefix 0\" (a lever switched off); TRL's contestants are not affected")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads per worker")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per worker")
     parser.add_argument("--json", default=os.path.join(ROOT, "out", "bench", "bench.json"))
@@ -640,7 +659,7 @@ def main(argv=None):
                             prompt_len=prompt_len, steps=args.steps, warmup=args.warmup, dtype=dtype,
                             torch_logprobs=args.torch_logprobs, threads=args.threads, peaks=peaks,
                             device=args.device, tmp_dir=os.path.join(work_dir, f"trl_{size}_{gen_len}_{dtype}"),
-                            trl_ppo_path=args.trl_ppo_path)
+                            trl_ppo_path=args.trl_ppo_path, ours_flags=args.ours_flags.split())
                 reason = contestant_available(contestant, args.trl_ppo_path)
                 result = {"skipped": reason} if reason else run_worker(spec, args.timeout)
                 results.append({"workload": workload, "contestant": contestant, "size": size,
@@ -654,7 +673,8 @@ def main(argv=None):
     report = {"torch": torch.__version__, "threads": args.threads, "dtype": args.dtype, "device": args.device,
               "prompt_tokens": prompt_len,
               "num_prompts": NUM_PROMPTS, "num_generations": NUM_GENERATIONS, "matmul_peak_gflops": peaks,
-              "torch_logprobs": args.torch_logprobs, "results": results, "table": table}
+              "torch_logprobs": args.torch_logprobs, "ours_flags": args.ours_flags, "results": results,
+              "table": table}
     tmp = args.json + ".tmp"
     with open(tmp, "w") as f:
         json.dump(report, f, indent=1)

@@ -1,6 +1,7 @@
 """scripts/bench.py: its FLOP count against torch's own counter, and its tiny mode end to end (no timing asserted)."""
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -65,3 +66,22 @@ def test_bf16_units_are_read_from_the_cpu_flags(tmp_path, monkeypatch):
             cpuinfo if path == "/proc/cpuinfo" else path, *a, **k))
         assert has_bf16_units("cpu") is expected, flags
     monkeypatch.setattr(builtins, "open", real_open)
+
+
+def test_bench_levers_layouts_give_the_same_first_loss(tiny_weights, tmp_path):
+    """scripts/bench_levers.py's runs: every forward layout computes step 1's loss from the same rollout, so the
+    losses agree to float rounding (the bf16 variant is left out: it rounds differently)."""
+    from scripts.bench_levers import VARIANTS, format_table, run_training
+    save_dir, name = tiny_weights
+    tiny = ["--from_weight", os.path.join(save_dir, f"{name}_64.pth"), "--hidden_size", "64",
+            "--num_hidden_layers", "2", "--batch_size", "2", "--num_generations", "3", "--max_gen_len", "8"]
+    results = {}
+    for i, (variant, flags) in enumerate(VARIANTS["grpo"][:3]):
+        seconds, loss, wall = run_training("grpo", tiny + flags, 2, str(tmp_path / str(i)), 600)
+        assert len(seconds) == 1 and seconds[0] > 0 and wall > seconds[0]
+        results[variant] = [(seconds[0], loss)]
+    losses = [runs[0][1] for runs in results.values()]
+    assert min(abs(loss) for loss in losses) > 1e-3, results  # a loss that is not 0, so agreeing means something
+    assert max(losses) - min(losses) <= 1e-5, results
+    table = format_table("grpo", results).splitlines()
+    assert len(table) == 2 + 3 and table[2].split("|")[4].strip() == "1.00"  # the defaults against themselves

@@ -4,6 +4,11 @@ The files in tests/reference_metrics/ were written by this module (``python test
 from the code before the run harness was split out of train_grpo.py. Every number of every line (key order
 included) must stay the same; only ``elapsed_s`` (wall time) is left out.
 
+The pin runs the padded forwards (``--padding_free 0``, and ``--shared_prefix 0`` for GRPO), the layout of the
+recording: the layouts that skip padding or repeated prompts compute the same log-probs to the last bits or so
+(other matrix shapes pick other summation orders; tests/test_forward_layouts.py checks them to 1e-5), which a
+bit-for-bit pin cannot tell from a change in behaviour.
+
 Float results depend on the CPU's vector unit (AVX2, AVX512, AMX pick different kernels) and on the torch
 release, so the comparison runs where both match the recording (reference_metrics/machine.json), and is
 skipped with the reason elsewhere; recording again there gives a new pin.
@@ -26,13 +31,17 @@ def machine():
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
+PADDED_LAYOUT = {"grpo": ["--padding_free", "0", "--shared_prefix", "0"], "ppo": ["--padding_free", "0"]}
+
+
 def run_five_steps(script, work_dir):
-    """`python trainer/train_{script}.py --max_steps 5` (defaults otherwise, one thread), written under work_dir;
-    returns the metrics.jsonl lines as dicts without the timing keys."""
+    """`python trainer/train_{script}.py --max_steps 5` in the padded layout (``PADDED_LAYOUT``; defaults
+    otherwise, one thread), written under work_dir; returns the metrics.jsonl lines as dicts without the timing
+    keys."""
     run_dir = os.path.join(work_dir, "run")
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     command = [sys.executable, os.path.join(ROOT, "trainer", f"train_{script}.py"), "--max_steps", "5",
-               "--save_dir", work_dir, "--run_dir", run_dir]
+               *PADDED_LAYOUT[script], "--save_dir", work_dir, "--run_dir", run_dir]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:

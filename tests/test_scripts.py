@@ -56,6 +56,7 @@ def test_grpo_loss_type_grpo_from_another_folder(tiny_weights, tmp_path):
     (["--data_path", "missing.jsonl"], "--data_path missing.jsonl does not exist"),
     (["--grad_clip", "0"], "--grad_clip must be > 0"),
     (["--top_k", "-1"], "--top_k must be >= 0"),
+    (["--use_moe", "1", "--shared_prefix", "1"], "--shared_prefix 1 is for dense models"),
 ])
 def test_grpo_bad_flags_fail_at_start(flags, message):
     result = run_script(["trainer/train_grpo.py"] + flags, timeout=120)

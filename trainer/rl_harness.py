@@ -458,6 +458,9 @@ def add_common_rl_args(parser):
                              "process takes the GPU of its LOCAL_RANK, and cpu keeps them all on the CPU)")
     add_bool_flag(parser, "--use_compile",
                   help="1: torch.compile the training forwards (policy; PPO's critic too), not the rollout's decode")
+    add_bool_flag(parser, "--padding_free", default=1,
+                  help="1: training and reference forwards skip padding (each row's real tokens moved to the front, "
+                       "no attention mask); 0: the padded batch with its mask. Same log-probs")
     parser.add_argument("--num_workers", type=int, default=0,
                         help="DataLoader worker processes that read the prompts (0 = in the training process)")
     parser.add_argument("--torch_logprobs", default="sampler", choices=TORCH_LOGPROB_MODES,

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from model.hf_qwen3 import save_qwen3_folder
+from model.model_minimind import KVCache
 from trainer.trainer_utils import completion_mask_from_ids, is_main_process, masked_mean, unwrap_model
 
 
@@ -78,28 +79,126 @@ def selective_log_softmax(logits, index, temperature=1.0):
     return SelectiveLogSoftmax.apply(logits, index, float(temperature))
 
 
-def compute_per_token_logps(model, input_ids, n_keep, attention_mask=None, temperature=1.0, return_aux_loss=False):
-    """Log-probs of the last ``n_keep`` tokens of each row (chapter 8.2).
+def left_align(input_ids, attention_mask, n_keep):
+    """A padding-free layout of a padded batch: each row's real tokens moved to the front (left-aligned), the
+    columns no row needs dropped, so a forward runs over [B, L] (L = the longest row's real length) with no
+    attention mask.
 
-    One forward over the full sequence keeps the logits of the last n_keep + 1 positions; position t
-    predicts token t + 1, so ``logits[:, :-1]`` scores ``input_ids[:, -n_keep:]``.
+    With the real tokens at the front of every row, the plain causal mask is the right one (a row's padding
+    after its real tokens cannot reach them), so attention can use the fused causal kernel, and positions
+    0..len-1 are the ones the padded forward gives the real tokens (``MiniMindModel`` counts real tokens only).
 
     Args:
-        model: a causal LM (or its DDP wrapper: the call goes through it, so DDP sees the forward).
-        input_ids: long [B, P + R]; attention_mask: [B, P + R] (1 = real token) or None.
+        input_ids: long [B, T], left-padded prompts then completions padded after EOS.
+        attention_mask: [B, T], 1 on real tokens; each row's 1s must be contiguous.
+        n_keep: R, how many completion tokens (the last R columns) will be scored.
+    Returns:
+        (aligned_ids long [B, L], logit_positions long [B, R]): position ``logit_positions[b, j]`` of the
+        aligned row predicts completion token j (``input_ids[b, T - R + j]``); positions past a row's last real
+        token are clamped to L - 1 (their log-probs are masked by the caller's completion_mask).
+    Raises:
+        ValueError: if a row's real tokens are not contiguous, or a row has none.
+    """
+    batch, width = input_ids.shape
+    mask = attention_mask.bool()
+    lengths = mask.sum(dim=1)  # [B]
+    if bool((lengths == 0).any()):
+        raise ValueError("left_align: a row of attention_mask has no real token")
+    columns = torch.arange(width, device=input_ids.device)  # [T]
+    starts = torch.where(mask, columns, width).min(dim=1).values  # [B] first real column
+    ends = torch.where(mask, columns, -1).max(dim=1).values  # [B] last real column
+    if bool((ends - starts + 1 != lengths).any()):
+        raise ValueError("left_align: attention_mask has padding between real tokens; each row's 1s must be "
+                         "contiguous (left padding, prompt, completion, right padding)")
+    aligned_len = int(lengths.max())
+    gather_columns = (starts.unsqueeze(1) + columns[:aligned_len].unsqueeze(0)).clamp(max=width - 1)  # [B, L]
+    aligned_ids = input_ids.gather(1, gather_columns)  # [B, L]
+    first_completion = width - n_keep - starts  # [B] aligned column of completion token 0
+    offsets = torch.arange(n_keep, device=input_ids.device)  # [R]
+    logit_positions = (first_completion.unsqueeze(1) - 1 + offsets.unsqueeze(0)).clamp(0, aligned_len - 1)  # [B, R]
+    return aligned_ids, logit_positions
+
+
+def compute_per_token_logps(model, input_ids, n_keep, attention_mask=None, temperature=1.0, return_aux_loss=False,
+                            padding_free=False):
+    """Log-probs of the last ``n_keep`` tokens of each row (chapter 8.2).
+
+    One forward over the sequence keeps the logits of the positions that predict the completion; position t
+    predicts token t + 1. With ``padding_free`` and a mask, the forward runs on the ``left_align`` layout
+    (no padding columns, no attention mask); without, on the padded batch with its mask, keeping the last
+    n_keep + 1 positions. Both give the same log-probs on real tokens (tested to 1e-5 in fp32).
+
+    Args:
+        model: a MiniMind causal LM (or its DDP wrapper: the call goes through it, so DDP sees the forward).
+        input_ids: long [B, P + R]; attention_mask: [B, P + R] (1 = real token, contiguous per row) or None.
         n_keep: R, the number of completion tokens to score.
         temperature: the sampling temperature (see the module docstring).
         return_aux_loss: also return the MoE router loss of this forward (0 without MoE).
+        padding_free: use the ``left_align`` layout (the training scripts pass ``--padding_free``, default 1).
     Returns:
-        per_token_logps fp32 [B, R]; or (per_token_logps, aux_loss scalar) with ``return_aux_loss``.
+        per_token_logps fp32 [B, R]; or (per_token_logps, aux_loss scalar) with ``return_aux_loss``. Entries
+        after a row's EOS are finite but meaningless; callers mask them with completion_mask.
+    Raises:
+        ValueError: from ``left_align`` for a mask whose real tokens are not contiguous.
     """
     if n_keep <= 0:
         empty = torch.zeros((input_ids.size(0), 0), dtype=torch.float32, device=input_ids.device)
         return (empty, torch.zeros((), device=input_ids.device)) if return_aux_loss else empty
-    out = model(input_ids, attention_mask=attention_mask, logits_to_keep=n_keep + 1)
-    logits = out.logits[:, :-1, :]  # [B, R, V]
+    if padding_free and attention_mask is not None:
+        aligned_ids, logit_positions = left_align(input_ids, attention_mask, n_keep)  # [B, L], [B, R]
+        out = model(aligned_ids, logits_to_keep=logit_positions)
+        logits = out.logits  # [B, R, V]
+    else:
+        out = model(input_ids, attention_mask=attention_mask, logits_to_keep=n_keep + 1)
+        logits = out.logits[:, :-1, :]  # [B, R, V]
     per_token_logps = selective_log_softmax(logits, input_ids[:, -n_keep:], temperature)  # [B, R]
     return (per_token_logps, out.aux_loss) if return_aux_loss else per_token_logps
+
+
+def compute_group_per_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, num_generations,
+                                  temperature=1.0, return_aux_loss=False):
+    """``compute_per_token_logps`` for a rollout's groups, with each prompt's forward done once (chapter 8.2, 8.5).
+
+    The G answers of a prompt share its P tokens, and the keys and values of those tokens do not depend on the
+    answers (causal attention). So the prompts run once, [B, P], their keys and values are repeated for the G
+    answers of each (``KVCache.repeat_interleave``), and the answers run on top, [B*G, R - 1]: the same
+    log-probs as the [B*G, P + R] forward, with the prompt tokens computed B times instead of B*G. The
+    gradient of the repeated keys and values sums over the G answers, as it does when the rows are separate
+    (the "shared-prefix forward" of Prefix Grouper, Liu et al. 2025).
+
+    Args:
+        model: a MiniMind causal LM (or its DDP wrapper; both forwards go through it).
+        prompt_ids, prompt_mask: long [B, P], the left-padded prompts before repetition.
+        completion_ids, completion_mask: long [B*G, R], each prompt's G answers adjacent (P0,P0,..,P1,..),
+            the mask 1 through the first EOS (``RolloutResult``).
+        num_generations: G.
+        temperature, return_aux_loss: as in ``compute_per_token_logps``; the MoE router loss is the sum of
+            the two forwards' (prompt tokens counted once).
+    Returns:
+        per_token_logps fp32 [B*G, R] (entries after a row's EOS finite but meaningless); with
+        ``return_aux_loss``, (per_token_logps, aux_loss scalar).
+    Raises:
+        ValueError: if completion_ids does not have B * num_generations rows.
+    """
+    batch, num_completion_tokens = prompt_ids.size(0), completion_ids.size(1)
+    if completion_ids.size(0) != batch * num_generations:
+        raise ValueError(f"{completion_ids.size(0)} completions for {batch} prompts x {num_generations} generations")
+    if num_completion_tokens == 0:
+        return compute_per_token_logps(model, completion_ids, 0, return_aux_loss=return_aux_loss)
+    cache = KVCache(unwrap_model(model).config.num_hidden_layers)
+    prompt_out = model(prompt_ids, attention_mask=prompt_mask, past_key_values=cache,
+                       logits_to_keep=1)  # logits [B, 1, V]: the prompt's last position predicts answer token 0
+    cache = cache.repeat_interleave(num_generations, extra_capacity=num_completion_tokens - 1)
+    repeated_prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # [B*G, P]
+    full_mask = torch.cat([repeated_prompt_mask, completion_mask[:, :-1]], dim=1)  # [B*G, P + R - 1]
+    completion_out = model(completion_ids[:, :-1], attention_mask=full_mask,
+                           past_key_values=cache)  # logits [B*G, R - 1, V]: answer token t predicts t + 1
+    first_logits = prompt_out.logits.repeat_interleave(num_generations, dim=0)  # [B*G, 1, V]
+    logits = torch.cat([first_logits, completion_out.logits], dim=1)  # [B*G, R, V]
+    per_token_logps = selective_log_softmax(logits, completion_ids, temperature)  # [B*G, R]
+    if return_aux_loss:
+        return per_token_logps, prompt_out.aux_loss + completion_out.aux_loss
+    return per_token_logps
 
 
 @dataclass

@@ -34,10 +34,10 @@ from trainer.rl_harness import (
     RLRun, accumulation_window_size, add_common_rl_args, check_common_rl_args, compile_for_training, nan_safe_step,
     print_debug_samples, wrap_ddp,
 )
-from trainer.rollout_engine import compute_per_token_logps, tokenize_prompts
+from trainer.rollout_engine import compute_group_per_token_logps, compute_per_token_logps, tokenize_prompts
 from trainer.trainer_utils import (
-    autocast_context, build_cosine_scheduler, build_policy_optimizer, calculate_rewards, k3_kl, masked_mean,
-    shutdown_distributed,
+    add_bool_flag, autocast_context, build_cosine_scheduler, build_policy_optimizer, calculate_rewards, k3_kl,
+    masked_mean, shutdown_distributed,
 )
 from trainer.rl_harness import nonfinite_parts
 
@@ -134,8 +134,17 @@ def parse_args(argv=None):
     parser.add_argument("--beta", type=float, default=0.1, help="weight of the k3 KL to the reference")
     parser.add_argument("--epsilon", type=float, default=0.2, help="clip range of the grpo loss")
     parser.add_argument("--epsilon_high", type=float, default=5.0, help="upper clamp of the CISPO ratio weight")
+    add_bool_flag(parser, "--shared_prefix", default=None,
+                  help="1: the reference and policy forwards run each prompt once for its G answers (same log-probs; "
+                       "default for dense models); 0: every answer with its own copy of the prompt (--padding_free "
+                       "picks that layout; the default with --use_moe 1, whose router loss counts every copy)")
     args = parser.parse_args(argv)
     check_common_rl_args(parser, args)
+    if args.shared_prefix is None:
+        args.shared_prefix = 0 if args.use_moe else 1
+    elif args.shared_prefix and args.use_moe:
+        parser.error("--shared_prefix 1 is for dense models: with --use_moe 1 the router loss would count each "
+                     "prompt once instead of G times; leave --shared_prefix out (or 0)")
     if args.accumulation_steps < 1:
         parser.error(f"--accumulation_steps must be >= 1, got {args.accumulation_steps}")
     if args.num_generations < 2:
@@ -152,6 +161,22 @@ def parse_args(argv=None):
 
 
 # ----------------------------------------------------------------------------- the loop
+def rollout_per_token_logps(model, rollout, args, return_aux_loss=False):
+    """Log-probs fp32 [B*G, R] of a rollout's completions under ``model`` (chapter 8.2), by the layout the flags
+    pick: ``--shared_prefix`` runs each prompt once for its G answers (``compute_group_per_token_logps``), else
+    ``--padding_free`` or the padded batch (``compute_per_token_logps``). Every layout gives the same log-probs
+    (tests/test_forward_layouts.py). With ``return_aux_loss``, (log-probs, MoE router loss)."""
+    if args.shared_prefix:
+        num_generations, prompt_len = args.num_generations, rollout.prompt_mask.size(1)
+        prompt_ids = rollout.output_ids[::num_generations, :prompt_len]  # [B, P], one row per group
+        prompt_mask = rollout.prompt_mask[::num_generations]  # [B, P]
+        return compute_group_per_token_logps(model, prompt_ids, prompt_mask, rollout.completion_ids,
+                                             rollout.completion_mask, num_generations, args.temperature,
+                                             return_aux_loss)
+    return compute_per_token_logps(model, rollout.output_ids, rollout.completion_ids.size(1), rollout.attention_mask,
+                                   args.temperature, return_aux_loss, padding_free=args.padding_free)
+
+
 def grpo_step(batch, model, ref_model, rollout_engine, reward_fn, reward_model, tokenizer, args, device):
     """One turn of the RLHF loop (chapter 8.1) with GRPO (chapter 8.5): rollout, rewards, group advantages,
     loss. Returns (loss to backpropagate, metrics dict, debug dict); the loop divides the loss by the size of
@@ -167,11 +192,8 @@ def grpo_step(batch, model, ref_model, rollout_engine, reward_fn, reward_model, 
     with autocast_context(device, args.dtype):
         rollout = rollout_engine.rollout(prompt_ids, attention_mask, args.num_generations, args.max_gen_len,
                                          args.temperature)
-    output_ids = rollout.output_ids  # [B*G, P+R]
-    full_mask = rollout.attention_mask  # [B*G, P+R]
     completion_mask = rollout.completion_mask  # [B*G, R]
     old_per_token_logps = rollout.per_token_logps.detach()  # [B*G, R]
-    num_completion_tokens = rollout.completion_ids.size(1)  # R
 
     # 2. rewards (8.3)
     repeated_prompts = [p for p in prompts for _ in range(args.num_generations)]
@@ -185,11 +207,9 @@ def grpo_step(batch, model, ref_model, rollout_engine, reward_fn, reward_model, 
 
     # 4. reference and current log-probs (fp32 whatever --dtype is)
     with torch.no_grad(), autocast_context(device, args.dtype):
-        ref_per_token_logps = compute_per_token_logps(ref_model, output_ids, num_completion_tokens, full_mask,
-                                                      args.temperature)  # [B*G, R]
+        ref_per_token_logps = rollout_per_token_logps(ref_model, rollout, args)  # [B*G, R]
     with autocast_context(device, args.dtype):
-        per_token_logps, aux_loss = compute_per_token_logps(model, output_ids, num_completion_tokens, full_mask,
-                                                            args.temperature, return_aux_loss=True)  # [B*G, R]
+        per_token_logps, aux_loss = rollout_per_token_logps(model, rollout, args, return_aux_loss=True)  # [B*G, R]
 
     # 5. CISPO / GRPO loss with the k3 KL penalty (8.5.2, 8.6)
     policy_loss, per_token_kl, ratio = grpo_loss(
