@@ -230,6 +230,31 @@ def summarize(step_phases, step_totals, tokens_per_rollout, model_flops, peaks, 
     }
 
 
+def combine_runs(runs):
+    """One contestant's figures over ``--repeats`` worker runs (dicts from ``summarize``).
+
+    One run is returned as it is. Over several: the median of the runs' median step times, the min and max of
+    those medians (the spread between runs, which a single run's min-max over its steps does not show), the
+    median of each phase, of the tokens/s and of the MFU, the largest peak memory, and every run's median in
+    ``run_medians``. A failed or skipped run is returned in place of the figures.
+    """
+    failed = [run for run in runs if "step_s_median" not in run]
+    if failed or len(runs) == 1:
+        return (failed or runs)[0]
+    medians = [run["step_s_median"] for run in runs]
+    combined = dict(runs[0], step_s_median=statistics.median(medians), step_s_min=min(medians),
+                    step_s_max=max(medians), runs=len(runs), run_medians=medians)
+    combined["phases_s"] = {name: statistics.median(run["phases_s"][name] for run in runs)
+                            for name in runs[0]["phases_s"]}
+    for key in ("rollout_tokens_per_s", "mfu"):
+        values = [run[key] for run in runs if run.get(key)]
+        combined[key] = statistics.median(values) if values else None
+    for key in ("peak_rss_mib", "peak_gpu_mib"):
+        if key in runs[0]:
+            combined[key] = max(run[key] for run in runs)
+    return combined
+
+
 # ----------------------------------------------------------------------------- contestants (one per worker)
 def grpo_args(spec):
     """train_grpo's own flags for this workload (rule rewards only: --reward_model_path none)."""
@@ -258,14 +283,14 @@ def run_ours_grpo(spec, tokenizer, timer):
     import trainer.train_grpo as grpo
     from trainer.rl_harness import nan_safe_step
     from trainer.rollout_engine import TorchRolloutEngine
-    from trainer.trainer_utils import build_cosine_scheduler
+    from trainer.trainer_utils import build_cosine_scheduler, build_policy_optimizer
     args = grpo_args(spec)
     device = spec["device"]
     model, config = load_minimind(spec)
     ref_model, _ = load_minimind(spec)
     ref_model.eval().requires_grad_(False)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
+    optimizer = build_policy_optimizer(model, args.learning_rate, args.weight_decay, args.final_norm_learning_rate)
     scheduler = build_cosine_scheduler(optimizer, spec["warmup"] + spec["steps"])
     engine = TorchRolloutEngine(model, tokenizer, generator=torch.Generator(spec["device"]).manual_seed(0),
                                 logprobs_mode=args.torch_logprobs, ignore_eos=True)
@@ -391,7 +416,7 @@ def run_ours_ppo(spec, tokenizer, timer):
     """Our PPO step (rollout of B = 12 prompts, GAE, 2 epochs of minibatches of 2) through train_ppo's functions."""
     import trainer.train_ppo as ppo
     from trainer.rollout_engine import TorchRolloutEngine
-    from trainer.trainer_utils import build_cosine_scheduler
+    from trainer.trainer_utils import build_cosine_scheduler, build_policy_optimizer
     rows = NUM_PROMPTS * NUM_GENERATIONS
     args = ppo.parse_args([
         "--hidden_size", str(spec["hidden_size"]), "--num_hidden_layers", str(spec["num_hidden_layers"]),
@@ -407,8 +432,9 @@ def run_ours_ppo(spec, tokenizer, timer):
     critic = CriticModel(config)
     critic.load_actor_state_dict(model.state_dict())
     critic = critic.to(spec["device"])
-    actor_optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
-    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate)
+    actor_optimizer = build_policy_optimizer(model, args.learning_rate, args.weight_decay,
+                                             args.final_norm_learning_rate)
+    critic_optimizer = ppo.build_critic_optimizer(critic, args)
     steps = spec["warmup"] + spec["steps"]
     actor_scheduler = build_cosine_scheduler(actor_optimizer, steps)
     critic_scheduler = build_cosine_scheduler(critic_optimizer, steps)
@@ -554,7 +580,8 @@ def run_worker(spec, timeout):
 def format_table(results, peaks):
     """The results as a plain-text table, one row per workload and contestant, with ours/theirs ratios."""
     lines = [f"matmul peaks measured in this run: fp32 {peaks['float32']:.1f} GFLOP/s (2048^3), "
-             f"bf16 {peaks['bfloat16']:.1f} GFLOP/s (512^3); each row's MFU is against the peak of its dtype",
+             f"bf16 {peaks['bfloat16']:.1f} GFLOP/s (512^3); each row's MFU is against the peak of its dtype; "
+             "min-max: over the timed steps of one run, or over the runs' medians with --repeats",
              "", "| workload | contestant | step s (median) | min-max | rollout | reward | ref fwd | policy fwd | "
              "policy bwd | optimizer | other | rollout tok/s | peak RSS MiB | MFU |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -597,6 +624,9 @@ def parse_args(argv=None):
     parser.add_argument("--contestants", default=",".join(CONTESTANTS), help=f"comma list of {', '.join(CONTESTANTS)}")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per contestant")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="worker runs of each contestant, in turn; >1 reports the median of the runs' medians "
+                             "and their min-max")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="auto: float32, and bfloat16 too where the machine has bf16 units (has_bf16_units)")
     parser.add_argument("--device", default="cpu", help="where every contestant runs: cpu or cuda[:N]")
@@ -625,8 +655,8 @@ def parse_args(argv=None):
         args.lengths = [int(n) for n in args.lengths.split(",")]
     except ValueError:
         parser.error(f"--lengths must be a comma list of integers, got {args.lengths!r}")
-    if any(n < 2 for n in args.lengths) or args.steps < 1 or args.warmup < 0:
-        parser.error("--lengths must be >= 2, --steps >= 1, --warmup >= 0")
+    if any(n < 2 for n in args.lengths) or args.steps < 1 or args.warmup < 0 or args.repeats < 1:
+        parser.error("--lengths must be >= 2, --steps >= 1, --warmup >= 0, --repeats >= 1")
     return args
 
 
@@ -653,24 +683,32 @@ def main(argv=None):
             pth, folder = weights[size]
             hidden, layers, _ = SIZES[size]
             workload = f"{size} (h{hidden} x{layers}), {gen_len} tok, {dtype}"
-            for contestant in args.contestants.split(","):
+            contestants = args.contestants.split(",")
+            runs = {contestant: [] for contestant in contestants}
+            for repeat, contestant in itertools.product(range(args.repeats), contestants):  # in turn: A B A B
                 spec = dict(contestant=contestant, hidden_size=hidden, num_hidden_layers=layers, pth=pth,
                             qwen3_folder=folder, gen_len=gen_len, prompts=prompts, answers=answers,
                             prompt_len=prompt_len, steps=args.steps, warmup=args.warmup, dtype=dtype,
                             torch_logprobs=args.torch_logprobs, threads=args.threads, peaks=peaks,
-                            device=args.device, tmp_dir=os.path.join(work_dir, f"trl_{size}_{gen_len}_{dtype}"),
+                            device=args.device,
+                            tmp_dir=os.path.join(work_dir, f"trl_{size}_{gen_len}_{dtype}_{repeat}"),
                             trl_ppo_path=args.trl_ppo_path, ours_flags=args.ours_flags.split())
                 reason = contestant_available(contestant, args.trl_ppo_path)
+                if reason and repeat > 0:
+                    continue
                 result = {"skipped": reason} if reason else run_worker(spec, args.timeout)
-                results.append({"workload": workload, "contestant": contestant, "size": size,
-                                "gen_len": gen_len, "dtype": dtype, "result": result})
-                print(f"{workload} | {contestant}: " + (
+                runs[contestant].append(result)
+                print(f"{workload} | {contestant} | run {repeat + 1}: " + (
                     f"{result['step_s_median']:.2f} s/step" if "step_s_median" in result else str(result)),
                     flush=True)
+            for contestant in contestants:
+                results.append({"workload": workload, "contestant": contestant, "size": size,
+                                "gen_len": gen_len, "dtype": dtype, "result": combine_runs(runs[contestant])})
     table = format_table(results, peaks)
     print(table)
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     report = {"torch": torch.__version__, "threads": args.threads, "dtype": args.dtype, "device": args.device,
+              "repeats": args.repeats,
               "prompt_tokens": prompt_len,
               "num_prompts": NUM_PROMPTS, "num_generations": NUM_GENERATIONS, "matmul_peak_gflops": peaks,
               "torch_logprobs": args.torch_logprobs, "ours_flags": args.ours_flags, "results": results,

@@ -380,8 +380,7 @@ def ppo_walkthrough(batch, ppo_args, actor, ref_model, critic, tokenizer, seed, 
     first_ratio_error = ((first_per_token_logps - data.old_per_token_logps).abs() * mask).max().item()
     actor_optimizer = build_policy_optimizer(actor, ppo_args.learning_rate, ppo_args.weight_decay,
                                              ppo_args.final_norm_learning_rate)  # as train_ppo.py builds it
-    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=ppo_args.critic_learning_rate,
-                                         weight_decay=ppo_args.weight_decay)
+    critic_optimizer = train_ppo.build_critic_optimizer(critic, ppo_args)  # as train_ppo.py builds it
     actor_scheduler = build_cosine_scheduler(actor_optimizer, ppo_args.max_steps)
     critic_scheduler = build_cosine_scheduler(critic_optimizer, ppo_args.max_steps)
     update = train_ppo.ppo_update(data, actor, critic, actor_optimizer, critic_optimizer, actor_scheduler,

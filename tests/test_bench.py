@@ -85,3 +85,17 @@ def test_bench_levers_layouts_give_the_same_first_loss(tiny_weights, tmp_path):
     assert max(losses) - min(losses) <= 1e-5, results
     table = format_table("grpo", results).splitlines()
     assert len(table) == 2 + 3 and table[2].split("|")[4].strip() == "1.00"  # the defaults against themselves
+
+
+def test_combine_runs_takes_the_median_of_the_run_medians():
+    from scripts.bench import combine_runs
+    runs = [{"step_s_median": s, "step_s_min": s - 0.1, "step_s_max": s + 0.1, "phases_s": {"rollout": r},
+             "rollout_tokens_per_s": t, "mfu": None, "peak_rss_mib": m}
+            for s, r, t, m in ((2.0, 1.0, 10.0, 500.0), (1.0, 0.4, 30.0, 700.0), (4.0, 2.0, 20.0, 600.0))]
+    combined = combine_runs(runs)
+    assert (combined["step_s_median"], combined["step_s_min"], combined["step_s_max"]) == (2.0, 1.0, 4.0)
+    assert combined["phases_s"] == {"rollout": 1.0} and combined["rollout_tokens_per_s"] == 20.0
+    assert combined["mfu"] is None and combined["peak_rss_mib"] == 700.0
+    assert combined["runs"] == 3 and combined["run_medians"] == [2.0, 1.0, 4.0]
+    assert combine_runs(runs[:1]) is runs[0]
+    assert combine_runs([runs[0], {"error": "timed out after 5 s"}]) == {"error": "timed out after 5 s"}

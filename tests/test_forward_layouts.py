@@ -184,3 +184,28 @@ def test_shared_prompt_checks_the_group_size(policy):
     empty = compute_group_per_token_logps(policy, prompt_ids, prompt_mask, completion_ids[:, :0],
                                           completion_mask[:, :0], 3)
     assert empty.shape == (6, 0)
+
+
+def test_fused_adamw_takes_the_steps_of_the_plain_loop(policy):
+    """``build_policy_optimizer`` (fused kernel, two groups) against torch's per-tensor AdamW loop on the same
+    groups: the same parameters after three steps with different gradients, to float rounding (the fused kernel
+    orders a few operations differently: 1 ulp here and there)."""
+    from trainer.trainer_utils import build_policy_optimizer
+    plain = MiniMindForCausalLM(policy.config)
+    plain.load_state_dict(policy.state_dict())
+    fused_optimizer = build_policy_optimizer(policy, 1e-3, 0.01, 1e-2)
+    assert all(group["fused"] for group in fused_optimizer.param_groups)
+    final_norm = plain.model.norm.weight
+    plain_optimizer = torch.optim.AdamW(
+        [{"params": [p for p in plain.parameters() if p is not final_norm], "lr": 1e-3, "weight_decay": 0.01},
+         {"params": [final_norm], "lr": 1e-2, "weight_decay": 0.0}], foreach=False)
+    input_ids, attention_mask, _ = ragged_batch()
+    for step in range(3):
+        for model, optimizer in ((policy, fused_optimizer), (plain, plain_optimizer)):
+            optimizer.zero_grad()
+            logps = compute_per_token_logps(model, input_ids, 4, attention_mask)  # [3, 4]
+            (logps.sum() * (step + 1)).backward()
+            optimizer.step()
+    for (name, fused_param), plain_param in zip(policy.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(fused_param, plain_param, rtol=1e-5, atol=1e-6, msg=name)
+    assert not torch.equal(plain.model.norm.weight, torch.ones_like(plain.model.norm.weight))  # they moved

@@ -41,7 +41,7 @@ from trainer.rl_harness import (
 )
 from trainer.rollout_engine import compute_per_token_logps, left_align, tokenize_prompts
 from trainer.trainer_utils import (
-    add_bool_flag, autocast_context, build_cosine_scheduler, build_policy_optimizer, calculate_rewards, k3_kl,
+    adamw, add_bool_flag, autocast_context, build_cosine_scheduler, build_policy_optimizer, calculate_rewards, k3_kl,
     masked_mean, shutdown_distributed, unwrap_model, weight_path,
 )
 from trainer.rl_harness import any_rank, nonfinite_parts
@@ -269,6 +269,12 @@ def compute_values(critic, input_ids, n_keep, attention_mask, padding_free=False
     return (values, out[1]) if return_aux_loss else values
 
 
+def build_critic_optimizer(critic, args):
+    """AdamW of the critic (chapter 8.4.4's value loss): ``--critic_learning_rate``, ``--weight_decay``, the fused
+    kernel (``adamw``)."""
+    return adamw(critic.parameters(), lr=args.critic_learning_rate, weight_decay=args.weight_decay)
+
+
 # ----------------------------------------------------------------------------- the loop
 @dataclass
 class PPORolloutBatch:
@@ -445,8 +451,7 @@ def main(argv=None, reward_fn=calculate_rewards, run_class=RLRun):
     critic = build_critic(run.lm_config, args, device)
     actor_optimizer = build_policy_optimizer(actor, args.learning_rate, args.weight_decay,
                                              args.final_norm_learning_rate)
-    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate,
-                                         weight_decay=args.weight_decay)
+    critic_optimizer = build_critic_optimizer(critic, args)
     actor_scheduler = build_cosine_scheduler(actor_optimizer, run.total_steps)  # one schedule step per rollout
     critic_scheduler = build_cosine_scheduler(critic_optimizer, run.total_steps)
     ddp_actor = compile_for_training(wrap_ddp(actor, device, run.local_rank), args.use_compile)
