@@ -338,7 +338,8 @@ class MiniMindModel(nn.Module):
         batch, seq = input_ids.shape
         past_len = past_key_values.seq_len if past_key_values is not None else 0
         if attention_mask is not None:
-            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -seq:]  # [B, T]
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, S]
+            position_ids = position_ids[:, attention_mask.size(1) - seq:]  # [B, T] (T = 0 gives [B, 0])
         else:
             position_ids = torch.arange(past_len, past_len + seq, device=input_ids.device).expand(batch, seq)
         hidden_states = self.dropout(self.embed_tokens(input_ids))  # [B, T, hidden]
@@ -390,16 +391,17 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel):
         self.post_init()
 
     def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=False,
-                logits_to_keep=0, **kwargs):
+                logits_to_keep=0, logit_positions=None, **kwargs):
         """Next-token logits.
 
         Args:
             input_ids: long [B, T].
             attention_mask: [B, S] with 1 on real tokens, S = cached + T (left padding supported).
             past_key_values: a ``KVCache`` or None; with ``use_cache`` and None, a new cache is made.
-            logits_to_keep: k > 0 computes logits of the last k positions only; 0 keeps all T; a long tensor
-                [B, n] computes the logits of those positions of each row (a padding-free batch, where each
-                row's completion starts elsewhere).
+            logits_to_keep: k > 0 computes logits of the last k positions only; 0 keeps all T.
+            logit_positions: long [B, n] or None: the logits of those positions of each row only (a
+                ``flush_left`` batch, where each row's completion starts in another column); overrides
+                ``logits_to_keep``.
         Returns:
             ``MoeCausalLMOutputWithPast`` with ``logits`` [B, T or k or n, V] (model dtype),
             ``aux_loss`` (scalar fp32, 0 without MoE) and ``cache`` (the ``KVCache``, or None).
@@ -407,8 +409,8 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel):
         if use_cache and past_key_values is None:
             past_key_values = KVCache(self.config.num_hidden_layers)
         hidden_states, aux_loss = self.model(input_ids, attention_mask, past_key_values)
-        if torch.is_tensor(logits_to_keep):
-            index = logits_to_keep.unsqueeze(-1).expand(-1, -1, hidden_states.size(-1))  # [B, n, hidden]
+        if logit_positions is not None:
+            index = logit_positions.unsqueeze(-1).expand(-1, -1, hidden_states.size(-1))  # [B, n, hidden]
             hidden_states = hidden_states.gather(1, index)
         elif logits_to_keep > 0:
             hidden_states = hidden_states[:, -logits_to_keep:, :]
@@ -535,13 +537,13 @@ class CriticModel(MiniMindPreTrainedModel):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids, attention_mask=None, return_aux_loss=False, positions=None, **kwargs):
-        """values fp32 [B, T] (or [B, n]: the values at ``positions``, long [B, n], of each row); with
+    def forward(self, input_ids, attention_mask=None, return_aux_loss=False, logit_positions=None, **kwargs):
+        """values fp32 [B, T] (or [B, n]: the values at ``logit_positions``, long [B, n], of each row); with
         ``return_aux_loss``, (values, aux_loss): the MoE load-balancing loss of the critic's own routers (a 0
         tensor for a dense model), which PPO adds to its loss as it does the actor's."""
         hidden_states, aux_loss = self.model(input_ids, attention_mask)  # [B, T, hidden], already normed
-        if positions is not None:
-            index = positions.unsqueeze(-1).expand(-1, -1, hidden_states.size(-1))  # [B, n, hidden]
+        if logit_positions is not None:
+            index = logit_positions.unsqueeze(-1).expand(-1, -1, hidden_states.size(-1))  # [B, n, hidden]
             hidden_states = hidden_states.gather(1, index)
         values = self.value_head(hidden_states).squeeze(-1).float()  # [B, T or n]
         return (values, aux_loss) if return_aux_loss else values

@@ -632,7 +632,7 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="cpu", help="where every contestant runs: cpu or cuda[:N]")
     parser.add_argument("--torch_logprobs", default="sampler", choices=["sampler", "recompute"])
     parser.add_argument("--ours_flags", default="",
-                        help="extra flags of our training scripts for our step contestants, e.g. \"--padding_free 0 "
+                        help="extra flags of our training scripts for our step contestants, e.g. \"--flush_left 0 "
                              "--shared_prefix 0\" (a lever switched off); TRL's contestants are not affected")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads per worker")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per worker")

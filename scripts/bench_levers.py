@@ -30,13 +30,13 @@ sys.path.insert(0, ROOT)
 VARIANTS = {  # script -> [(name, flags)]; the first of each is the defaults
     "grpo": [
         ("defaults (shared prefix)", []),
-        ("--shared_prefix 0 (padding-free rows)", ["--shared_prefix", "0"]),
-        ("--shared_prefix 0 --padding_free 0 (padded rows)", ["--shared_prefix", "0", "--padding_free", "0"]),
+        ("--shared_prefix 0 (flush-left rows)", ["--shared_prefix", "0"]),
+        ("--shared_prefix 0 --flush_left 0 (padded rows)", ["--shared_prefix", "0", "--flush_left", "0"]),
         ("--dtype bfloat16", ["--dtype", "bfloat16"]),
     ],
     "ppo": [
-        ("defaults (padding-free)", []),
-        ("--padding_free 0 (padded rows)", ["--padding_free", "0"]),
+        ("defaults (flush-left)", []),
+        ("--flush_left 0 (padded rows)", ["--flush_left", "0"]),
         ("--dtype bfloat16", ["--dtype", "bfloat16"]),
     ],
 }

@@ -1,4 +1,4 @@
-"""Forward layouts that skip work: --padding_free (``left_align``) and GRPO's shared prompts
+"""Forward layouts that skip work: --flush_left (``flush_left_batch``) and GRPO's shared prompts
 (``compute_group_per_token_logps``) give the same log-probs, losses and gradients as the padded batch with its mask.
 
 The reference values come from each row scored alone (no padding at all, a plain log_softmax) and from the padded
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from model.model_minimind import CriticModel, MiniMindForCausalLM
-from trainer.rollout_engine import compute_group_per_token_logps, compute_per_token_logps, left_align
+from trainer.rollout_engine import compute_group_per_token_logps, compute_per_token_logps, flush_left_batch
 from trainer.train_grpo import grpo_loss
 from trainer.trainer_utils import build_config, completion_mask_from_ids
 
@@ -38,23 +38,23 @@ def policy():
     return MiniMindForCausalLM(config)
 
 
-def test_left_align_layout_by_hand():
+def test_flush_left_layout_by_hand():
     input_ids, attention_mask, _ = ragged_batch()
-    aligned_ids, logit_positions = left_align(input_ids, attention_mask, n_keep=4)
+    flushed_ids, logit_positions = flush_left_batch(input_ids, attention_mask, n_keep=4)
     # real lengths 7, 8, 3: L = 8; each row is read from its first real column on, a row that runs out repeats
     # the last column (row 0's 44): those columns come after the row's real tokens, so causal attention never
     # lets them reach one
-    assert aligned_ids.tolist() == [[11, 12, 13, 41, 42, 43, 44, 44],
+    assert flushed_ids.tolist() == [[11, 12, 13, 41, 42, 43, 44, 44],
                                     [21, 22, 23, 24, 25, 51, 52, EOS],
                                     [31, 32, EOS, PAD, PAD, PAD, PAD, PAD]]
     # completion token j of a row with a prompt of p real tokens is predicted at aligned position p - 1 + j
     assert logit_positions.tolist() == [[2, 3, 4, 5], [4, 5, 6, 7], [1, 2, 3, 4]]
 
 
-def test_padding_free_logps_equal_each_row_alone(policy):
+def test_flush_left_logps_equal_each_row_alone(policy):
     input_ids, attention_mask, completion_mask = ragged_batch()
     per_token_logps = compute_per_token_logps(policy, input_ids, 4, attention_mask, temperature=0.7,
-                                              padding_free=True)  # [3, 4]
+                                              flush_left=True)  # [3, 4]
     for i in range(3):
         row = input_ids[i][attention_mask[i].bool()]  # the real tokens only
         n = int(completion_mask[i].sum())
@@ -65,7 +65,7 @@ def test_padding_free_logps_equal_each_row_alone(policy):
 
 
 @pytest.mark.parametrize("loss_type", ["cispo", "grpo"])
-def test_padding_free_loss_and_gradients_equal_the_padded_batch(policy, loss_type):
+def test_flush_left_loss_and_gradients_equal_the_padded_batch(policy, loss_type):
     input_ids, attention_mask, completion_mask = ragged_batch()
     mask = completion_mask.bool()
     torch.manual_seed(1)
@@ -73,30 +73,31 @@ def test_padding_free_loss_and_gradients_equal_the_padded_batch(policy, loss_typ
     ref = torch.randn(3, 4) * 0.1 - 8.0  # [3, 4]
     advantages = torch.tensor([1.0, -0.5, 0.25])  # [3]
     results = {}
-    for padding_free in (False, True):
+    for flush_left in (False, True):
         policy.zero_grad()
-        logps = compute_per_token_logps(policy, input_ids, 4, attention_mask, padding_free=padding_free)
+        logps = compute_per_token_logps(policy, input_ids, 4, attention_mask, flush_left=flush_left)
         loss, _, _ = grpo_loss(logps, old, ref, advantages, completion_mask, loss_type, beta=0.1)
         loss.backward()
         grads = {name: p.grad.clone() for name, p in policy.named_parameters()}
-        results[padding_free] = (logps.detach()[mask], loss.item(), grads)
+        results[flush_left] = (logps.detach()[mask], loss.item(), grads)
     (padded_logps, padded_loss, padded_grads), (free_logps, free_loss, free_grads) = results[False], results[True]
     assert (padded_logps - free_logps).abs().max() <= 1e-5
     assert free_loss == pytest.approx(padded_loss, abs=1e-5)
     assert free_grads.keys() == padded_grads.keys()
     for name, grad in padded_grads.items():
+        assert grad.abs().max() > 0, name  # every weight takes part, so the comparison below is not 0 == 0
         assert (free_grads[name] - grad).abs().max() <= 1e-5, name
 
 
-def test_padding_free_critic_values_equal_the_padded_batch(policy):
+def test_flush_left_critic_values_equal_the_padded_batch(policy):
     from trainer.train_ppo import compute_values
     critic = CriticModel(policy.config)
     critic.load_actor_state_dict(policy.state_dict())
     torch.nn.init.normal_(critic.value_head.weight, std=0.1)  # a non-zero head, so the values differ per position
     input_ids, attention_mask, completion_mask = ragged_batch()
     mask = completion_mask.bool()
-    padded = compute_values(critic, input_ids, 4, attention_mask, padding_free=False)  # [3, 4]
-    free = compute_values(critic, input_ids, 4, attention_mask, padding_free=True)  # [3, 4]
+    padded = compute_values(critic, input_ids, 4, attention_mask, flush_left=False)  # [3, 4]
+    free = compute_values(critic, input_ids, 4, attention_mask, flush_left=True)  # [3, 4]
     assert free.shape == padded.shape == (3, 4)
     assert (free - padded)[mask].abs().max() <= 1e-5
     for i in range(3):  # V(s_t): the value at the position before completion token t, row alone
@@ -107,12 +108,12 @@ def test_padding_free_critic_values_equal_the_padded_batch(policy):
         assert (free[i, :n] - expected).abs().max() <= 1e-5
 
 
-def test_left_align_refuses_holes_and_empty_rows():
+def test_flush_left_refuses_holes_and_empty_rows():
     input_ids = torch.tensor([[5, 6, 7, 8]])
     with pytest.raises(ValueError, match="padding between real tokens"):
-        left_align(input_ids, torch.tensor([[1, 0, 1, 1]]), 2)
+        flush_left_batch(input_ids, torch.tensor([[1, 0, 1, 1]]), 2)
     with pytest.raises(ValueError, match="no real token"):
-        left_align(input_ids, torch.tensor([[0, 0, 0, 0]]), 2)
+        flush_left_batch(input_ids, torch.tensor([[0, 0, 0, 0]]), 2)
 
 
 def grouped_batch():
@@ -164,7 +165,7 @@ def test_shared_prompt_loss_and_gradients_equal_the_padded_batch(policy, loss_ty
         if shared:
             logps = compute_group_per_token_logps(policy, prompt_ids, prompt_mask, completion_ids, completion_mask, 3)
         else:
-            logps = compute_per_token_logps(policy, input_ids, 4, attention_mask, padding_free=False)
+            logps = compute_per_token_logps(policy, input_ids, 4, attention_mask, flush_left=False)
         loss, _, _ = grpo_loss(logps, old, ref, advantages, completion_mask, loss_type, beta=0.1)
         loss.backward()
         results.append((logps.detach()[completion_mask.bool()], loss.item(),
@@ -186,26 +187,30 @@ def test_shared_prompt_checks_the_group_size(policy):
     assert empty.shape == (6, 0)
 
 
-def test_fused_adamw_takes_the_steps_of_the_plain_loop(policy):
-    """``build_policy_optimizer`` (fused kernel, two groups) against torch's per-tensor AdamW loop on the same
-    groups: the same parameters after three steps with different gradients, to float rounding (the fused kernel
-    orders a few operations differently: 1 ulp here and there)."""
-    from trainer.trainer_utils import build_policy_optimizer
-    plain = MiniMindForCausalLM(policy.config)
-    plain.load_state_dict(policy.state_dict())
-    fused_optimizer = build_policy_optimizer(policy, 1e-3, 0.01, 1e-2)
-    assert all(group["fused"] for group in fused_optimizer.param_groups)
-    final_norm = plain.model.norm.weight
-    plain_optimizer = torch.optim.AdamW(
-        [{"params": [p for p in plain.parameters() if p is not final_norm], "lr": 1e-3, "weight_decay": 0.01},
-         {"params": [final_norm], "lr": 1e-2, "weight_decay": 0.0}], foreach=False)
-    input_ids, attention_mask, _ = ragged_batch()
-    for step in range(3):
-        for model, optimizer in ((policy, fused_optimizer), (plain, plain_optimizer)):
-            optimizer.zero_grad()
-            logps = compute_per_token_logps(model, input_ids, 4, attention_mask)  # [3, 4]
-            (logps.sum() * (step + 1)).backward()
-            optimizer.step()
-    for (name, fused_param), plain_param in zip(policy.named_parameters(), plain.parameters()):
-        torch.testing.assert_close(fused_param, plain_param, rtol=1e-5, atol=1e-6, msg=name)
-    assert not torch.equal(plain.model.norm.weight, torch.ones_like(plain.model.norm.weight))  # they moved
+
+def test_flush_left_logps_of_a_moe_policy_equal_the_padded_batch():
+    """MoE routes each token alone, so the layout does not change a real token's log-prob either."""
+    torch.manual_seed(3)
+    config = build_config(hidden_size=64, num_hidden_layers=2, use_moe=1)
+    config.initializer_range = 0.1
+    moe_policy = MiniMindForCausalLM(config)
+    input_ids, attention_mask, completion_mask = ragged_batch()
+    mask = completion_mask.bool()
+    padded = compute_per_token_logps(moe_policy, input_ids, 4, attention_mask, flush_left=False)  # [3, 4]
+    flushed = compute_per_token_logps(moe_policy, input_ids, 4, attention_mask, flush_left=True)  # [3, 4]
+    assert (padded - flushed)[mask].abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("num_completion_tokens", [1, 2])
+def test_shared_prompt_with_one_token_prompts_and_one_token_answers(policy, num_completion_tokens):
+    """R = 1 (every answer EOS first, or --max_gen_len 1) has no answer forward; P = 1 is a prompt of one token."""
+    prompt_ids = torch.tensor([[PAD, 11], [21, 22]])  # [2, 2]: a one-token prompt, left-padded
+    prompt_mask = torch.tensor([[0, 1], [1, 1]])
+    completion_ids = torch.tensor([[EOS, PAD], [41, EOS], [EOS, PAD], [51, 52]])[:, :num_completion_tokens]  # [4, R]
+    completion_mask = completion_mask_from_ids(completion_ids, EOS)
+    shared = compute_group_per_token_logps(policy, prompt_ids, prompt_mask, completion_ids, completion_mask, 2)
+    input_ids, attention_mask = padded_rows(prompt_ids, prompt_mask, completion_ids, completion_mask, 2)
+    padded = compute_per_token_logps(policy, input_ids, num_completion_tokens, attention_mask)
+    assert shared.shape == padded.shape == (4, num_completion_tokens)
+    mask = completion_mask.bool()
+    assert (shared - padded)[mask].abs().max() <= 1e-5

@@ -8,7 +8,7 @@ accuracy unchanged), on an AVX512 machine after checking there that the code bef
 old numbers bit for bit. Every number of every line (key order included) must stay the same; only
 ``elapsed_s`` (wall time) is left out.
 
-The pin runs the padded forwards (``--padding_free 0``, and ``--shared_prefix 0`` for GRPO), the layout of the
+The pin runs the padded forwards (``--flush_left 0``, and ``--shared_prefix 0`` for GRPO), the layout of the
 recording: the layouts that skip padding or repeated prompts compute the same log-probs to the last bits or so
 (other matrix shapes pick other summation orders; tests/test_forward_layouts.py checks them to 1e-5), which a
 bit-for-bit pin cannot tell from a change in behaviour.
@@ -35,7 +35,7 @@ def machine():
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
-PADDED_LAYOUT = {"grpo": ["--padding_free", "0", "--shared_prefix", "0"], "ppo": ["--padding_free", "0"]}
+PADDED_LAYOUT = {"grpo": ["--flush_left", "0", "--shared_prefix", "0"], "ppo": ["--flush_left", "0"]}
 
 
 def run_five_steps(script, work_dir):

@@ -44,7 +44,8 @@ from trainer.rollout_engine import (
 from trainer.trainer_utils import (
     DEFAULT_REWARD_MODEL_PATH, DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, DTYPE_CHOICES, DTYPES, ROOT,
     LMForRewardModel, Logger, add_bool_flag, atomic_save, build_config, check_writable_dir,
-    half_state_dict, init_distributed_mode, init_model, is_main_process, project_scale_only_gradients,
+    half_state_dict, init_distributed_mode, init_model, is_main_process, load_optimizer_state,
+    project_scale_only_gradients,
     read_reward_model_config, resolve_dtype, resolve_train_dtype, setup_seed, unwrap_model, weight_path,
 )
 
@@ -395,6 +396,8 @@ def load_training_states(objects, states, path):
             grads = states.get(f"{name}_grads", {})
             for param_name, param in module.named_parameters():
                 param.grad = grads[param_name].to(param.device) if param_name in grads else None
+        elif isinstance(obj, torch.optim.Optimizer):
+            load_optimizer_state(obj, states[name])  # keeps this run's kernel (fused) over the saved one's
         else:
             obj.load_state_dict(states[name])
 
@@ -458,9 +461,10 @@ def add_common_rl_args(parser):
                              "process takes the GPU of its LOCAL_RANK, and cpu keeps them all on the CPU)")
     add_bool_flag(parser, "--use_compile",
                   help="1: torch.compile the training forwards (policy; PPO's critic too), not the rollout's decode")
-    add_bool_flag(parser, "--padding_free", default=1,
-                  help="1: training and reference forwards skip padding (each row's real tokens moved to the front, "
-                       "no attention mask); 0: the padded batch with its mask. Same log-probs")
+    add_bool_flag(parser, "--flush_left", default=1,
+                  help="1: training and reference forwards drop the left padding (each row's real tokens moved to "
+                       "the front, columns no row needs cut, no attention mask; TRL's flush_left); 0: the padded "
+                       "batch with its mask. Same log-probs. GRPO's default --shared_prefix 1 lays out its own")
     parser.add_argument("--num_workers", type=int, default=0,
                         help="DataLoader worker processes that read the prompts (0 = in the training process)")
     parser.add_argument("--torch_logprobs", default="sampler", choices=TORCH_LOGPROB_MODES,

@@ -79,13 +79,13 @@ def selective_log_softmax(logits, index, temperature=1.0):
     return SelectiveLogSoftmax.apply(logits, index, float(temperature))
 
 
-def left_align(input_ids, attention_mask, n_keep):
-    """A padding-free layout of a padded batch: each row's real tokens moved to the front (left-aligned), the
-    columns no row needs dropped, so a forward runs over [B, L] (L = the longest row's real length) with no
-    attention mask.
+def flush_left_batch(input_ids, attention_mask, n_keep):
+    """The rollout's batch with its left padding removed: each row's real tokens moved to the front, then the
+    columns that no row needs dropped (TRL's ``flush_left``), so a forward runs over [B, L], L = the longest
+    row's real length, with no attention mask. Rows shorter than L keep filler columns after their real tokens.
 
-    With the real tokens at the front of every row, the plain causal mask is the right one (a row's padding
-    after its real tokens cannot reach them), so attention can use the fused causal kernel, and positions
+    With the real tokens first in every row, plain causal attention is the right mask (a row's filler comes after
+    its real tokens, so none of them attends to it), attention can take the fused causal kernel, and positions
     0..len-1 are the ones the padded forward gives the real tokens (``MiniMindModel`` counts real tokens only).
 
     Args:
@@ -93,9 +93,10 @@ def left_align(input_ids, attention_mask, n_keep):
         attention_mask: [B, T], 1 on real tokens; each row's 1s must be contiguous.
         n_keep: R, how many completion tokens (the last R columns) will be scored.
     Returns:
-        (aligned_ids long [B, L], logit_positions long [B, R]): position ``logit_positions[b, j]`` of the
-        aligned row predicts completion token j (``input_ids[b, T - R + j]``); positions past a row's last real
-        token are clamped to L - 1 (their log-probs are masked by the caller's completion_mask).
+        (flushed_ids long [B, L], logit_positions long [B, R]): position ``logit_positions[b, j]`` of the
+        flushed row predicts completion token j (``input_ids[b, T - R + j]``). For the tokens after a row's
+        EOS it points into the filler (or is clamped to L - 1): those log-probs are finite but meaningless,
+        and the caller's completion_mask drops them.
     Raises:
         ValueError: if a row's real tokens are not contiguous, or a row has none.
     """
@@ -103,30 +104,31 @@ def left_align(input_ids, attention_mask, n_keep):
     mask = attention_mask.bool()
     lengths = mask.sum(dim=1)  # [B]
     if bool((lengths == 0).any()):
-        raise ValueError("left_align: a row of attention_mask has no real token")
+        raise ValueError("flush_left_batch: a row of attention_mask has no real token")
     columns = torch.arange(width, device=input_ids.device)  # [T]
     starts = torch.where(mask, columns, width).min(dim=1).values  # [B] first real column
     ends = torch.where(mask, columns, -1).max(dim=1).values  # [B] last real column
     if bool((ends - starts + 1 != lengths).any()):
-        raise ValueError("left_align: attention_mask has padding between real tokens; each row's 1s must be "
+        raise ValueError("flush_left_batch: attention_mask has padding between real tokens; each row's 1s must be "
                          "contiguous (left padding, prompt, completion, right padding)")
-    aligned_len = int(lengths.max())
-    gather_columns = (starts.unsqueeze(1) + columns[:aligned_len].unsqueeze(0)).clamp(max=width - 1)  # [B, L]
-    aligned_ids = input_ids.gather(1, gather_columns)  # [B, L]
-    first_completion = width - n_keep - starts  # [B] aligned column of completion token 0
+    flushed_len = int(lengths.max())
+    gather_columns = (starts.unsqueeze(1) + columns[:flushed_len].unsqueeze(0)).clamp(max=width - 1)  # [B, L]
+    flushed_ids = input_ids.gather(1, gather_columns)  # [B, L]
+    first_completion = width - n_keep - starts  # [B] flushed column of completion token 0
     offsets = torch.arange(n_keep, device=input_ids.device)  # [R]
-    logit_positions = (first_completion.unsqueeze(1) - 1 + offsets.unsqueeze(0)).clamp(0, aligned_len - 1)  # [B, R]
-    return aligned_ids, logit_positions
+    logit_positions = first_completion.unsqueeze(1) - 1 + offsets.unsqueeze(0)  # [B, R]
+    return flushed_ids, logit_positions.clamp(0, flushed_len - 1)
 
 
 def compute_per_token_logps(model, input_ids, n_keep, attention_mask=None, temperature=1.0, return_aux_loss=False,
-                            padding_free=False):
+                            flush_left=False):
     """Log-probs of the last ``n_keep`` tokens of each row (chapter 8.2).
 
     One forward over the sequence keeps the logits of the positions that predict the completion; position t
-    predicts token t + 1. With ``padding_free`` and a mask, the forward runs on the ``left_align`` layout
-    (no padding columns, no attention mask); without, on the padded batch with its mask, keeping the last
-    n_keep + 1 positions. Both give the same log-probs on real tokens (tested to 1e-5 in fp32).
+    predicts token t + 1. Without ``flush_left``: the padded batch with its mask, keeping the last n_keep + 1
+    positions (``logits[:, :-1]`` scores ``input_ids[:, -n_keep:]``). With ``flush_left`` and a mask: the
+    ``flush_left`` layout (no left padding, no attention mask), keeping each row's own positions. Both give
+    the same log-probs on real tokens (tests/test_forward_layouts.py, 1e-5 in fp32).
 
     Args:
         model: a MiniMind causal LM (or its DDP wrapper: the call goes through it, so DDP sees the forward).
@@ -134,19 +136,19 @@ def compute_per_token_logps(model, input_ids, n_keep, attention_mask=None, tempe
         n_keep: R, the number of completion tokens to score.
         temperature: the sampling temperature (see the module docstring).
         return_aux_loss: also return the MoE router loss of this forward (0 without MoE).
-        padding_free: use the ``left_align`` layout (the training scripts pass ``--padding_free``, default 1).
+        flush_left: use the ``flush_left_batch`` layout (the training scripts pass ``--flush_left``, default 1).
     Returns:
         per_token_logps fp32 [B, R]; or (per_token_logps, aux_loss scalar) with ``return_aux_loss``. Entries
         after a row's EOS are finite but meaningless; callers mask them with completion_mask.
     Raises:
-        ValueError: from ``left_align`` for a mask whose real tokens are not contiguous.
+        ValueError: from ``flush_left_batch`` for a mask whose real tokens are not contiguous.
     """
     if n_keep <= 0:
         empty = torch.zeros((input_ids.size(0), 0), dtype=torch.float32, device=input_ids.device)
         return (empty, torch.zeros((), device=input_ids.device)) if return_aux_loss else empty
-    if padding_free and attention_mask is not None:
-        aligned_ids, logit_positions = left_align(input_ids, attention_mask, n_keep)  # [B, L], [B, R]
-        out = model(aligned_ids, logits_to_keep=logit_positions)
+    if flush_left and attention_mask is not None:
+        flushed_ids, logit_positions = flush_left_batch(input_ids, attention_mask, n_keep)  # [B, L], [B, R]
+        out = model(flushed_ids, logit_positions=logit_positions)
         logits = out.logits  # [B, R, V]
     else:
         out = model(input_ids, attention_mask=attention_mask, logits_to_keep=n_keep + 1)
@@ -167,16 +169,17 @@ def compute_group_per_token_logps(model, prompt_ids, prompt_mask, completion_ids
     (the "shared-prefix forward" of Prefix Grouper, Liu et al. 2025).
 
     Args:
-        model: a MiniMind causal LM (or its DDP wrapper; both forwards go through it).
+        model: a dense MiniMind causal LM (or its DDP wrapper; both forwards go through it). With MoE the
+            router loss would differ from the padded batch's (each forward's loss is a mean over its own
+            tokens), which is why ``train_grpo.py`` refuses ``--shared_prefix 1 --use_moe 1``.
         prompt_ids, prompt_mask: long [B, P], the left-padded prompts before repetition.
         completion_ids, completion_mask: long [B*G, R], each prompt's G answers adjacent (P0,P0,..,P1,..),
             the mask 1 through the first EOS (``RolloutResult``).
         num_generations: G.
-        temperature, return_aux_loss: as in ``compute_per_token_logps``; the MoE router loss is the sum of
-            the two forwards' (prompt tokens counted once).
+        temperature, return_aux_loss: as in ``compute_per_token_logps``.
     Returns:
         per_token_logps fp32 [B*G, R] (entries after a row's EOS finite but meaningless); with
-        ``return_aux_loss``, (per_token_logps, aux_loss scalar).
+        ``return_aux_loss``, (per_token_logps, aux_loss scalar: the two forwards' router losses added).
     Raises:
         ValueError: if completion_ids does not have B * num_generations rows.
     """
@@ -188,16 +191,20 @@ def compute_group_per_token_logps(model, prompt_ids, prompt_mask, completion_ids
     cache = KVCache(unwrap_model(model).config.num_hidden_layers)
     prompt_out = model(prompt_ids, attention_mask=prompt_mask, past_key_values=cache,
                        logits_to_keep=1)  # logits [B, 1, V]: the prompt's last position predicts answer token 0
+    first_logits = prompt_out.logits.repeat_interleave(num_generations, dim=0)  # [B*G, 1, V]
+    first_logps = selective_log_softmax(first_logits, completion_ids[:, :1], temperature)  # [B*G, 1]
+    aux_loss = prompt_out.aux_loss
+    if num_completion_tokens == 1:  # nothing after answer token 0 to predict from
+        return (first_logps, aux_loss) if return_aux_loss else first_logps
     cache = cache.repeat_interleave(num_generations, extra_capacity=num_completion_tokens - 1)
     repeated_prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # [B*G, P]
     full_mask = torch.cat([repeated_prompt_mask, completion_mask[:, :-1]], dim=1)  # [B*G, P + R - 1]
     completion_out = model(completion_ids[:, :-1], attention_mask=full_mask,
                            past_key_values=cache)  # logits [B*G, R - 1, V]: answer token t predicts t + 1
-    first_logits = prompt_out.logits.repeat_interleave(num_generations, dim=0)  # [B*G, 1, V]
-    logits = torch.cat([first_logits, completion_out.logits], dim=1)  # [B*G, R, V]
-    per_token_logps = selective_log_softmax(logits, completion_ids, temperature)  # [B*G, R]
+    rest_logps = selective_log_softmax(completion_out.logits, completion_ids[:, 1:], temperature)  # [B*G, R - 1]
+    per_token_logps = torch.cat([first_logps, rest_logps], dim=1)  # [B*G, R]
     if return_aux_loss:
-        return per_token_logps, prompt_out.aux_loss + completion_out.aux_loss
+        return per_token_logps, aux_loss + completion_out.aux_loss
     return per_token_logps
 
 

@@ -136,15 +136,15 @@ def parse_args(argv=None):
     parser.add_argument("--epsilon_high", type=float, default=5.0, help="upper clamp of the CISPO ratio weight")
     add_bool_flag(parser, "--shared_prefix", default=None,
                   help="1: the reference and policy forwards run each prompt once for its G answers (same log-probs; "
-                       "default for dense models); 0: every answer with its own copy of the prompt (--padding_free "
-                       "picks that layout; the default with --use_moe 1, whose router loss counts every copy)")
+                       "default for dense models; --flush_left does not apply); 0: every answer with its own copy of "
+                       "the prompt, in the --flush_left or padded layout (the default with --use_moe 1)")
     args = parser.parse_args(argv)
     check_common_rl_args(parser, args)
     if args.shared_prefix is None:
         args.shared_prefix = 0 if args.use_moe else 1
     elif args.shared_prefix and args.use_moe:
-        parser.error("--shared_prefix 1 is for dense models: with --use_moe 1 the router loss would count each "
-                     "prompt once instead of G times; leave --shared_prefix out (or 0)")
+        parser.error("--shared_prefix 1 is for dense models: with --use_moe 1 the router loss of its two forwards "
+                     "(prompts, then answers) is not the loss of the full rows; leave --shared_prefix out (or 0)")
     if args.accumulation_steps < 1:
         parser.error(f"--accumulation_steps must be >= 1, got {args.accumulation_steps}")
     if args.num_generations < 2:
@@ -164,7 +164,7 @@ def parse_args(argv=None):
 def rollout_per_token_logps(model, rollout, args, return_aux_loss=False):
     """Log-probs fp32 [B*G, R] of a rollout's completions under ``model`` (chapter 8.2), by the layout the flags
     pick: ``--shared_prefix`` runs each prompt once for its G answers (``compute_group_per_token_logps``), else
-    ``--padding_free`` or the padded batch (``compute_per_token_logps``). Every layout gives the same log-probs
+    ``--flush_left`` or the padded batch (``compute_per_token_logps``). Every layout gives the same log-probs
     (tests/test_forward_layouts.py). With ``return_aux_loss``, (log-probs, MoE router loss)."""
     if args.shared_prefix:
         num_generations, prompt_len = args.num_generations, rollout.prompt_mask.size(1)
@@ -174,7 +174,7 @@ def rollout_per_token_logps(model, rollout, args, return_aux_loss=False):
                                              rollout.completion_mask, num_generations, args.temperature,
                                              return_aux_loss)
     return compute_per_token_logps(model, rollout.output_ids, rollout.completion_ids.size(1), rollout.attention_mask,
-                                   args.temperature, return_aux_loss, padding_free=args.padding_free)
+                                   args.temperature, return_aux_loss, flush_left=args.flush_left)
 
 
 def grpo_step(batch, model, ref_model, rollout_engine, reward_fn, reward_model, tokenizer, args, device):

@@ -266,8 +266,8 @@ def build_policy_optimizer(model, learning_rate, weight_decay, final_norm_learni
         learning_rate, weight_decay: of every other parameter.
         final_norm_learning_rate: float >= 0.
     Returns:
-        torch.optim.AdamW (``fused``: one kernel per tensor, see ``adamw``); group 0 holds every other parameter,
-        group 1 (when used) the gain.
+        torch.optim.AdamW (the fused kernel, ``adamw``); group 0 holds every other parameter, group 1 (when
+        used) the gain.
     Raises:
         ValueError: a negative ``final_norm_learning_rate``, or a model without ``model.norm.weight``.
     """
@@ -285,11 +285,28 @@ def build_policy_optimizer(model, learning_rate, weight_decay, final_norm_learni
 
 
 def adamw(params, **kwargs):
-    """``torch.optim.AdamW(params, fused=True, **kwargs)``: the same update (Loshchilov & Hutter 2019) as the
-    default per-tensor loop, in one kernel per tensor instead of about ten passes over each (CPU and CUDA;
-    tests/test_forward_layouts.py compares the two). Raises what ``torch.optim.AdamW`` raises (a bad
-    learning rate, parameters on a device without a fused kernel)."""
+    """``torch.optim.AdamW(params, fused=True, **kwargs)``: the update of Loshchilov & Hutter 2019, as torch's
+    default implementation computes it, to float rounding (tests/test_optimizer.py). On the CPU the default
+    is a loop of about ten passes over each tensor, the fused kernel one pass; on CUDA the default is the
+    multi-tensor (foreach) path, and the fused kernel does the whole update in fewer launches. Raises what
+    ``torch.optim.AdamW`` raises (a bad learning rate, parameters on a device without a fused kernel)."""
     return torch.optim.AdamW(params, fused=True, **kwargs)
+
+
+def load_optimizer_state(optimizer, state):
+    """``optimizer.load_state_dict(state)`` that keeps this optimizer's kernel (``fused``, ``foreach``).
+
+    ``load_state_dict`` takes every group option from the saved state, so a checkpoint written by another
+    kernel (one from before ``adamw`` was fused) would bring that kernel back, silently. State dicts with
+    another number of groups go to ``load_state_dict`` unchanged, which raises its ValueError.
+    """
+    saved_groups = state["param_groups"]
+    if len(saved_groups) == len(optimizer.param_groups):
+        kernel_options = [{key: group[key] for key in ("fused", "foreach") if key in group}
+                          for group in optimizer.param_groups]
+        state = dict(state, param_groups=[dict(saved, **options)
+                                          for saved, options in zip(saved_groups, kernel_options)])
+    optimizer.load_state_dict(state)
 
 
 def project_scale_only_gradients(optimizer):
