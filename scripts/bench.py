@@ -611,9 +611,17 @@ def format_table(results, peaks):
 
 
 def ratio(ours, theirs, key):
-    """ours[key] / theirs[key] as text with two decimals, or "-" when either is missing."""
+    """ours[key] / theirs[key] as text with two decimals, or "-" when either is missing. With ``--repeats`` (both
+    carry ``run_medians`` of one length): the ratio run by run (run i of ours against run i of theirs, started
+    one after the other), as "median (min-max)", so that a drift of the machine's speed between runs cancels
+    in each pair and the spread shows. For rollout_tokens_per_s the pairs are theirs / ours of the run times
+    (the rollout contestants' steps are their rollouts, of the same number of tokens)."""
     if not ours or not theirs or not ours.get(key) or not theirs.get(key):
         return "-"
+    ours_runs, theirs_runs = ours.get("run_medians", []), theirs.get("run_medians", [])
+    if ours_runs and len(ours_runs) == len(theirs_runs):
+        pairs = [(b / a if key == "rollout_tokens_per_s" else a / b) for a, b in zip(ours_runs, theirs_runs)]
+        return f"{statistics.median(pairs):.2f} ({min(pairs):.2f}-{max(pairs):.2f})"
     return f"{ours[key] / theirs[key]:.2f}"
 
 

@@ -101,3 +101,14 @@ def test_combine_runs_takes_the_median_of_the_run_medians():
     assert combined["runs"] == 3 and combined["run_medians"] == [2.0, 1.0, 4.0]
     assert combine_runs(runs[:1]) is runs[0]
     assert combine_runs([runs[0], {"error": "timed out after 5 s"}]) == {"error": "timed out after 5 s"}
+
+
+def test_ratio_pairs_the_runs():
+    from scripts.bench import ratio
+    ours = {"step_s_median": 2.0, "run_medians": [1.0, 2.0, 4.0]}
+    theirs = {"step_s_median": 4.0, "run_medians": [4.0, 2.0, 5.0]}
+    assert ratio(ours, theirs, "step_s_median") == "0.80 (0.25-1.00)"  # pairs 0.25, 1.00, 0.80
+    assert ratio({"step_s_median": 1.0}, {"step_s_median": 4.0}, "step_s_median") == "0.25"
+    assert ratio(ours, None, "step_s_median") == "-"
+    ours["rollout_tokens_per_s"], theirs["rollout_tokens_per_s"] = 10.0, 5.0
+    assert ratio(ours, theirs, "rollout_tokens_per_s") == "1.25 (1.00-4.00)"  # theirs' time / ours: 4, 1, 1.25
