@@ -293,7 +293,7 @@ def run_ours_grpo(spec, tokenizer, timer):
     optimizer = build_policy_optimizer(model, args.learning_rate, args.weight_decay, args.final_norm_learning_rate)
     scheduler = build_cosine_scheduler(optimizer, spec["warmup"] + spec["steps"])
     engine = TorchRolloutEngine(model, tokenizer, generator=torch.Generator(spec["device"]).manual_seed(0),
-                                logprobs_mode=args.torch_logprobs, ignore_eos=True)
+                                logprobs_mode=args.torch_logprobs, ignore_eos=not spec["natural_eos"])
     engine.rollout = timer.wrap(engine.rollout, "rollout")
     reward_fn = timer.wrap(grpo.calculate_rewards, "reward")
     grpo.compute_per_token_logps = timer.wrap(grpo.compute_per_token_logps, logps_phase)
@@ -439,7 +439,7 @@ def run_ours_ppo(spec, tokenizer, timer):
     actor_scheduler = build_cosine_scheduler(actor_optimizer, steps)
     critic_scheduler = build_cosine_scheduler(critic_optimizer, steps)
     engine = TorchRolloutEngine(model, tokenizer, generator=torch.Generator(spec["device"]).manual_seed(0),
-                                logprobs_mode=args.torch_logprobs, ignore_eos=True)
+                                logprobs_mode=args.torch_logprobs, ignore_eos=not spec["natural_eos"])
     engine.rollout = timer.wrap(engine.rollout, "rollout")
     reward_fn = timer.wrap(ppo.calculate_rewards, "reward")
     ppo.compute_per_token_logps = timer.wrap(ppo.compute_per_token_logps, logps_phase)
@@ -642,6 +642,9 @@ def parse_args(argv=None):
     parser.add_argument("--ours_flags", default="",
                         help="extra flags of our training scripts for our step contestants, e.g. \"--flush_left 0 "
                              "--shared_prefix 0\" (a lever switched off); TRL's contestants are not affected")
+    parser.add_argument("--natural_eos", action="store_true",
+                        help="our GRPO / PPO steps stop each answer at its EOS (ragged rows, as in training) instead "
+                             "of full length; for comparing our layouts (--ours_flags), not against TRL")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads per worker")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per worker")
     parser.add_argument("--json", default=os.path.join(ROOT, "out", "bench", "bench.json"))
@@ -700,7 +703,8 @@ def main(argv=None):
                             torch_logprobs=args.torch_logprobs, threads=args.threads, peaks=peaks,
                             device=args.device,
                             tmp_dir=os.path.join(work_dir, f"trl_{size}_{gen_len}_{dtype}_{repeat}"),
-                            trl_ppo_path=args.trl_ppo_path, ours_flags=args.ours_flags.split())
+                            trl_ppo_path=args.trl_ppo_path, ours_flags=args.ours_flags.split(),
+                            natural_eos=args.natural_eos)
                 reason = contestant_available(contestant, args.trl_ppo_path)
                 if reason and repeat > 0:
                     continue
@@ -716,7 +720,7 @@ def main(argv=None):
     print(table)
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     report = {"torch": torch.__version__, "threads": args.threads, "dtype": args.dtype, "device": args.device,
-              "repeats": args.repeats,
+              "repeats": args.repeats, "natural_eos": args.natural_eos,
               "prompt_tokens": prompt_len,
               "num_prompts": NUM_PROMPTS, "num_generations": NUM_GENERATIONS, "matmul_peak_gflops": peaks,
               "torch_logprobs": args.torch_logprobs, "ours_flags": args.ours_flags, "results": results,
