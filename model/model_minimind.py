@@ -391,7 +391,7 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel):
         self.post_init()
 
     def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=False,
-                logits_to_keep=0, logit_positions=None, **kwargs):
+                logits_to_keep=0, **kwargs):
         """Next-token logits.
 
         Args:
@@ -399,20 +399,14 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel):
             attention_mask: [B, S] with 1 on real tokens, S = cached + T (left padding supported).
             past_key_values: a ``KVCache`` or None; with ``use_cache`` and None, a new cache is made.
             logits_to_keep: k > 0 computes logits of the last k positions only; 0 keeps all T.
-            logit_positions: long [B, n] or None: the logits of those positions of each row only (a
-                ``flush_left`` batch, where each row's completion starts in another column); overrides
-                ``logits_to_keep``.
         Returns:
-            ``MoeCausalLMOutputWithPast`` with ``logits`` [B, T or k or n, V] (model dtype),
+            ``MoeCausalLMOutputWithPast`` with ``logits`` [B, T or k, V] (model dtype),
             ``aux_loss`` (scalar fp32, 0 without MoE) and ``cache`` (the ``KVCache``, or None).
         """
         if use_cache and past_key_values is None:
             past_key_values = KVCache(self.config.num_hidden_layers)
         hidden_states, aux_loss = self.model(input_ids, attention_mask, past_key_values)
-        if logit_positions is not None:
-            index = logit_positions.unsqueeze(-1).expand(-1, -1, hidden_states.size(-1))  # [B, n, hidden]
-            hidden_states = hidden_states.gather(1, index)
-        elif logits_to_keep > 0:
+        if logits_to_keep > 0:
             hidden_states = hidden_states[:, -logits_to_keep:, :]
         logits = self.lm_head(hidden_states)
         return MoeCausalLMOutputWithPast(logits=logits, aux_loss=aux_loss, cache=past_key_values)
@@ -537,15 +531,11 @@ class CriticModel(MiniMindPreTrainedModel):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids, attention_mask=None, return_aux_loss=False, logit_positions=None, **kwargs):
-        """values fp32 [B, T] (or [B, n]: the values at ``logit_positions``, long [B, n], of each row); with
-        ``return_aux_loss``, (values, aux_loss): the MoE load-balancing loss of the critic's own routers (a 0
-        tensor for a dense model), which PPO adds to its loss as it does the actor's."""
+    def forward(self, input_ids, attention_mask=None, return_aux_loss=False, **kwargs):
+        """values fp32 [B, T]; with ``return_aux_loss``, (values, aux_loss): the MoE load-balancing loss of the
+        critic's own routers (a 0 tensor for a dense model), which PPO adds to its loss as it does the actor's."""
         hidden_states, aux_loss = self.model(input_ids, attention_mask)  # [B, T, hidden], already normed
-        if logit_positions is not None:
-            index = logit_positions.unsqueeze(-1).expand(-1, -1, hidden_states.size(-1))  # [B, n, hidden]
-            hidden_states = hidden_states.gather(1, index)
-        values = self.value_head(hidden_states).squeeze(-1).float()  # [B, T or n]
+        values = self.value_head(hidden_states).squeeze(-1).float()  # [B, T]
         return (values, aux_loss) if return_aux_loss else values
 
     def load_actor_state_dict(self, state_dict):

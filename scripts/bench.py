@@ -640,8 +640,8 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="cpu", help="where every contestant runs: cpu or cuda[:N]")
     parser.add_argument("--torch_logprobs", default="sampler", choices=["sampler", "recompute"])
     parser.add_argument("--ours_flags", default="",
-                        help="extra flags of our training scripts for our step contestants, e.g. \"--flush_left 0 "
-                             "--shared_prefix 0\" (a lever switched off); TRL's contestants are not affected")
+                        help="extra flags of our training scripts for our step contestants, e.g. \"--shared_prefix 0\" "
+                             "(a lever switched off); TRL's contestants are not affected")
     parser.add_argument("--natural_eos", action="store_true",
                         help="our GRPO / PPO steps stop each answer at its EOS (ragged rows, as in training) instead "
                              "of full length; for comparing our layouts (--ours_flags), not against TRL")

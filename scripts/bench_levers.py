@@ -30,13 +30,11 @@ sys.path.insert(0, ROOT)
 VARIANTS = {  # script -> [(name, flags)]; the first of each is the defaults
     "grpo": [
         ("defaults (shared prefix)", []),
-        ("--shared_prefix 0 (flush-left rows)", ["--shared_prefix", "0"]),
-        ("--shared_prefix 0 --flush_left 0 (padded rows)", ["--shared_prefix", "0", "--flush_left", "0"]),
+        ("--shared_prefix 0 (a copy of the prompt per answer)", ["--shared_prefix", "0"]),
         ("--dtype bfloat16", ["--dtype", "bfloat16"]),
     ],
     "ppo": [
-        ("defaults (flush-left)", []),
-        ("--flush_left 0 (padded rows)", ["--flush_left", "0"]),
+        ("defaults", []),
         ("--dtype bfloat16", ["--dtype", "bfloat16"]),
     ],
 }

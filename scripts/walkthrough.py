@@ -231,8 +231,8 @@ def grpo_walkthrough(batch, grpo_args, model, ref_model, tokenizer, seed, stages
     block += format_tensor("advantages", advantages, decimals=6)
     lines += code_block(block)
 
-    # 5. log-probs, in the chapter's padded layout (train_grpo.py's --shared_prefix and --flush_left layouts give
-    # the same numbers to float rounding, tests/test_forward_layouts.py)
+    # 5. log-probs, every row with its own copy of the prompt as in the chapter (train_grpo.py's --shared_prefix
+    # runs each prompt once: the same numbers to float rounding, tests/test_forward_layouts.py)
     with torch.no_grad():
         ref_per_token_logps = compute_per_token_logps(ref_model, output_ids, R, full_mask,
                                                       grpo_args.temperature)  # [B*G, R]
@@ -403,7 +403,7 @@ def ppo_walkthrough(batch, ppo_args, actor, ref_model, critic, tokenizer, seed, 
         policy_loss, stats = train_ppo.ppo_policy_loss(
             new_per_token_logps, data.old_per_token_logps, data.ref_per_token_logps, data.advantages,
             mask, ppo_args.clip_epsilon, ppo_args.kl_coef)
-        new_values = train_ppo.compute_values(critic, data.output_ids, R, data.full_mask)  # [B, R], V(s_t)
+        new_values = critic(data.output_ids, attention_mask=data.full_mask)[:, -R - 1:-1]  # [B, R], as ppo_update
         value_loss, value_clipfrac = train_ppo.ppo_value_loss(new_values, data.old_resp_values, data.returns,
                                                               mask, ppo_args.cliprange_value)
     ratio = torch.exp(new_per_token_logps - data.old_per_token_logps) * mask  # [B, R], for display

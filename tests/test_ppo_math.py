@@ -168,7 +168,7 @@ def make_update_inputs(tokenizer):
                            advantages=torch.randn(4, gen_len), returns=torch.randn(4, gen_len))
     args = Namespace(ppo_update_iters=2, mini_batch_size=1, temperature=1.0, clip_epsilon=0.2, kl_coef=0.02,
                      cliprange_value=0.2, vf_coef=0.5, minibatch_accumulation_steps=1, kl_placement="loss",
-                     grad_clip=1.0, early_stop_kl=0.25, dtype="float32", flush_left=1)
+                     grad_clip=1.0, early_stop_kl=0.25, dtype="float32")
     return actor, critic, data, args
 
 
@@ -253,7 +253,7 @@ def test_ppo_last_partial_accumulation_window_gets_its_own_size():
     args = types.SimpleNamespace(ppo_update_iters=2, mini_batch_size=1, minibatch_accumulation_steps=3,
                                  kl_placement="loss", dtype="float32",
                                  temperature=1.0, clip_epsilon=0.2, kl_coef=0.0, early_stop_kl=100.0,
-                                 cliprange_value=0.2, vf_coef=0.5, grad_clip=1e9, flush_left=1)
+                                 cliprange_value=0.2, vf_coef=0.5, grad_clip=1e9)
     result = ppo_update(data, actor, critic, actor_optimizer, critic_optimizer,
                         build_cosine_scheduler(actor_optimizer, 10), build_cosine_scheduler(critic_optimizer, 10),
                         args, "cpu", torch.Generator().manual_seed(0))
@@ -353,7 +353,7 @@ def test_moe_critic_routers_get_the_load_balancing_gradient():
                            advantages=torch.ones(2, 4), old_resp_values=torch.zeros(2, 4), returns=torch.ones(2, 4))
     args = types.SimpleNamespace(ppo_update_iters=1, mini_batch_size=2, minibatch_accumulation_steps=1,
                                  kl_placement="loss", dtype="float32", temperature=1.0, clip_epsilon=0.2, kl_coef=0.0,
-                                 early_stop_kl=100.0, cliprange_value=0.2, vf_coef=0.5, grad_clip=1e9, flush_left=1)
+                                 early_stop_kl=100.0, cliprange_value=0.2, vf_coef=0.5, grad_clip=1e9)
     actor_optimizer = torch.optim.SGD(actor.parameters(), lr=0.0)
     critic_optimizer = GateGradRecorder(critic.named_parameters())
     assert len(critic_optimizer.gates) == 2  # one router per layer

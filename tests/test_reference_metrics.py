@@ -8,10 +8,10 @@ accuracy unchanged), on an AVX512 machine after checking there that the code bef
 old numbers bit for bit. Every number of every line (key order included) must stay the same; only
 ``elapsed_s`` (wall time) is left out.
 
-The pin runs the padded forwards (``--flush_left 0``, and ``--shared_prefix 0`` for GRPO), the layout of the
-recording: the layouts that skip padding or repeated prompts compute the same log-probs to the last bits or so
-(other matrix shapes pick other summation orders; tests/test_forward_layouts.py checks them to 1e-5), which a
-bit-for-bit pin cannot tell from a change in behaviour.
+GRPO's pin runs ``--shared_prefix 0`` (every answer with its own copy of the prompt), the layout of the first
+recording: the shared-prefix forward computes the same log-probs to the last bits or so (other matrix shapes pick
+other summation orders; tests/test_forward_layouts.py checks it to 1e-5), which a bit-for-bit pin cannot tell
+from a change in behaviour.
 
 Float results depend on the CPU's vector unit (AVX2, AVX512, AMX pick different kernels) and on the torch
 release, so the comparison runs where both match the recording (reference_metrics/machine.json), and is
@@ -35,7 +35,7 @@ def machine():
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
-PADDED_LAYOUT = {"grpo": ["--flush_left", "0", "--shared_prefix", "0"], "ppo": ["--flush_left", "0"]}
+PADDED_LAYOUT = {"grpo": ["--shared_prefix", "0"], "ppo": []}
 
 
 def run_five_steps(script, work_dir):

@@ -461,10 +461,6 @@ def add_common_rl_args(parser):
                              "process takes the GPU of its LOCAL_RANK, and cpu keeps them all on the CPU)")
     add_bool_flag(parser, "--use_compile",
                   help="1: torch.compile the training forwards (policy; PPO's critic too), not the rollout's decode")
-    add_bool_flag(parser, "--flush_left", default=1,
-                  help="1: training and reference forwards drop the left padding (each row's real tokens moved to "
-                       "the front, columns no row needs cut, no attention mask; TRL's flush_left); 0: the padded "
-                       "batch with its mask. Same log-probs. GRPO's default --shared_prefix 1 lays out its own")
     parser.add_argument("--num_workers", type=int, default=0,
                         help="DataLoader worker processes that read the prompts (0 = in the training process)")
     parser.add_argument("--torch_logprobs", default="sampler", choices=TORCH_LOGPROB_MODES,

@@ -79,80 +79,27 @@ def selective_log_softmax(logits, index, temperature=1.0):
     return SelectiveLogSoftmax.apply(logits, index, float(temperature))
 
 
-def flush_left_batch(input_ids, attention_mask, n_keep):
-    """The rollout's batch with its left padding removed: each row's real tokens moved to the front, then the
-    columns that no row needs dropped (TRL's ``flush_left``), so a forward runs over [B, L], L = the longest
-    row's real length, with no attention mask. Rows shorter than L keep filler columns after their real tokens.
-
-    With the real tokens first in every row, plain causal attention is the right mask (a row's filler comes after
-    its real tokens, so none of them attends to it), attention can take the fused causal kernel, and positions
-    0..len-1 are the ones the padded forward gives the real tokens (``MiniMindModel`` counts real tokens only).
-
-    Args:
-        input_ids: long [B, T], left-padded prompts then completions padded after EOS.
-        attention_mask: [B, T], 1 on real tokens; each row's 1s must be contiguous.
-        n_keep: R, how many completion tokens (the last R columns) will be scored.
-    Returns:
-        (flushed_ids long [B, L], logit_positions long [B, R]): position ``logit_positions[b, j]`` of the
-        flushed row predicts completion token j (``input_ids[b, T - R + j]``). For the tokens after a row's
-        EOS it points into the filler (or is clamped to L - 1): those log-probs are finite but meaningless,
-        and the caller's completion_mask drops them.
-    Raises:
-        ValueError: if a row's real tokens are not contiguous, or a row has none.
-    """
-    batch, width = input_ids.shape
-    mask = attention_mask.bool()
-    lengths = mask.sum(dim=1)  # [B]
-    if bool((lengths == 0).any()):
-        raise ValueError("flush_left_batch: a row of attention_mask has no real token")
-    columns = torch.arange(width, device=input_ids.device)  # [T]
-    starts = torch.where(mask, columns, width).min(dim=1).values  # [B] first real column
-    ends = torch.where(mask, columns, -1).max(dim=1).values  # [B] last real column
-    if bool((ends - starts + 1 != lengths).any()):
-        raise ValueError("flush_left_batch: attention_mask has padding between real tokens; each row's 1s must be "
-                         "contiguous (left padding, prompt, completion, right padding)")
-    flushed_len = int(lengths.max())
-    gather_columns = (starts.unsqueeze(1) + columns[:flushed_len].unsqueeze(0)).clamp(max=width - 1)  # [B, L]
-    flushed_ids = input_ids.gather(1, gather_columns)  # [B, L]
-    first_completion = width - n_keep - starts  # [B] flushed column of completion token 0
-    offsets = torch.arange(n_keep, device=input_ids.device)  # [R]
-    logit_positions = first_completion.unsqueeze(1) - 1 + offsets.unsqueeze(0)  # [B, R]
-    return flushed_ids, logit_positions.clamp(0, flushed_len - 1)
-
-
-def compute_per_token_logps(model, input_ids, n_keep, attention_mask=None, temperature=1.0, return_aux_loss=False,
-                            flush_left=False):
+def compute_per_token_logps(model, input_ids, n_keep, attention_mask=None, temperature=1.0, return_aux_loss=False):
     """Log-probs of the last ``n_keep`` tokens of each row (chapter 8.2).
 
-    One forward over the sequence keeps the logits of the positions that predict the completion; position t
-    predicts token t + 1. Without ``flush_left``: the padded batch with its mask, keeping the last n_keep + 1
-    positions (``logits[:, :-1]`` scores ``input_ids[:, -n_keep:]``). With ``flush_left`` and a mask: the
-    ``flush_left`` layout (no left padding, no attention mask), keeping each row's own positions. Both give
-    the same log-probs on real tokens (tests/test_forward_layouts.py, 1e-5 in fp32).
+    One forward over the full sequence keeps the logits of the last n_keep + 1 positions; position t
+    predicts token t + 1, so ``logits[:, :-1]`` scores ``input_ids[:, -n_keep:]``.
 
     Args:
         model: a MiniMind causal LM (or its DDP wrapper: the call goes through it, so DDP sees the forward).
-        input_ids: long [B, P + R]; attention_mask: [B, P + R] (1 = real token, contiguous per row) or None.
+        input_ids: long [B, P + R]; attention_mask: [B, P + R] (1 = real token) or None.
         n_keep: R, the number of completion tokens to score.
         temperature: the sampling temperature (see the module docstring).
         return_aux_loss: also return the MoE router loss of this forward (0 without MoE).
-        flush_left: use the ``flush_left_batch`` layout (the training scripts pass ``--flush_left``, default 1).
     Returns:
         per_token_logps fp32 [B, R]; or (per_token_logps, aux_loss scalar) with ``return_aux_loss``. Entries
         after a row's EOS are finite but meaningless; callers mask them with completion_mask.
-    Raises:
-        ValueError: from ``flush_left_batch`` for a mask whose real tokens are not contiguous.
     """
     if n_keep <= 0:
         empty = torch.zeros((input_ids.size(0), 0), dtype=torch.float32, device=input_ids.device)
         return (empty, torch.zeros((), device=input_ids.device)) if return_aux_loss else empty
-    if flush_left and attention_mask is not None:
-        flushed_ids, logit_positions = flush_left_batch(input_ids, attention_mask, n_keep)  # [B, L], [B, R]
-        out = model(flushed_ids, logit_positions=logit_positions)
-        logits = out.logits  # [B, R, V]
-    else:
-        out = model(input_ids, attention_mask=attention_mask, logits_to_keep=n_keep + 1)
-        logits = out.logits[:, :-1, :]  # [B, R, V]
+    out = model(input_ids, attention_mask=attention_mask, logits_to_keep=n_keep + 1)
+    logits = out.logits[:, :-1, :]  # [B, R, V]
     per_token_logps = selective_log_softmax(logits, input_ids[:, -n_keep:], temperature)  # [B, R]
     return (per_token_logps, out.aux_loss) if return_aux_loss else per_token_logps
 

@@ -136,8 +136,8 @@ def parse_args(argv=None):
     parser.add_argument("--epsilon_high", type=float, default=5.0, help="upper clamp of the CISPO ratio weight")
     add_bool_flag(parser, "--shared_prefix", default=None,
                   help="1: the reference and policy forwards run each prompt once for its G answers (same log-probs; "
-                       "default for dense models; --flush_left does not apply); 0: every answer with its own copy of "
-                       "the prompt, in the --flush_left or padded layout (the default with --use_moe 1)")
+                       "default for dense models); 0: every answer with its own copy of the prompt, as in the chapter "
+                       "(the default with --use_moe 1)")
     args = parser.parse_args(argv)
     check_common_rl_args(parser, args)
     if args.shared_prefix is None:
@@ -162,10 +162,10 @@ def parse_args(argv=None):
 
 # ----------------------------------------------------------------------------- the loop
 def rollout_per_token_logps(model, rollout, args, return_aux_loss=False):
-    """Log-probs fp32 [B*G, R] of a rollout's completions under ``model`` (chapter 8.2), by the layout the flags
-    pick: ``--shared_prefix`` runs each prompt once for its G answers (``compute_group_per_token_logps``), else
-    ``--flush_left`` or the padded batch (``compute_per_token_logps``). Every layout gives the same log-probs
-    (tests/test_forward_layouts.py). With ``return_aux_loss``, (log-probs, MoE router loss)."""
+    """Log-probs fp32 [B*G, R] of a rollout's completions under ``model`` (chapter 8.2). ``--shared_prefix 1``
+    runs each prompt once for its G answers (``compute_group_per_token_logps``), 0 gives every answer its own
+    copy of the prompt (``compute_per_token_logps``); both give the same log-probs (tests/test_forward_layouts.py).
+    With ``return_aux_loss``, (log-probs, MoE router loss)."""
     if args.shared_prefix:
         num_generations, prompt_len = args.num_generations, rollout.prompt_mask.size(1)
         prompt_ids = rollout.output_ids[::num_generations, :prompt_len]  # [B, P], one row per group
@@ -174,7 +174,7 @@ def rollout_per_token_logps(model, rollout, args, return_aux_loss=False):
                                              rollout.completion_mask, num_generations, args.temperature,
                                              return_aux_loss)
     return compute_per_token_logps(model, rollout.output_ids, rollout.completion_ids.size(1), rollout.attention_mask,
-                                   args.temperature, return_aux_loss, flush_left=args.flush_left)
+                                   args.temperature, return_aux_loss)
 
 
 def grpo_step(batch, model, ref_model, rollout_engine, reward_fn, reward_model, tokenizer, args, device):

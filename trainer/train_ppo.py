@@ -39,7 +39,7 @@ from trainer.rl_harness import (
     RLRun, accumulation_window_size, add_common_rl_args, all_ranks_mean, check_common_rl_args, compile_for_training,
     nan_safe_step, print_debug_samples, wrap_ddp,
 )
-from trainer.rollout_engine import compute_per_token_logps, flush_left_batch, tokenize_prompts
+from trainer.rollout_engine import compute_per_token_logps, tokenize_prompts
 from trainer.trainer_utils import (
     adamw, add_bool_flag, autocast_context, build_cosine_scheduler, build_policy_optimizer, calculate_rewards, k3_kl,
     masked_mean, shutdown_distributed, unwrap_model, weight_path,
@@ -252,23 +252,6 @@ def build_critic(lm_config, args, device):
     return critic.to(device)
 
 
-def compute_values(critic, input_ids, n_keep, attention_mask, flush_left=False, return_aux_loss=False):
-    """V(s_t) for each of the last ``n_keep`` tokens: the critic's value at the position before token t, the
-    state the actor saw when it chose token t (chapter 8.4.1), on the same layout as ``compute_per_token_logps``.
-
-    input_ids: long [B, P+R]; attention_mask [B, P+R] (1 = real, contiguous per row). Returns values fp32
-    [B, R] (entries after a row's EOS are finite but meaningless), with the critic's MoE aux loss when
-    ``return_aux_loss``. Raises ValueError (``flush_left_batch``) for a mask whose real tokens are not contiguous.
-    """
-    if flush_left:
-        flushed_ids, logit_positions = flush_left_batch(input_ids, attention_mask, n_keep)  # [B, L], [B, R]
-        return critic(flushed_ids, return_aux_loss=return_aux_loss, logit_positions=logit_positions)
-    out = critic(input_ids, attention_mask=attention_mask, return_aux_loss=return_aux_loss)  # [B, P+R]
-    values = out[0] if return_aux_loss else out
-    values = values[:, -n_keep - 1:-1]  # [B, R]
-    return (values, out[1]) if return_aux_loss else values
-
-
 def build_critic_optimizer(critic, args):
     """AdamW of the critic (chapter 8.4.4's value loss): ``--critic_learning_rate``, ``--weight_decay``, the fused
     kernel (``adamw``)."""
@@ -320,9 +303,8 @@ def ppo_rollout(batch, actor, ref_model, critic, rollout_engine, reward_fn, rewa
     critic_module.eval()
     with autocast_context(device, args.dtype):
         ref_per_token_logps = compute_per_token_logps(ref_model, output_ids, gen_len, full_mask,
-                                                      args.temperature, flush_left=args.flush_left)  # [B, R]
-        old_resp_values = compute_values(critic_module, output_ids, gen_len, full_mask,
-                                         args.flush_left)  # [B, R], V(s_t)
+                                                      args.temperature)  # [B, R]
+        old_resp_values = critic_module(output_ids, attention_mask=full_mask)[:, -gen_len - 1:-1]  # [B, R], V(s_t)
     critic_module.train()
 
     scores = normalize_rewards(rewards) if args.reward_norm else rewards  # [B]
@@ -371,7 +353,7 @@ def ppo_update(data, actor, critic, actor_optimizer, critic_optimizer, actor_sch
             with autocast_context(device, args.dtype):
                 mb_resp_logp, aux_loss = compute_per_token_logps(
                     actor, data.output_ids[inds], gen_len, data.full_mask[inds], args.temperature,
-                    return_aux_loss=True, flush_left=args.flush_left)  # [mb, R]
+                    return_aux_loss=True)  # [mb, R]
             policy_loss, stats = ppo_policy_loss(
                 mb_resp_logp, data.old_per_token_logps[inds], data.ref_per_token_logps[inds],
                 data.advantages[inds], mask, args.clip_epsilon, kl_coef)
@@ -380,9 +362,9 @@ def ppo_update(data, actor, critic, actor_optimizer, critic_optimizer, actor_sch
                 stop_ppo = True  # this minibatch and the rest of the epochs are skipped
                 break
             with autocast_context(device, args.dtype):
-                mb_resp_values, critic_aux_loss = compute_values(
-                    critic, data.output_ids[inds], gen_len, data.full_mask[inds], args.flush_left,
-                    return_aux_loss=True)  # [mb, R], V(s_t) before each answer token
+                mb_values, critic_aux_loss = critic(data.output_ids[inds], attention_mask=data.full_mask[inds],
+                                                    return_aux_loss=True)  # [mb, P+R]
+            mb_resp_values = mb_values[:, -gen_len - 1:-1]  # [mb, R], V(s_t) before each answer token
             value_loss, value_clipfrac = ppo_value_loss(
                 mb_resp_values, data.old_resp_values[inds], data.returns[inds], mask, args.cliprange_value)
             # both MoE load-balancing losses (0 for dense models): the actor's and the critic's own routers
