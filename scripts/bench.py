@@ -51,6 +51,8 @@ sys.path.insert(0, ROOT)
 
 import torch
 
+from trainer.trainer_utils import has_bf16_units
+
 SIZES = {  # name -> (hidden_size, num_hidden_layers, starting weights)
     "default": (256, 4, os.path.join(ROOT, "out", "full_sft_256.pth")),
     "minimind3": (768, 8, "random"),
@@ -121,19 +123,6 @@ def time_steps(step, spec, timer):
             phases.append(timer.take())
             totals.append(total)
     return phases, totals
-
-
-def has_bf16_units(device):
-    """True where bf16 matrix products run on dedicated units: a CUDA GPU that supports bf16, or a CPU whose
-    flags (/proc/cpuinfo) list amx_bf16 or avx512_bf16. Elsewhere bf16 is emulated and slower than fp32."""
-    if torch.device(device).type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 def measure_matmul_peak(dtype, size=2048, repeats=3, device="cpu"):

@@ -27,6 +27,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from trainer.trainer_utils import has_bf16_units
+
 VARIANTS = {  # script -> [(name, flags)]; the first of each is the defaults
     "grpo": [
         ("defaults (shared prefix)", []),
@@ -63,16 +65,6 @@ def run_training(script, flags, steps, work_dir, timeout):
     return [b - a for a, b in zip(elapsed, elapsed[1:])], rows[0]["policy_loss"], wall
 
 
-def bf16_units():
-    """True where the CPU lists bf16 matrix units (the same test as scripts/bench.py's ``has_bf16_units``)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
 def format_table(script, results):
     """One markdown table for a script: a row per variant (results: name -> list of (per-run median, loss))."""
     lines = [f"| train_{script}.py | s/step, median of {len(next(iter(results.values())))} runs | min-max over runs | "
@@ -106,11 +98,11 @@ def main(argv=None):
     args = parse_args(argv)
     with open("/proc/cpuinfo", encoding="utf-8") as f:
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown CPU")
-    print(f"{cpu}, {os.cpu_count()} cores, bf16 units: {bf16_units()}; {args.steps} steps a run, "
+    print(f"{cpu}, {os.cpu_count()} cores, bf16 units: {has_bf16_units('cpu')}; {args.steps} steps a run, "
           f"{args.repeats} runs a variant", flush=True)
     tables = []
     for script in args.scripts.split(","):
-        variants = [(n, f) for n, f in VARIANTS[script] if bf16_units() or "bfloat16" not in f]
+        variants = [(n, f) for n, f in VARIANTS[script] if has_bf16_units("cpu") or "bfloat16" not in f]
         results = {name: [] for name, _ in variants}
         for repeat in range(args.repeats):
             for name, flags in variants:

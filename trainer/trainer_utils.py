@@ -541,6 +541,19 @@ def resolve_train_dtype(name, device):
     return "float32"
 
 
+def has_bf16_units(device):
+    """True where bf16 matrix products run on dedicated units: a CUDA GPU that supports bf16, or a CPU whose
+    flags (/proc/cpuinfo) list amx_bf16 or avx512_bf16. Elsewhere bf16 is emulated and slower than fp32."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
 def autocast_context(device, dtype_name):
     """The context for the policy's (and critic's) forwards under ``--dtype``.
 
