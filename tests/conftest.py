@@ -19,6 +19,18 @@ def tiny_config():
 
 
 @pytest.fixture
+def policy():
+    """A random dense MiniMind of hidden 64 x 2 layers (the scripts' build_config), init std 0.1 so that its
+    log-probs differ visibly between tokens; seed 0."""
+    from model.model_minimind import MiniMindForCausalLM
+    from trainer.trainer_utils import build_config
+    torch.manual_seed(0)
+    config = build_config(hidden_size=64, num_hidden_layers=2, use_moe=0)
+    config.initializer_range = 0.1
+    return MiniMindForCausalLM(config)
+
+
+@pytest.fixture
 def tokenizer():
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))

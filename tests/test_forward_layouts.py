@@ -7,21 +7,12 @@ forward with its attention mask, which tests/test_model.py checks against transf
 import pytest
 import torch
 
-from model.model_minimind import MiniMindForCausalLM
 from trainer.rollout_engine import compute_group_per_token_logps, compute_per_token_logps
 from trainer.train_grpo import grpo_loss
-from trainer.trainer_utils import build_config, completion_mask_from_ids
+from trainer.trainer_utils import completion_mask_from_ids
 
 EOS = 2
 PAD = 0
-
-
-@pytest.fixture
-def policy():
-    torch.manual_seed(0)
-    config = build_config(hidden_size=64, num_hidden_layers=2, use_moe=0)
-    config.initializer_range = 0.1
-    return MiniMindForCausalLM(config)
 
 
 def grouped_batch():

@@ -2,14 +2,7 @@
 import torch
 
 from model.model_minimind import MiniMindForCausalLM
-from trainer.trainer_utils import adamw, build_config, build_policy_optimizer, load_optimizer_state
-
-
-def tiny_policy():
-    torch.manual_seed(0)
-    config = build_config(hidden_size=64, num_hidden_layers=2, use_moe=0)
-    config.initializer_range = 0.1
-    return MiniMindForCausalLM(config)
+from trainer.trainer_utils import adamw, build_policy_optimizer, load_optimizer_state
 
 
 def loss_of(model, step):
@@ -20,11 +13,10 @@ def loss_of(model, step):
     return logps.sum() * (step + 1)
 
 
-def test_fused_adamw_takes_the_steps_of_the_plain_loop():
+def test_fused_adamw_takes_the_steps_of_the_plain_loop(policy):
     """``build_policy_optimizer`` (fused kernel, two groups) against torch's per-tensor AdamW loop on the same
     groups: the same parameters after three steps with different gradients, to float rounding (the fused kernel
     orders a few operations differently: 1 ulp here and there)."""
-    policy = tiny_policy()
     plain = MiniMindForCausalLM(policy.config)
     plain.load_state_dict(policy.state_dict())
     fused_optimizer = build_policy_optimizer(policy, 1e-3, 0.01, 1e-2)
@@ -44,10 +36,9 @@ def test_fused_adamw_takes_the_steps_of_the_plain_loop():
         torch.testing.assert_close(fused_param, plain_param, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_resuming_a_plain_optimizer_state_keeps_the_fused_kernel():
+def test_resuming_a_plain_optimizer_state_keeps_the_fused_kernel(policy):
     """A checkpoint from before the fused kernel: its moments and step count load, and the kernel stays fused
     (``load_state_dict`` alone would bring back the saved ``fused=None``)."""
-    policy = tiny_policy()
     old = torch.optim.AdamW(policy.parameters(), lr=1e-3)  # how checkpoints were written before
     loss_of(policy, 0).backward()
     old.step()

@@ -2,21 +2,11 @@
 import pytest
 import torch
 
-from model.model_minimind import MiniMindForCausalLM
 from trainer.rollout_engine import TorchRolloutEngine, compute_per_token_logps, create_rollout_engine
 from trainer.rollout_engine import tokenize_prompts
-from trainer.trainer_utils import build_config
 
 PROMPTS = ["<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n<think>\n",
            "<|im_start|>user\n5 加 7 是多少？<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"]
-
-
-@pytest.fixture
-def policy():
-    torch.manual_seed(0)
-    config = build_config(hidden_size=64, num_hidden_layers=2, use_moe=0)
-    config.initializer_range = 0.1
-    return MiniMindForCausalLM(config)
 
 
 @pytest.mark.parametrize("logprobs_mode", ["sampler", "recompute"])
