@@ -2,7 +2,7 @@
 
 Every contestant runs in its own subprocess (a "worker") on the same weights, the same prompts and the same
 settings, so that peak resident memory is its own and one contestant's caches do not help another. Our
-contestants call this project's functions (``train_grpo.grpo_step``, ``nan_safe_step``, the rollout
+contestants call this project's functions (``train_grpo.grpo_step``, the update of its loop, the rollout
 engine, ``train_ppo.ppo_rollout`` / ``ppo_update``); TRL's is ``trl.GRPOTrainer.train`` on the same weights
 exported as ``Qwen3ForCausalLM``, and TRL 1.9.2's ``PPOTrainer`` (the last release that has one) against our
 PPO step. TRL is a benchmark-only dependency (``requirements-bench.txt``; TRL 1.9.2 goes into its own folder,
@@ -51,7 +51,7 @@ sys.path.insert(0, ROOT)
 
 import torch
 
-from trainer.trainer_utils import has_bf16_units
+from trainer.dtypes import has_bf16_units
 
 SIZES = {  # name -> (hidden_size, num_hidden_layers, starting weights)
     "default": (256, 4, os.path.join(ROOT, "out", "full_sft_256.pth")),
@@ -190,7 +190,7 @@ def prepare_weights(size, work_dir, tokenizer):
     """Write the size's weights as a MiniMind state dict (.pth) and a Qwen3ForCausalLM folder; return both paths."""
     from model.hf_qwen3 import save_qwen3_folder
     from model.model_minimind import MiniMindForCausalLM
-    from trainer.trainer_utils import build_config, load_weights
+    from trainer.checkpoints import build_config, load_weights
     hidden, layers, source = SIZES[size]
     torch.manual_seed(0)
     config = build_config(hidden, layers, 0)
@@ -260,7 +260,7 @@ def grpo_args(spec):
 def load_minimind(spec):
     """(MiniMindForCausalLM with the workload's weights, its config), fp32 on spec["device"]."""
     from model.model_minimind import MiniMindForCausalLM
-    from trainer.trainer_utils import build_config
+    from trainer.checkpoints import build_config
     config = build_config(spec["hidden_size"], spec["num_hidden_layers"], 0)
     model = MiniMindForCausalLM(config)
     model.load_state_dict(torch.load(spec["pth"], map_location="cpu", weights_only=True))
@@ -270,9 +270,9 @@ def load_minimind(spec):
 def run_ours_grpo(spec, tokenizer, timer):
     """Our GRPO step through train_grpo's own functions, each phase timed by wrapping what the step calls."""
     import trainer.train_grpo as grpo
-    from trainer.rl_harness import nan_safe_step
+    from trainer.optimizer import project_scale_only_gradients
     from trainer.rollout_engine import TorchRolloutEngine
-    from trainer.trainer_utils import build_cosine_scheduler, build_policy_optimizer
+    from trainer.optimizer import build_cosine_scheduler, build_policy_optimizer
     args = grpo_args(spec)
     device = spec["device"]
     model, config = load_minimind(spec)
@@ -294,9 +294,11 @@ def run_ours_grpo(spec, tokenizer, timer):
         with timer.phase("policy_backward"):
             loss.backward()
         with timer.phase("optimizer"):
-            _, problems = nan_safe_step([model], [optimizer], args.grad_clip, [], device)
-            if not problems:
-                scheduler.step()
+            project_scale_only_gradients(optimizer)  # the update as train_grpo.py's loop writes it
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
 
     phases, totals = time_steps(step, spec, timer)
     num_rows = NUM_PROMPTS * NUM_GENERATIONS
@@ -362,7 +364,7 @@ def run_rollouts(spec, tokenizer, timer, contestant):
     """Rollout alone: our TorchRolloutEngine (with its old log-probs) or transformers' generate, both under the
     workload's dtype (bf16 autocast, as the GRPO step runs its rollout)."""
     from trainer.rollout_engine import tokenize_prompts
-    from trainer.trainer_utils import autocast_context
+    from trainer.dtypes import autocast_context
     prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, spec["prompts"], 512, spec["device"])
     rows = NUM_PROMPTS * NUM_GENERATIONS
     if contestant == "ours_rollout":
@@ -405,7 +407,7 @@ def run_ours_ppo(spec, tokenizer, timer):
     """Our PPO step (rollout of B = 12 prompts, GAE, 2 epochs of minibatches of 2) through train_ppo's functions."""
     import trainer.train_ppo as ppo
     from trainer.rollout_engine import TorchRolloutEngine
-    from trainer.trainer_utils import build_cosine_scheduler, build_policy_optimizer
+    from trainer.optimizer import build_cosine_scheduler, build_policy_optimizer
     rows = NUM_PROMPTS * NUM_GENERATIONS
     args = ppo.parse_args([
         "--hidden_size", str(spec["hidden_size"]), "--num_hidden_layers", str(spec["num_hidden_layers"]),

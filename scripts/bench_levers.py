@@ -27,7 +27,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from trainer.trainer_utils import has_bf16_units
+from trainer.dtypes import has_bf16_units
 
 VARIANTS = {  # script -> [(name, flags)]; the first of each is the defaults
     "grpo": [

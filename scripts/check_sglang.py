@@ -29,9 +29,7 @@ import torch
 from dataset.lm_dataset import RLAIFDataset
 from model.hf_qwen3 import save_qwen3_folder
 from trainer.rollout_engine import SGLangRolloutEngine, TorchRolloutEngine, tokenize_prompts
-from trainer.trainer_utils import (
-    DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, init_model, weight_path,
-)
+from trainer.checkpoints import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, init_model, weight_path
 
 
 def launch_server(folder, port, server_args, timeout_s):

@@ -21,9 +21,10 @@ import torch
 
 from model.hf_qwen3 import DTYPES, load_qwen3_folder, save_qwen3_folder
 from model.model_minimind import MiniMindForCausalLM
-from trainer.trainer_utils import (
-    DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, add_bool_flag, atomic_save, build_config, init_model, weight_path,
+from trainer.checkpoints import (
+    DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, atomic_save, build_config, init_model, weight_path,
 )
+from trainer.flags import add_bool_flag
 
 
 def to_hf(args):

@@ -14,6 +14,7 @@ Usage (the embedded default: out/full_sft_256.pth, the bundled prompts):
 """
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -26,12 +27,11 @@ import torch
 from dataset.lm_dataset import RLAIFDataset
 from scripts.eval_policy import question_of
 from trainer import train_grpo, train_ppo
-from trainer.rl_harness import nan_safe_step
 from trainer.rollout_engine import TorchRolloutEngine, compute_per_token_logps, tokenize_prompts
-from trainer.trainer_utils import (
-    DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, build_cosine_scheduler, build_policy_optimizer,
-    calculate_rewards, init_model, k3_kl, masked_mean, setup_seed,
-)
+from trainer.checkpoints import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, init_model
+from trainer.distributed import setup_seed
+from trainer.optimizer import build_cosine_scheduler, build_policy_optimizer, project_scale_only_gradients
+from trainer.trainer_utils import calculate_rewards, k3_kl, masked_mean
 
 # Stage headings, in order; tests/test_learner.py checks that the document has all of them.
 GRPO_STAGES = (
@@ -270,10 +270,13 @@ def grpo_walkthrough(batch, grpo_args, model, ref_model, tokenizer, seed, stages
                                        grpo_args.final_norm_learning_rate)  # as train_grpo.py builds it
     scheduler = build_cosine_scheduler(optimizer, grpo_args.max_steps)
     policy_loss.backward()
-    (grad_norm,), problems = nan_safe_step([model], [optimizer], grpo_args.grad_clip, [], "cpu")
+    project_scale_only_gradients(optimizer)  # the update, as train_grpo.py's loop writes it
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grpo_args.grad_clip))
+    if not math.isfinite(grad_norm):
+        raise RuntimeError(f"the GRPO step produced a non-finite gradient norm {grad_norm}")
+    optimizer.step()
     scheduler.step()
-    if problems:
-        raise RuntimeError(f"the GRPO step produced non-finite {', '.join(problems)}")
+    optimizer.zero_grad(set_to_none=True)
     with torch.no_grad():
         new_per_token_logps = compute_per_token_logps(model, output_ids, R, full_mask,
                                                       grpo_args.temperature)  # [B*G, R]
@@ -281,9 +284,9 @@ def grpo_walkthrough(batch, grpo_args, model, ref_model, tokenizer, seed, stages
     new_kl = masked_mean(k3_kl(ref_per_token_logps, new_per_token_logps), completion_mask)
     agree = int(((delta > 0) == (advantages > 0))[advantages != 0].sum())
     lines += [f"### {stages[6]}", ""]
-    lines += ["`nan_safe_step` projects the final norm gain's gradient on the gain (it learns one number, the "
-              "output's sharpness), clips the gradient norm and takes one AdamW step. Scoring the same answers again: "
-              "answers with a positive advantage became more likely (their mean log-prob rose), those with a "
+    lines += ["The update of the loop projects the final norm gain's gradient on the gain (it learns one number, "
+              "the output's sharpness), clips the gradient norm and takes one AdamW step. Scoring the same answers "
+              "again: answers with a positive advantage became more likely (their mean log-prob rose), those with a "
               "negative one less likely, and the policy has moved away from the reference (k3 KL > 0).", ""]
     block = [f"grad_norm (before clipping at {grpo_args.grad_clip}): {grad_norm:.4f}"]
     block += format_tensor("new ratio exp(new - old)", torch.exp(new_per_token_logps - old_per_token_logps))

@@ -23,7 +23,7 @@ def policy():
     """A random dense MiniMind of hidden 64 x 2 layers (the scripts' build_config), init std 0.1 so that its
     log-probs differ visibly between tokens; seed 0."""
     from model.model_minimind import MiniMindForCausalLM
-    from trainer.trainer_utils import build_config
+    from trainer.checkpoints import build_config
     torch.manual_seed(0)
     config = build_config(hidden_size=64, num_hidden_layers=2, use_moe=0)
     config.initializer_range = 0.1
@@ -41,7 +41,7 @@ def tiny_weights(tmp_path):
     """A random MiniMind of the scripts' flags --hidden_size 64 --num_hidden_layers 2, saved as {tmp}/tiny_64.pth
     (MiniMind naming); returns (save_dir, name)."""
     from model.model_minimind import MiniMindForCausalLM
-    from trainer.trainer_utils import build_config
+    from trainer.checkpoints import build_config
     torch.manual_seed(0)
     model = MiniMindForCausalLM(build_config(hidden_size=64, num_hidden_layers=2, use_moe=0))
     torch.save({k: v.half() for k, v in model.state_dict().items()}, tmp_path / "tiny_64.pth")

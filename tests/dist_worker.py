@@ -17,9 +17,11 @@ import torch
 import torch.distributed as dist
 
 from trainer.rollout_engine import compute_per_token_logps
-from trainer.rl_harness import wrap_ddp
+from trainer.distributed import wrap_ddp
 from trainer.train_ppo import PPORolloutBatch, ppo_update
-from trainer.trainer_utils import build_config, build_cosine_scheduler, init_distributed_mode
+from trainer.checkpoints import build_config
+from trainer.distributed import init_distributed_mode
+from trainer.optimizer import build_cosine_scheduler
 from model.model_minimind import CriticModel, MiniMindForCausalLM
 
 

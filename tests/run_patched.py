@@ -24,7 +24,8 @@ sys.path.insert(0, ROOT)
 import torch
 
 from trainer import train_grpo, train_ppo, trainer_utils
-from trainer.rl_harness import RLRun, parameter_digest
+from tests.weights_digest import parameter_digest
+from trainer.rl_harness import RLRun
 
 
 def text_rewards(prompts, responses, answers, reward_model, answer_reward_weight):

@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from conftest import ROOT
 from model.model_minimind import MiniMindForCausalLM
 from scripts.bench import NUM_GENERATIONS, NUM_PROMPTS, PHASES, forward_flops
-from trainer.trainer_utils import build_config
+from trainer.checkpoints import build_config
 
 
 def test_forward_flops_equal_torch_flop_counter():

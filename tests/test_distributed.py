@@ -8,8 +8,8 @@ import pytest
 
 from conftest import ROOT
 
-from trainer.trainer_utils import build_config, init_model
-from trainer.rl_harness import parameter_digest
+from trainer.checkpoints import build_config, init_model
+from tests.weights_digest import parameter_digest
 
 TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--from_weight", "tiny", "--max_gen_len", "8",
         "--eval_interval", "0", "--batch_size", "2", "--max_steps", "3", "--save_interval", "3"]
@@ -64,8 +64,8 @@ def test_two_ranks_end_bit_identical(script, extra, tmp_path, tiny_weights, smal
 @pytest.mark.parametrize("script, extra", [("train_grpo.py", ["--num_generations", "2"]),
                                            ("train_ppo.py", ["--mini_batch_size", "1"])])
 def test_two_rank_runs_always_exit(script, extra, tmp_path, tiny_weights, small_data):
-    # A finished run used to hang in 1 of 6 runs: rank 0 freed its DDP wrapper while tearing down main and
-    # deadlocked in gloo's destructor. Three short runs, each must exit by itself within the timeout.
+    # A rank that frees its DDP wrapper while tearing down main can deadlock in gloo's destructor (1 run in 6
+    # hung that way, see shutdown_distributed). Three short runs, each must exit by itself within the timeout.
     for attempt in range(3):
         run_dir = tmp_path / f"run{attempt}"
         try:

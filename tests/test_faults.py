@@ -15,12 +15,14 @@ from run_patched import text_rewards
 
 from dataset.lm_dataset import RLAIFDataset, SFTDataset
 from model.model_minimind import MiniMindForCausalLM
-from trainer import train_grpo, train_ppo, trainer_utils
-from trainer.rl_harness import RLRun, save_checkpoint
+from trainer import checkpoints, train_grpo, train_ppo
+from trainer.resume import save_checkpoint
+from trainer.rl_harness import RLRun
 from trainer.train_grpo import grpo_loss
 from trainer.train_ppo import compute_gae, place_sequence_rewards, ppo_policy_loss, ppo_value_loss
-from trainer.trainer_utils import atomic_save, calculate_rewards, completion_mask_from_ids
-from trainer.rl_harness import parameter_digest
+from trainer.checkpoints import atomic_save
+from trainer.trainer_utils import calculate_rewards, completion_mask_from_ids
+from tests.weights_digest import parameter_digest
 
 TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--from_weight", "tiny", "--max_gen_len", "8",
         "--eval_interval", "0"]  # the held-out evaluation has its own tests (test_evaluation.py)
@@ -220,7 +222,7 @@ def test_ppo_nan_gradient_and_nan_reward_skip_updates(tiny_weights, small_data, 
 
 
 def test_checkpoint_with_nan_is_refused_and_previous_file_kept(tiny_weights, tmp_path):
-    model = MiniMindForCausalLM(trainer_utils.build_config(64, 2, 0))
+    model = MiniMindForCausalLM(checkpoints.build_config(64, 2, 0))
     args = train_grpo.parse_args(TINY + ["--save_dir", str(tmp_path), "--save_weight", "nan_test"])
     objects = {"model": model}
     progress = {"step": 1, "epoch": 0, "batch_in_epoch": 1, "run_dir": None, "wandb_id": None,
@@ -255,10 +257,10 @@ def test_disk_full_while_saving_names_path_and_keeps_previous(tmp_path, monkeypa
         raise RuntimeError("[enforce fail at inline_container.cc] . PytorchStreamWriter failed writing file "
                            "data/0: file write failed")
 
-    monkeypatch.setattr(trainer_utils.torch, "save", full_disk_save)
+    monkeypatch.setattr(checkpoints.torch, "save", full_disk_save)
     with pytest.raises(OSError, match=r"could not save checkpoint to .*ckpt\.pth: .*file write failed"):
         atomic_save({"w": torch.zeros(3)}, path)
-    monkeypatch.setattr(trainer_utils.torch, "save", real_save)
+    monkeypatch.setattr(checkpoints.torch, "save", real_save)
     assert torch.equal(torch.load(path, weights_only=True)["w"], torch.ones(3))
     assert os.listdir(tmp_path) == ["ckpt.pth"]
 
@@ -304,32 +306,32 @@ def test_broken_gzip_data_names_the_file(tmp_path):
 def test_from_weight_name_falls_back_to_the_bundled_out_folder(tmp_path):
     # --save_dir runs/exp1 on a fresh clone: full_sft is not in the new folder, so the bundled start is used
     bundled = os.path.join(ROOT, "out", "full_sft_256.pth")
-    assert trainer_utils.weight_path("full_sft", str(tmp_path), 256, 0) == bundled
+    assert checkpoints.weight_path("full_sft", str(tmp_path), 256, 0) == bundled
     # a file of that name in --save_dir wins over the bundled one
     own = tmp_path / "full_sft_256.pth"
     own.write_bytes(b"")
-    assert trainer_utils.weight_path("full_sft", str(tmp_path), 256, 0) == str(own)
+    assert checkpoints.weight_path("full_sft", str(tmp_path), 256, 0) == str(own)
     # saves always write into --save_dir, even when only the bundled file exists
-    assert trainer_utils.weight_path("grpo", str(tmp_path / "new"), 256, 0, allow_file=False) == str(
+    assert checkpoints.weight_path("grpo", str(tmp_path / "new"), 256, 0, allow_file=False) == str(
         tmp_path / "new" / "grpo_256.pth")
     # a name found nowhere is reported in --save_dir
     with pytest.raises(FileNotFoundError, match="missing_256.pth"):
-        trainer_utils.load_weights(torch.nn.Linear(1, 1), trainer_utils.weight_path("missing", str(tmp_path), 256, 0))
+        checkpoints.load_weights(torch.nn.Linear(1, 1), checkpoints.weight_path("missing", str(tmp_path), 256, 0))
 
 
 def test_checkpoint_of_another_size_is_named_for_the_policy_and_the_reward_model(tmp_path):
     # one key/shape check serves the policy load and the reward model's backbone load
     from trainer.train_reward import build_reward_model
-    small = trainer_utils.build_config(64, 1, 0)
+    small = checkpoints.build_config(64, 1, 0)
     path = tmp_path / "full_sft_64.pth"
     torch.save(MiniMindForCausalLM(small).state_dict(), path)
-    other = MiniMindForCausalLM(trainer_utils.build_config(128, 1, 0))
+    other = MiniMindForCausalLM(checkpoints.build_config(128, 1, 0))
     with pytest.raises(ValueError, match=r"full_sft_64\.pth: parameter model\.embed_tokens\.weight has shape "
                                          r"\(6400, 64\) .* expects \(6400, 128\); change --hidden_size"):
-        trainer_utils.load_weights(other, str(path))
+        checkpoints.load_weights(other, str(path))
     with pytest.raises(ValueError, match=r"full_sft_64\.pth: parameter model\.embed_tokens\.weight has shape"):
-        build_reward_model(trainer_utils.build_config(128, 1, 0), 0, str(path))
-    deeper = trainer_utils.build_config(64, 2, 0)
+        build_reward_model(checkpoints.build_config(128, 1, 0), 0, str(path))
+    deeper = checkpoints.build_config(64, 2, 0)
     with pytest.raises(ValueError, match=r"missing keys \['model\.layers\.1\."):
         build_reward_model(deeper, 0, str(path))
     # the fresh score head is the one key the checkpoint may lack

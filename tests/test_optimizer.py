@@ -1,8 +1,10 @@
-"""The optimizers of both scripts: AdamW's fused kernel against torch's plain per-tensor loop, and resuming it."""
+"""trainer/optimizer.py: AdamW's fused kernel against torch's plain per-tensor loop and on resume, the final-norm
+group, the scale-only projection, and the gradient-accumulation windows."""
+import pytest
 import torch
 
 from model.model_minimind import MiniMindForCausalLM
-from trainer.trainer_utils import adamw, build_policy_optimizer, load_optimizer_state
+from trainer.optimizer import adamw, build_policy_optimizer, load_optimizer_state
 
 
 def loss_of(model, step):
@@ -37,9 +39,9 @@ def test_fused_adamw_takes_the_steps_of_the_plain_loop(policy):
 
 
 def test_resuming_a_plain_optimizer_state_keeps_the_fused_kernel(policy):
-    """A checkpoint from before the fused kernel: its moments and step count load, and the kernel stays fused
+    """A checkpoint written by a plain AdamW: its moments and step count load, and the kernel stays fused
     (``load_state_dict`` alone would bring back the saved ``fused=None``)."""
-    old = torch.optim.AdamW(policy.parameters(), lr=1e-3)  # how checkpoints were written before
+    old = torch.optim.AdamW(policy.parameters(), lr=1e-3)  # the default, unfused kernel
     loss_of(policy, 0).backward()
     old.step()
     saved = old.state_dict()
@@ -54,3 +56,64 @@ def test_resuming_a_plain_optimizer_state_keeps_the_fused_kernel(policy):
     loss_of(policy, 1).backward()
     resumed.step()  # the fused kernel accepts the loaded state
     assert float(resumed.state[first]["step"]) == 2.0
+
+
+def test_accumulation_windows_cover_every_step_once_with_their_own_size():
+    from trainer.optimizer import accumulation_window_size
+    # --max_steps 5 --accumulation_steps 2: windows {1, 2}, {3, 4}, {5}; the last window's gradient is scaled by 1,
+    # not 1/2 (a fixed 1/2 would apply gradients 1.0, 1.0, 0.5 for a constant loss)
+    assert [accumulation_window_size(s, 5, 2) for s in range(1, 6)] == [2, 2, 2, 2, 1]
+    # plain loop: the mean gradient of each window is 1 for a loss of 1 per step, for every total and window
+    for total in range(1, 12):
+        for k in range(1, 5):
+            applied, window = [], 0.0
+            for step in range(1, total + 1):
+                window += 1.0 / accumulation_window_size(step, total, k)
+                if step % k == 0 or step == total:
+                    applied.append(window)
+                    window = 0.0
+            assert applied == pytest.approx([1.0] * len(applied)), (total, k)
+
+
+def test_policy_optimizer_gives_the_final_norm_gain_its_own_rate(tiny_config):
+    from model.model_minimind import MiniMindForCausalLM
+    from trainer.optimizer import build_policy_optimizer
+    torch.manual_seed(0)
+    model = MiniMindForCausalLM(tiny_config)
+    optimizer = build_policy_optimizer(model, 1e-4, 0.0, 1e-2)
+    assert [p for p in optimizer.param_groups[1]["params"]] == [model.model.norm.weight]
+    assert len(optimizer.param_groups[0]["params"]) == len(list(model.parameters())) - 1
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    # Adam's first step moves every parameter by lr * g / (|g| + eps) = lr (bias-corrected moments, g = 1)
+    moved = {n: (before[n] - p.detach()).abs().max().item() for n, p in model.named_parameters()}
+    assert moved["model.norm.weight"] == pytest.approx(1e-2, rel=1e-4)
+    assert moved["model.layers.0.self_attn.q_proj.weight"] == pytest.approx(1e-4, rel=1e-3)
+    plain = build_policy_optimizer(model, 1e-4, 0.0, 0.0)
+    assert len(plain.param_groups) == 1
+    with pytest.raises(ValueError, match="must be >= 0"):
+        build_policy_optimizer(model, 1e-4, 0.0, -1.0)
+
+
+def test_scale_only_gradient_is_the_projection_on_the_gain():
+    from trainer.optimizer import project_scale_only_gradients
+    gain = torch.nn.Parameter(torch.tensor([1.0, 2.0, 2.0]))
+    other = torch.nn.Parameter(torch.tensor([5.0]))
+    optimizer = torch.optim.AdamW([{"params": [other]}, {"params": [gain], "scale_only": True}], lr=0.1)
+    gain.grad = torch.tensor([3.0, 0.0, -1.5])
+    other.grad = torch.tensor([7.0])
+    project_scale_only_gradients(optimizer)
+    # g . w = 3 - 3 = 0: no component along w; the other group is untouched
+    assert gain.grad.tolist() == [0.0, 0.0, 0.0] and other.grad.tolist() == [7.0]
+    gain.grad = torch.tensor([9.0, 0.0, 0.0])
+    project_scale_only_gradients(optimizer)
+    # (g . w / w . w) w = (9 / 9) * [1, 2, 2]
+    assert gain.grad.tolist() == pytest.approx([1.0, 2.0, 2.0])
+    # the loss of w = c * w_now has dL/dc = g . w_now: a plain loop over the entries
+    weights, grads = [1.0, 2.0, 2.0], [0.5, -0.25, 1.0]
+    gain.grad = torch.tensor(grads)
+    project_scale_only_gradients(optimizer)
+    dl_dc = sum(w * g for w, g in zip(weights, grads))  # 0.5 - 0.5 + 2 = 2
+    assert gain.grad.tolist() == pytest.approx([dl_dc / 9 * w for w in weights])

@@ -1,10 +1,12 @@
 """PPO formulas (chapter 8.4) against hand-computed values and plain loops."""
 import math
+import os
 import random
 
 import pytest
 import torch
 
+from conftest import ROOT
 from trainer.train_ppo import (
     compute_gae, explained_variance, masked_whiten, place_sequence_rewards, ppo_policy_loss, ppo_value_loss,
 )
@@ -37,12 +39,13 @@ def test_gae_lambda_one_is_return_minus_value():
     assert returns[0].tolist() == pytest.approx([1.0, 1.0, 1.0, 0, 0], abs=1e-6)
 
 
-def test_script_and_function_share_the_default_lambda():
-    # --lam and compute_gae's lam default to the same value, 1.0 (the chapter's 0.95 is --lam 0.95)
-    import inspect
+def test_default_lambda_is_the_one_the_readme_documents():
+    # README's flag table and list of departures give GAE lambda 1.0 (the chapter's 0.95 is --lam 0.95)
     from trainer.train_ppo import parse_args
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    assert "`--lam` 1.0 (chapter: 0.95)" in readme
     assert parse_args(["--reward_model_path", "none"]).lam == 1.0
-    assert inspect.signature(compute_gae).parameters["lam"].default == 1.0
 
 
 def test_gae_chapter_lambda_leaves_the_first_token_8_percent_of_the_reward():
@@ -148,7 +151,7 @@ def make_update_inputs(tokenizer):
     from model.model_minimind import CriticModel, MiniMindForCausalLM
     from trainer.rollout_engine import TorchRolloutEngine, compute_per_token_logps
     from trainer.rollout_engine import tokenize_prompts
-    from trainer.trainer_utils import build_config
+    from trainer.checkpoints import build_config
     torch.manual_seed(0)
     config = build_config(64, 2, 0)
     actor = MiniMindForCausalLM(config)
@@ -184,7 +187,7 @@ class CountingAdamW(torch.optim.AdamW):
 def test_early_stop_means_no_further_optimizer_step(tokenizer, early_stop_kl, expected_steps):
     """The first minibatch has ratio 1 (approx KL 0) and is applied; with a tiny threshold the next one stops."""
     from trainer.train_ppo import ppo_update
-    from trainer.trainer_utils import build_cosine_scheduler
+    from trainer.optimizer import build_cosine_scheduler
     actor, critic, data, args = make_update_inputs(tokenizer)
     args.early_stop_kl = early_stop_kl
     CountingAdamW.steps = 0
@@ -234,13 +237,14 @@ class GradNormRecorder(torch.optim.SGD):
 
 def test_ppo_last_partial_accumulation_window_gets_its_own_size():
     # 4 identical rows, minibatches of 1, 2 epochs = 8 minibatches, --minibatch_accumulation_steps 3: windows 3, 3, 2.
-    # Each optimizer step must apply the mean gradient of its window, so the three norms are equal; before,
-    # the last window was divided by 3 instead of 2 (norms in the ratio 3 : 3 : 2).
+    # Each optimizer step must apply the mean gradient of its window, so the three norms are equal; a last window
+    # divided by 3 instead of 2 would give norms in the ratio 3 : 3 : 2.
     import types
 
     from model.model_minimind import CriticModel, MiniMindForCausalLM
     from trainer.train_ppo import PPORolloutBatch, ppo_update
-    from trainer.trainer_utils import build_config, build_cosine_scheduler
+    from trainer.checkpoints import build_config
+    from trainer.optimizer import build_cosine_scheduler
     torch.manual_seed(0)
     config = build_config(64, 2, 0)
     actor, critic = MiniMindForCausalLM(config), CriticModel(config)
@@ -264,7 +268,7 @@ def test_ppo_last_partial_accumulation_window_gets_its_own_size():
 
 
 def test_explained_variance_is_nan_when_returns_do_not_vary():
-    # all returns equal: before, the clamped denominator reported 1.0 (values equal) or -888.5 (values off)
+    # all returns equal: a clamped denominator would report 1.0 (values equal) or -888.5 (values off)
     returns = torch.full((2, 3), 1.5)
     mask = torch.ones(2, 3)
     assert math.isnan(explained_variance(returns.clone(), returns, mask))
@@ -304,7 +308,7 @@ def test_kl_in_the_reward_flows_through_gae_as_a_plain_return():
 def test_kl_placement_reward_takes_the_kl_out_of_the_loss(tokenizer):
     # the same update with kl_coef 0.02 in the rewards and a loss without KL equals kl_coef 0 in the loss
     from trainer.train_ppo import ppo_update
-    from trainer.trainer_utils import build_cosine_scheduler
+    from trainer.optimizer import build_cosine_scheduler
     results = []
     for kl_coef, placement in ((0.0, "loss"), (0.02, "reward")):
         actor, critic, data, args = make_update_inputs(tokenizer)
@@ -336,13 +340,13 @@ class GateGradRecorder(torch.optim.SGD):
 
 def test_moe_critic_routers_get_the_load_balancing_gradient():
     # The critic's value head starts at 0, so the value loss sends no gradient into its backbone at the first
-    # update: its MoE routers learn only from their own aux loss. Before CriticModel returned it, their
-    # gradient was exactly 0.
+    # update: its MoE routers learn only from their own aux loss, which must therefore reach the loss.
     import types
 
     from model.model_minimind import CriticModel, MiniMindForCausalLM
     from trainer.train_ppo import PPORolloutBatch, ppo_update
-    from trainer.trainer_utils import build_config, build_cosine_scheduler
+    from trainer.checkpoints import build_config
+    from trainer.optimizer import build_cosine_scheduler
     torch.manual_seed(0)
     config = build_config(64, 2, 1)
     actor, critic = MiniMindForCausalLM(config), CriticModel(config)
@@ -360,7 +364,33 @@ def test_moe_critic_routers_get_the_load_balancing_gradient():
     ppo_update(data, actor, critic, actor_optimizer, critic_optimizer, build_cosine_scheduler(actor_optimizer, 10),
                build_cosine_scheduler(critic_optimizer, 10), args, "cpu", torch.Generator().manual_seed(0))
     assert critic_optimizer.gate_norms[0] > 0.0
+    router_inputs = []  # what each layer's MoE block received, [2*8, hidden]
+    hooks = [layer.mlp.register_forward_hook(lambda module, args, out: router_inputs.append(args[0].reshape(-1, 64)))
+             for layer in critic.model.layers]
     values, aux_loss = critic(ids, return_aux_loss=True)
-    expected = sum(layer.mlp.aux_loss for layer in critic.model.layers)  # the routers' own losses, summed
-    assert aux_loss.item() == pytest.approx(float(expected), rel=1e-6) and aux_loss.item() > 0
+    for hook in hooks:
+        hook.remove()
+    expected = sum(switch_aux_loss_loop(layer.mlp.gate.weight, x, config.num_experts_per_tok,
+                                        config.router_aux_loss_coef)
+                   for layer, x in zip(critic.model.layers, router_inputs))
+    assert aux_loss.item() == pytest.approx(expected, rel=1e-5) and aux_loss.item() > 0
     assert torch.equal(values, critic(ids))
+
+
+def switch_aux_loss_loop(gate_weight, tokens, top_k, coef):
+    """The Switch Transformer load-balancing loss (Fedus et al. 2021, eq. 4) in plain Python, token by token:
+    coef * E * sum_e f_e * P_e, f_e = share of the N * top_k routing slots that chose expert e, P_e = mean router
+    probability of e."""
+    num_experts = gate_weight.size(0)
+    counts, prob_sums = [0] * num_experts, [0.0] * num_experts
+    for token in tokens.tolist():
+        logits = [sum(w * t for w, t in zip(row, token)) for row in gate_weight.tolist()]
+        top = max(logits)
+        exps = [math.exp(v - top) for v in logits]
+        probs = [v / sum(exps) for v in exps]
+        for expert in sorted(range(num_experts), key=lambda e: -probs[e])[:top_k]:
+            counts[expert] += 1
+        for expert in range(num_experts):
+            prob_sums[expert] += probs[expert]
+    slots, num_tokens = len(tokens) * top_k, len(tokens)
+    return coef * num_experts * sum(counts[e] / slots * prob_sums[e] / num_tokens for e in range(num_experts))

@@ -68,3 +68,16 @@ def test_mapped_functions_cite_their_section():
         # The exact section: "8.4" does not count for 8.4.2, nor "8.4.2" for 8.4 ("8.4.3-8.4.4" cites both).
         cited = re.search(rf"(?<![\d.]){re.escape(section)}(?!\.?\d)", obj.__doc__ or "")
         assert cited, f"{path}:{name} docstring does not cite section {section}"
+
+
+INFRASTRUCTURE = ("trainer/rl_harness.py", "trainer/flags.py", "trainer/optimizer.py", "trainer/checkpoints.py",
+                  "trainer/resume.py", "trainer/distributed.py", "trainer/dtypes.py", "trainer/metrics.py")
+
+
+def test_no_chapter_row_points_into_the_infrastructure():
+    """A learner who skips the infrastructure modules (README, Tour) misses no section of the chapter."""
+    into_infrastructure = [(section, path, name) for section, path, name in chapter_map_rows()
+                           if path in INFRASTRUCTURE]
+    assert into_infrastructure == []
+    for path in INFRASTRUCTURE:
+        assert os.path.isfile(os.path.join(ROOT, path)), f"{path} is listed as infrastructure but does not exist"

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from trainer.rollout_engine import TorchRolloutEngine, compute_per_token_logps, create_rollout_engine
-from trainer.rollout_engine import tokenize_prompts
+from trainer.rollout_engine import selective_log_softmax, tokenize_prompts
 
 PROMPTS = ["<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n<think>\n",
            "<|im_start|>user\n5 加 7 是多少？<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"]
@@ -87,7 +87,7 @@ def test_unknown_engine():
 
 def test_bf16_autocast_logps_are_fp32_and_near_the_fp32_ones(policy, tokenizer):
     """--dtype bfloat16: matrix products in bf16, log-softmax in fp32; gradients land on the fp32 weights."""
-    from trainer.trainer_utils import autocast_context
+    from trainer.dtypes import autocast_context
     prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, PROMPTS, 256, "cpu")
     result = TorchRolloutEngine(policy, tokenizer, generator=torch.Generator().manual_seed(3)).rollout(
         prompt_ids, attention_mask, 2, 8)
@@ -102,3 +102,52 @@ def test_bf16_autocast_logps_are_fp32_and_near_the_fp32_ones(policy, tokenizer):
     assert policy.lm_head.weight.grad.dtype == torch.float32
     with pytest.raises(ValueError, match="--dtype 'float16'.*float32, bfloat16"):
         autocast_context("cpu", "float16")
+
+
+def test_selective_log_softmax_equals_full_log_softmax():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 6400) * 4
+    index = torch.randint(0, 6400, (3, 5))
+    expected = torch.log_softmax(logits, dim=-1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    assert (selective_log_softmax(logits, index) - expected).abs().max() <= 1e-5
+    expected_t = torch.log_softmax(logits / 0.7, dim=-1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    assert (selective_log_softmax(logits, index, temperature=0.7) - expected_t).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_selective_log_softmax_gradient_equals_autograd_of_the_plain_formula(temperature):
+    torch.manual_seed(1)
+    logits = (torch.randn(2, 4, 50, dtype=torch.float64) * 3).requires_grad_()
+    index = torch.randint(0, 50, (2, 4))
+    weights = torch.randn(2, 4, dtype=torch.float64)
+    (selective_log_softmax(logits, index, temperature) * weights).sum().backward()
+    ours = logits.grad.clone()
+    logits.grad = None
+    plain = torch.log_softmax(logits / temperature, dim=-1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    (plain * weights).sum().backward()
+    assert (ours - logits.grad).abs().max() <= 1e-6
+    assert torch.autograd.gradcheck(lambda x: selective_log_softmax(x, index, temperature), (logits.detach()
+                                                                                            .requires_grad_(),))
+
+
+def test_selective_log_softmax_saves_no_copy_of_the_logits():
+    """The log-prob step keeps at most one sequence's logits above what the model already holds."""
+    logits = torch.randn(3, 16, 6400, requires_grad=True)  # [B, n, V]
+    index = torch.randint(0, 6400, (3, 16))
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor)
+        return tensor
+
+    for temperature in (1.0, 0.7):
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            selective_log_softmax(logits, index, temperature)
+        extra = [t for t in saved if t.data_ptr() != logits.data_ptr()]
+        assert sum(t.numel() * t.element_size() for t in extra) <= 2 * 3 * 16 * 8  # index + logsumexp [B, n]
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):  # the plain formula, for scale
+            torch.log_softmax(logits / temperature, dim=-1).gather(-1, index.unsqueeze(-1))
+        saved_bytes = sum(t.numel() * t.element_size() for t in saved if t.data_ptr() != logits.data_ptr())
+        assert saved_bytes >= logits.numel() * 4

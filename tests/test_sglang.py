@@ -14,7 +14,7 @@ from trainer.rollout_engine import SGLangRolloutEngine, create_rollout_engine, p
 from trainer.train_grpo import main as grpo_main
 from trainer.rollout_engine import tokenize_prompts
 from trainer.train_ppo import main as ppo_main
-from trainer.trainer_utils import build_config
+from trainer.checkpoints import build_config
 
 PROMPTS = ["<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n<think>\n",
            "<|im_start|>user\n5 加 7 是多少？<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"]

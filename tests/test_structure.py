@@ -65,7 +65,7 @@ def test_accumulation_flags_have_one_meaning_each():
 
 
 def test_dtype_auto_is_float32_on_the_cpu_and_explicit_names_stay():
-    from trainer.trainer_utils import autocast_context, resolve_train_dtype
+    from trainer.dtypes import autocast_context, resolve_train_dtype
     assert resolve_train_dtype("auto", "cpu") == "float32"
     assert resolve_train_dtype("bfloat16", "cpu") == "bfloat16"
     assert resolve_train_dtype("float32", "cuda:0") == "float32"
@@ -97,7 +97,7 @@ def test_cuda_device_without_a_gpu_is_refused(capsys):
 
 
 def test_device_flag_picks_the_device():
-    from trainer.trainer_utils import init_distributed_mode
+    from trainer.distributed import init_distributed_mode
     assert init_distributed_mode("cpu") == (0, "cpu")
     assert init_distributed_mode("") == (0, "cuda:0" if torch.cuda.is_available() else "cpu")
 
@@ -105,7 +105,7 @@ def test_device_flag_picks_the_device():
 def test_use_compile_wraps_the_same_parameters_and_0_leaves_the_module():
     # compiling is lazy (the first call compiles, ~1-3 min on a 2-core CPU), so this builds the wrapper only
     from trainer.rl_harness import compile_for_training
-    from trainer.trainer_utils import unwrap_model
+    from trainer.checkpoints import unwrap_model
     model = torch.nn.Linear(3, 2)
     assert compile_for_training(model, 0) is model
     compiled = compile_for_training(model, 1)

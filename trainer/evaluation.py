@@ -9,7 +9,8 @@ by the weights. It is TRL's ``eval_steps`` / verl's ``val_before_train`` for a v
 import torch
 
 from trainer.rollout_engine import TorchRolloutEngine, decode_completions, tokenize_prompts
-from trainer.trainer_utils import calculate_rewards, completion_mask_from_ids, unwrap_model
+from trainer.checkpoints import unwrap_model
+from trainer.trainer_utils import calculate_rewards, completion_mask_from_ids
 
 
 def distinct_n(texts, n=2):

@@ -24,7 +24,9 @@ from torch.autograd.function import once_differentiable
 
 from model.hf_qwen3 import save_qwen3_folder
 from model.model_minimind import KVCache
-from trainer.trainer_utils import completion_mask_from_ids, is_main_process, masked_mean, unwrap_model
+from trainer.checkpoints import unwrap_model
+from trainer.distributed import is_main_process
+from trainer.trainer_utils import completion_mask_from_ids, masked_mean
 
 
 class SelectiveLogSoftmax(torch.autograd.Function):

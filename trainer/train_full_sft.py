@@ -24,11 +24,15 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 from dataset.lm_dataset import SFTDataset, sft_collate
-from trainer.trainer_utils import (
-    DEFAULT_SAVE_DIR, Logger, add_bool_flag, atomic_save, build_config, build_cosine_scheduler, check_writable_dir,
-    half_state_dict, init_distributed_mode, init_model, is_main_process, setup_seed, weight_path,
+from trainer.checkpoints import (
+    DEFAULT_SAVE_DIR, atomic_save, build_config, check_writable_dir, half_state_dict, init_model, weight_path,
 )
-from trainer.rl_harness import BadStepGuard, nan_safe_step, nonfinite_parts
+from trainer.distributed import Logger, init_distributed_mode, is_main_process, setup_seed
+from trainer.flags import add_bool_flag
+from trainer.optimizer import build_cosine_scheduler
+from trainer.distributed import any_rank
+from trainer.optimizer import project_scale_only_gradients
+from trainer.rl_harness import BadStepGuard, nonfinite_parts
 
 
 def parse_args(argv=None):
@@ -118,12 +122,15 @@ def main(argv=None):
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             step += 1
-            # a NaN/inf loss or gradient skips the update on every rank
-            _, problems = nan_safe_step([model], [optimizer], args.grad_clip, nonfinite_parts(loss=loss.detach()),
-                                        device)
-            if not problems:
+            project_scale_only_gradients(optimizer)  # no-op: SFT's AdamW has no scale-only group
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
+            problems = nonfinite_parts(loss=loss.detach(), gradients=grad_norm)
+            skipped = any_rank(bool(problems), device)  # a NaN or inf on any rank: no rank updates
+            if not skipped:
+                optimizer.step()
                 scheduler.step()
-            guard.record(step, problems)
+            optimizer.zero_grad(set_to_none=True)
+            guard.record(step, skipped, problems)
             if step % args.log_interval == 0 or step == total_steps:
                 Logger(f"step {step}/{total_steps} loss {loss.item():.4f} lr {scheduler.get_last_lr()[0]:.2e} "
                        f"elapsed {time.time() - start:.0f}s")

@@ -28,18 +28,21 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # `python trainer/x.py` from any folder imports this checkout's packages
 
+import copy
+
 import torch
 
-from trainer.rl_harness import (
-    RLRun, accumulation_window_size, add_common_rl_args, check_common_rl_args, compile_for_training, nan_safe_step,
-    print_debug_samples, wrap_ddp,
+from trainer.checkpoints import load_policy
+from trainer.distributed import any_rank, setup_seed, shutdown_distributed, wrap_ddp
+from trainer.dtypes import autocast_context
+from trainer.flags import add_bool_flag, add_common_rl_args, check_common_rl_args
+from trainer.metrics import print_debug_samples
+from trainer.optimizer import (
+    accumulation_window_size, build_cosine_scheduler, build_policy_optimizer, project_scale_only_gradients,
 )
+from trainer.rl_harness import RLRun, compile_for_training, nonfinite_parts
 from trainer.rollout_engine import compute_group_per_token_logps, compute_per_token_logps, tokenize_prompts
-from trainer.trainer_utils import (
-    add_bool_flag, autocast_context, build_cosine_scheduler, build_policy_optimizer, calculate_rewards, k3_kl,
-    masked_mean, shutdown_distributed,
-)
-from trainer.rl_harness import nonfinite_parts
+from trainer.trainer_utils import calculate_rewards, k3_kl, load_reward_model, masked_mean
 
 LOSS_TYPES = ("cispo", "grpo")
 
@@ -246,31 +249,42 @@ def grpo_log_line(metrics):
 
 
 def main(argv=None, reward_fn=calculate_rewards, run_class=RLRun):
-    """Train with GRPO. ``reward_fn`` replaces the chapter's rewards and ``run_class`` the harness (tests)."""
+    """Train with GRPO: the roles of chapter 8.1 without a critic, then rollout -> reward -> group advantage ->
+    loss -> update, step after step (8.5). ``reward_fn`` replaces the chapter's rewards and ``run_class`` the
+    harness (tests)."""
     args = parse_args(argv)
-    run = run_class.build(args, "grpo", __file__, argv, reward_fn)
-    model = run.model
+    run = run_class.build(args, "grpo", __file__, argv)  # processes, seed, tokenizer, prompts, evaluator
+    # the roles (chapter 8.1): the policy is trained, the reference and the reward model stay frozen
+    model = load_policy(run.lm_config, args, run.tokenizer, run.device)  # pi_theta, from --from_weight
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False)  # pi_ref: the starting policy
+    reward_model = load_reward_model(args, run.device, model.dtype)  # None with --reward_model_path none
+    setup_seed(args.seed + run.rank)  # from here on every rank samples its own answers
     optimizer = build_policy_optimizer(model, args.learning_rate, args.weight_decay, args.final_norm_learning_rate)
     num_updates = -(-run.total_steps // args.accumulation_steps)  # ceil: the last window may be shorter
     scheduler = build_cosine_scheduler(optimizer, num_updates)
     ddp_model = compile_for_training(wrap_ddp(model, run.device, run.local_rank), args.use_compile)
-    run.start({"model": model, "optimizer": optimizer, "scheduler": scheduler}, {args.save_weight: model},
+    run.start(model, {"model": model, "optimizer": optimizer, "scheduler": scheduler}, {args.save_weight: model},
               f"GRPO: {run.total_steps} steps, {args.batch_size} prompts x {args.num_generations} answers per "
               f"step, loss {args.loss_type}", grpo_log_line)
     ddp_model.train()
-    problems = []  # what was non-finite since the last optimizer step
+    problems = []  # names of what was non-finite since the last optimizer step
     for step, batch in run.batches():
         learning_rate = optimizer.param_groups[0]["lr"]  # the rate this step's update uses (read before stepping)
-        loss, metrics, debug = grpo_step(batch, ddp_model, run.ref_model, run.rollout_engine, run.reward_fn,
-                                         run.reward_model, run.tokenizer, args, run.device)
+        loss, metrics, debug = grpo_step(batch, ddp_model, ref_model, run.rollout_engine, reward_fn, reward_model,
+                                         run.tokenizer, args, run.device)
         problems += nonfinite_parts(rewards=debug["reward_parts"]["rewards"], loss=loss)
         (loss / accumulation_window_size(step, run.total_steps, args.accumulation_steps)).backward()
-        if step % args.accumulation_steps == 0 or step == run.total_steps:
-            grad_norms, problems = nan_safe_step([ddp_model], [optimizer], args.grad_clip, problems, run.device)
-            if not problems:
+        if step % args.accumulation_steps == 0 or step == run.total_steps:  # the update
+            project_scale_only_gradients(optimizer)  # the final norm gain learns one number (its own group)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), args.grad_clip))
+            problems += nonfinite_parts(gradients=grad_norm)
+            skipped = any_rank(bool(problems), run.device)  # a NaN or inf on any rank: no rank updates
+            if not skipped:
+                optimizer.step()
                 scheduler.step()
-            metrics.update(grad_norm=grad_norms[0], skipped_update=float(bool(problems)))
-            run.guard.record(step, problems)
+            optimizer.zero_grad(set_to_none=True)
+            metrics.update(grad_norm=grad_norm, skipped_update=float(skipped))
+            run.guard.record(step, skipped, problems)
             problems = []
             run.rollout_engine.update_policy(model)
         if run.debug_due(step):

@@ -7,8 +7,8 @@ One step, in chapter order:
   3. token_rewards [B, R]: the sequence reward on the last real token (``place_sequence_rewards``, 8.4.2), plus
      the per-token KL penalty with ``--kl_placement reward`` (``kl_penalty_rewards``);
   4. GAE: advantages and returns = advantages + values (``compute_gae``), then masked whitening of the
-     advantages (``masked_whiten``) (8.4.2). The default lambda is 1.0, not the chapter's 0.95 (``--lam``),
-     because the reward sits on the last token only and 0.95 decays it geometrically towards the first;
+     advantages (``masked_whiten``) (8.4.2). The default lambda is 1.0, not the chapter's 0.95 (``--lam``):
+     the reward sits on the last token only, and 0.95 would decay it geometrically towards the first;
   5. ``ppo_update_iters`` epochs over shuffled minibatches: clipped surrogate + kl_coef * k3 reference KL
      (with the default ``--kl_placement loss``)
      (``ppo_policy_loss``, 8.4.3) and the clipped value loss (``ppo_value_loss``, 8.4.4),
@@ -17,6 +17,8 @@ One step, in chapter order:
   6. two AdamW optimizers with cosine schedules (actor, critic; the actor's final RMSNorm gain in a group of
      its own, ``build_policy_optimizer``), one log line, atomic checkpoints, the held-out evaluation.
 
+"The learner's article" below is the walk-through of MiniMind's PPO code listed in the README's Sources.
+
 Run (the embedded default, CPU):
     python trainer/train_ppo.py
 Other examples:
@@ -24,6 +26,8 @@ Other examples:
     torchrun --nproc_per_node 2 trainer/train_ppo.py
 """
 import argparse
+import copy
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -35,16 +39,17 @@ sys.path.insert(0, ROOT)  # `python trainer/x.py` from any folder imports this c
 import torch
 
 from model.model_minimind import CriticModel
-from trainer.rl_harness import (
-    RLRun, accumulation_window_size, add_common_rl_args, all_ranks_mean, check_common_rl_args, compile_for_training,
-    nan_safe_step, print_debug_samples, wrap_ddp,
+from trainer.checkpoints import load_policy, unwrap_model, weight_path
+from trainer.distributed import all_ranks_mean, any_rank, setup_seed, shutdown_distributed, wrap_ddp
+from trainer.dtypes import autocast_context
+from trainer.flags import add_bool_flag, add_common_rl_args, check_common_rl_args
+from trainer.metrics import print_debug_samples
+from trainer.optimizer import (
+    accumulation_window_size, adamw, build_cosine_scheduler, build_policy_optimizer, project_scale_only_gradients,
 )
+from trainer.rl_harness import RLRun, compile_for_training, nonfinite_parts
 from trainer.rollout_engine import compute_per_token_logps, tokenize_prompts
-from trainer.trainer_utils import (
-    adamw, add_bool_flag, autocast_context, build_cosine_scheduler, build_policy_optimizer, calculate_rewards, k3_kl,
-    masked_mean, shutdown_distributed, unwrap_model, weight_path,
-)
-from trainer.rl_harness import any_rank, nonfinite_parts
+from trainer.trainer_utils import calculate_rewards, k3_kl, load_reward_model, masked_mean
 
 
 KL_PLACEMENTS = ("loss", "reward")
@@ -52,7 +57,7 @@ KL_PLACEMENTS = ("loss", "reward")
 
 # ----------------------------------------------------------------------------- the math (chapter 8.4)
 def normalize_rewards(rewards, eps=1e-8):
-    """Batch reward standardisation (r - mean) / (std + eps), biased std (learner's article, section 5.4).
+    """Batch reward standardisation (r - mean) / (std + eps), biased std (the learner's article, section 5.4).
 
     rewards: fp32 [B] -> fp32 [B]; equal rewards give 0. With rewards centred, a critic that starts at V = 0
     is an unbiased baseline, so GAE + whitening no longer favours late tokens of every answer.
@@ -100,7 +105,7 @@ def compute_gae(token_rewards, values, mask, gamma=1.0, lam=1.0):
 
     Args:
         token_rewards: fp32 [B, R]; values: fp32 [B, R], V(s_t) of the old critic; mask: [B, R] 0/1.
-        gamma: discount in [0, 1]; lam: GAE lambda in [0, 1] (default 1.0, as ``--lam``; the chapter uses 0.95).
+        gamma: discount in [0, 1]; lam: GAE lambda in [0, 1] (the chapter: 0.95).
             With gamma = lam = 1 and the reward on the last token, A_t = R - V(s_t).
     Returns:
         (advantages fp32 [B, R], returns fp32 [B, R]), both 0 at masked positions.
@@ -210,10 +215,10 @@ def parse_args(argv=None):
     parser.add_argument("--kl_coef", type=float, default=0.02, help="weight of the KL to the reference (8.6)")
     parser.add_argument("--kl_placement", default="loss", choices=KL_PLACEMENTS,
                         help="loss: kl_coef * k3 in the policy loss (the chapter); reward: -kl_coef * (logp - ref) "
-                             "added to every token's reward before GAE (InstructGPT, the article, TRL)")
+                             "added to every token's reward before GAE (InstructGPT, the learner's article, TRL)")
     parser.add_argument("--gamma", type=float, default=1.0, help="discount of GAE (8.4.2)")
     parser.add_argument("--lam", type=float, default=1.0,
-                        help="GAE lambda; 1.0 = Monte-Carlo return with the critic as baseline (the chapter: 0.95)")
+                        help="GAE lambda (the chapter: 0.95; the module docstring says why 1.0)")
     parser.add_argument("--cliprange_value", type=float, default=0.2,
                         help="clip range of the new values around the old ones (8.4.4)")
     parser.add_argument("--ppo_update_iters", type=int, default=2, help="epochs over each rollout's minibatches")
@@ -223,8 +228,8 @@ def parse_args(argv=None):
     parser.add_argument("--minibatch_accumulation_steps", type=int, default=1,
                         help="minibatches whose gradients make one optimizer step")
     add_bool_flag(parser, "--reward_norm",
-                  help="1 = standardise the batch's rewards before GAE (learner's article 5.4); "
-                             "0 = raw (chapter)")
+                  help="1 = standardise the batch's rewards before GAE (the learner's article, 5.4); 0 = raw "
+                       "(the chapter)")
     args = parser.parse_args(argv)
     check_common_rl_args(parser, args)
     for flag in ("mini_batch_size", "ppo_update_iters", "minibatch_accumulation_steps"):
@@ -323,58 +328,75 @@ def ppo_rollout(batch, actor, ref_model, critic, rollout_engine, reward_fn, rewa
     )
 
 
-def ppo_update(data, actor, critic, actor_optimizer, critic_optimizer, actor_scheduler, critic_scheduler, args,
-               device, generator):
+def clip_and_step(models, optimizers, grad_clip, device):
+    """The update of the actor and the critic (chapter 8.4.3-8.4.4): clip each model's gradient norm to
+    ``grad_clip``, then step every optimizer -- or none, on every rank, when a gradient norm is NaN or inf on any
+    rank (the weights stay as they were). The gradients are cleared either way. Returns True when the optimizers
+    stepped."""
+    for optimizer in optimizers:
+        project_scale_only_gradients(optimizer)  # the actor's final norm gain learns one number (its own group)
+    grad_norms = [float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)) for model in models]
+    skipped = any_rank(not all(math.isfinite(norm) for norm in grad_norms), device)  # a NaN on any rank: no update
+    if not skipped:
+        for optimizer in optimizers:
+            optimizer.step()
+    for optimizer in optimizers:
+        optimizer.zero_grad(set_to_none=True)
+    return not skipped
+
+
+def ppo_update(rollout_batch, actor, critic, actor_optimizer, critic_optimizer, actor_scheduler, critic_scheduler,
+               args, device, generator):
     """Step 5: ``ppo_update_iters`` epochs over shuffled minibatches (chapter 8.4.3-8.4.4).
 
     Every rank draws the same permutation, and the approx-KL early stop uses the mean over ranks, so all
-    ranks stop on the same minibatch. An optimizer step whose gradient norm is NaN/inf is skipped on every
-    rank. ``--minibatch_accumulation_steps`` minibatches make one optimizer step; each minibatch's loss is
-    divided by the size of its window (the last one may be shorter: ``accumulation_window_size``), so every
-    optimizer step applies a mean gradient. The schedules step once per rollout that made at least one optimizer
-    step.
+    ranks stop on the same minibatch. ``--minibatch_accumulation_steps`` minibatches make one optimizer step
+    (``clip_and_step``); each minibatch's loss is divided by the size of its window (the last one may be shorter:
+    ``accumulation_window_size``), so every optimizer step applies a mean gradient; an early stop drops the
+    window it interrupts. The schedules step once per rollout that made at least one optimizer step.
 
     Args:
-        data: ``PPORolloutBatch``; generator: ``torch.Generator`` of the minibatch permutations.
+        rollout_batch: ``PPORolloutBatch``; generator: ``torch.Generator`` of the minibatch permutations.
     Returns a dict of stats averaged over minibatches, early_stop (0/1), optimizer_steps, skipped_steps.
     """
-    batch_size = data.output_ids.size(0)
-    gen_len = data.completion_mask.size(1)
+    batch_size = rollout_batch.output_ids.size(0)
+    gen_len = rollout_batch.completion_mask.size(1)
     accumulation = args.minibatch_accumulation_steps
     kl_coef = args.kl_coef if args.kl_placement == "loss" else 0.0  # in the rewards otherwise (ppo_rollout)
     total_micro = args.ppo_update_iters * -(-batch_size // args.mini_batch_size)  # minibatches without early stop
     sums, count, optimizer_steps, skipped_steps, stop_ppo, micro = {}, 0, 0, 0, False, 0
-    models, optimizers = [actor, critic], [actor_optimizer, critic_optimizer]
     for _ in range(args.ppo_update_iters):
         permutation = torch.randperm(batch_size, generator=generator)
         for start in range(0, batch_size, args.mini_batch_size):
             inds = permutation[start:start + args.mini_batch_size].to(device)
-            mask = data.completion_mask[inds]  # [mb, R]
+            mask = rollout_batch.completion_mask[inds]  # [mb, R]
             with autocast_context(device, args.dtype):
-                mb_resp_logp, aux_loss = compute_per_token_logps(
-                    actor, data.output_ids[inds], gen_len, data.full_mask[inds], args.temperature,
-                    return_aux_loss=True)  # [mb, R]
+                per_token_logps, aux_loss = compute_per_token_logps(
+                    actor, rollout_batch.output_ids[inds], gen_len, rollout_batch.full_mask[inds], args.temperature,
+                    return_aux_loss=True)  # [mb, R], the chapter's mb_resp_logp
             policy_loss, stats = ppo_policy_loss(
-                mb_resp_logp, data.old_per_token_logps[inds], data.ref_per_token_logps[inds],
-                data.advantages[inds], mask, args.clip_epsilon, kl_coef)
+                per_token_logps, rollout_batch.old_per_token_logps[inds], rollout_batch.ref_per_token_logps[inds],
+                rollout_batch.advantages[inds], mask, args.clip_epsilon, kl_coef)
             approx_kl = all_ranks_mean(stats["approx_kl"], device)
             if approx_kl > args.early_stop_kl:
                 stop_ppo = True  # this minibatch and the rest of the epochs are skipped
                 break
             with autocast_context(device, args.dtype):
-                mb_values, critic_aux_loss = critic(data.output_ids[inds], attention_mask=data.full_mask[inds],
+                mb_values, critic_aux_loss = critic(rollout_batch.output_ids[inds],
+                                                    attention_mask=rollout_batch.full_mask[inds],
                                                     return_aux_loss=True)  # [mb, P+R]
             mb_resp_values = mb_values[:, -gen_len - 1:-1]  # [mb, R], V(s_t) before each answer token
             value_loss, value_clipfrac = ppo_value_loss(
-                mb_resp_values, data.old_resp_values[inds], data.returns[inds], mask, args.cliprange_value)
+                mb_resp_values, rollout_batch.old_resp_values[inds], rollout_batch.returns[inds], mask,
+                args.cliprange_value)
             # both MoE load-balancing losses (0 for dense models): the actor's and the critic's own routers
             loss = policy_loss + args.vf_coef * value_loss + aux_loss + critic_aux_loss
             micro += 1
             (loss / accumulation_window_size(micro, total_micro, accumulation)).backward()
-            if micro % accumulation == 0:
-                _, problems = nan_safe_step(models, optimizers, args.grad_clip, [], device)
-                optimizer_steps += int(not problems)
-                skipped_steps += int(bool(problems))
+            if micro % accumulation == 0 or micro == total_micro:  # the update
+                stepped = clip_and_step([actor, critic], [actor_optimizer, critic_optimizer], args.grad_clip, device)
+                optimizer_steps += int(stepped)
+                skipped_steps += int(not stepped)
             for key, value in {"policy_loss": policy_loss, "value_loss": value_loss, "value_clipfrac": value_clipfrac,
                                "approx_kl": stats["approx_kl"], "clipfrac": stats["clipfrac"],
                                "kl_ref": stats["kl_ref"]}.items():
@@ -382,10 +404,6 @@ def ppo_update(data, actor, critic, actor_optimizer, critic_optimizer, actor_sch
             count += 1
         if stop_ppo:
             break
-    if micro % accumulation != 0 and not stop_ppo:  # apply a last partial accumulation
-        _, problems = nan_safe_step(models, optimizers, args.grad_clip, [], device)
-        optimizer_steps += int(not problems)
-        skipped_steps += int(bool(problems))
     actor_optimizer.zero_grad(set_to_none=True)  # an early stop drops its partial accumulation
     critic_optimizer.zero_grad(set_to_none=True)
     if optimizer_steps:  # a rollout whose every update was skipped leaves the schedules where they were
@@ -398,21 +416,21 @@ def ppo_update(data, actor, critic, actor_optimizer, critic_optimizer, actor_sch
     return result
 
 
-def ppo_metrics(data, update, problems):
+def ppo_metrics(rollout_batch, update, skipped):
     """The step's metrics: reward parts, advantage and critic statistics, lengths, and ``update``'s stats."""
-    mask = data.completion_mask
+    mask = rollout_batch.completion_mask  # [B, R]
     return {
-        "reward": data.rewards.mean().item(),
-        "rule_reward": data.reward_parts["rule_rewards"].mean().item(),
-        "reward_model_score": data.reward_parts["reward_model_scores"].mean().item(),
-        "answer_reward": data.reward_parts["answer_rewards"].mean().item(),
-        "advantages_mean": masked_mean(data.advantages, mask).item(),
-        "advantages_std": masked_std(data.advantages, mask).item(),
-        "explained_variance": explained_variance(data.old_resp_values, data.returns, mask),
+        "reward": rollout_batch.rewards.mean().item(),
+        "rule_reward": rollout_batch.reward_parts["rule_rewards"].mean().item(),
+        "reward_model_score": rollout_batch.reward_parts["reward_model_scores"].mean().item(),
+        "answer_reward": rollout_batch.reward_parts["answer_rewards"].mean().item(),
+        "advantages_mean": masked_mean(rollout_batch.advantages, mask).item(),
+        "advantages_std": masked_std(rollout_batch.advantages, mask).item(),
+        "explained_variance": explained_variance(rollout_batch.old_resp_values, rollout_batch.returns, mask),
         "response_len": mask.sum(dim=1).float().mean().item(),
-        "truncated_prompts": data.truncated,
-        "skipped_update": float(bool(problems)),
-        **data.rollout_metrics,
+        "truncated_prompts": rollout_batch.truncated,
+        "skipped_update": float(skipped),
+        **rollout_batch.rollout_metrics,
         **update,
     }
 
@@ -426,11 +444,18 @@ def ppo_log_line(metrics):
 
 
 def main(argv=None, reward_fn=calculate_rewards, run_class=RLRun):
-    """Train with PPO. ``reward_fn`` replaces the chapter's rewards and ``run_class`` the harness (tests)."""
+    """Train with PPO: the four roles of chapter 8.1, then rollout -> reward -> GAE -> minibatch updates of actor
+    and critic, step after step (8.4). ``reward_fn`` replaces the chapter's rewards and ``run_class`` the harness
+    (tests)."""
     args = parse_args(argv)
-    run = run_class.build(args, "ppo", __file__, argv, reward_fn)
-    actor, device = run.model, run.device
-    critic = build_critic(run.lm_config, args, device)
+    run = run_class.build(args, "ppo", __file__, argv)  # processes, seed, tokenizer, prompts, evaluator
+    device = run.device
+    # the roles (chapter 8.1): actor and critic are trained, the reference and the reward model stay frozen
+    actor = load_policy(run.lm_config, args, run.tokenizer, device)  # pi_theta, from --from_weight
+    ref_model = copy.deepcopy(actor).eval().requires_grad_(False)  # pi_ref: the starting policy
+    reward_model = load_reward_model(args, device, actor.dtype)  # None with --reward_model_path none
+    setup_seed(args.seed + run.rank)  # from here on every rank draws its own samples
+    critic = build_critic(run.lm_config, args, device)  # V(s_t): the actor's weights and a new value head
     actor_optimizer = build_policy_optimizer(actor, args.learning_rate, args.weight_decay,
                                              args.final_norm_learning_rate)
     critic_optimizer = build_critic_optimizer(critic, args)
@@ -442,7 +467,7 @@ def main(argv=None, reward_fn=calculate_rewards, run_class=RLRun):
     objects = {"model": actor, "optimizer": actor_optimizer, "scheduler": actor_scheduler, "critic": critic,
                "critic_optimizer": critic_optimizer, "critic_scheduler": critic_scheduler,
                "minibatch_generator": minibatch_generator}
-    run.start(objects, {args.save_weight: actor, f"{args.save_weight}_critic": critic},
+    run.start(actor, objects, {args.save_weight: actor, f"{args.save_weight}_critic": critic},
               f"PPO: {run.total_steps} steps, {args.batch_size} prompts per step, {args.ppo_update_iters} epochs "
               f"of minibatches of {args.mini_batch_size}", ppo_log_line)
     ddp_actor.train()
@@ -451,21 +476,22 @@ def main(argv=None, reward_fn=calculate_rewards, run_class=RLRun):
         # the rates this step's updates use (the schedules step at the end of ppo_update)
         learning_rates = {"learning_rate": actor_optimizer.param_groups[0]["lr"],
                           "critic_learning_rate": critic_optimizer.param_groups[0]["lr"]}
-        data = ppo_rollout(batch, ddp_actor, run.ref_model, ddp_critic, run.rollout_engine, run.reward_fn,
-                           run.reward_model, run.tokenizer, args, device)
-        problems = nonfinite_parts(rewards=data.rewards)
-        if any_rank(bool(problems), device):  # skip the whole update: GAE would spread the NaN
+        rollout_batch = ppo_rollout(batch, ddp_actor, ref_model, ddp_critic, run.rollout_engine, reward_fn,
+                                    reward_model, run.tokenizer, args, device)
+        problems = nonfinite_parts(rewards=rollout_batch.rewards)
+        skipped = any_rank(bool(problems), device)  # a NaN reward on any rank: GAE would spread it, no update
+        if skipped:
             update = {"optimizer_steps": 0.0, "skipped_steps": float(args.ppo_update_iters)}
-            problems = problems or ["rewards on another rank"]
         else:
-            update = ppo_update(data, ddp_actor, ddp_critic, actor_optimizer, critic_optimizer, actor_scheduler,
-                                critic_scheduler, args, device, minibatch_generator)
-            problems = ["gradients"] if update["skipped_steps"] else []
-        run.guard.record(step, problems)
+            update = ppo_update(rollout_batch, ddp_actor, ddp_critic, actor_optimizer, critic_optimizer,
+                                actor_scheduler, critic_scheduler, args, device, minibatch_generator)
+            skipped = bool(update["skipped_steps"])
+            problems = ["gradients"] if skipped else []
+        run.guard.record(step, skipped, problems)
         run.rollout_engine.update_policy(actor)
         if run.debug_due(step):
-            print_debug_samples(step, data.prompts, data.completions, data.reward_parts, 1)
-        run.log(step, ppo_metrics(data, update, problems), learning_rates)
+            print_debug_samples(step, rollout_batch.prompts, rollout_batch.completions, rollout_batch.reward_parts, 1)
+        run.log(step, ppo_metrics(rollout_batch, update, skipped), learning_rates)
         run.save_if_due(step)
     run.close()
     del ddp_actor, ddp_critic  # free the DDP wrappers while the process group is alive (see shutdown_distributed)

@@ -36,12 +36,15 @@ from transformers import AutoTokenizer, Qwen3ForSequenceClassification
 
 from dataset.lm_dataset import read_preference_pairs
 from model.hf_qwen3 import qwen3_config_from_minimind, write_folder_atomically
-from trainer.trainer_utils import (
-    DEFAULT_REWARD_MODEL_PATH, DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, DTYPES, Logger, add_bool_flag, build_config,
-    build_cosine_scheduler, check_state_dict_fits, render_reward_text, resolve_dtype, reward_model_messages,
-    setup_seed, weight_path,
+from trainer.checkpoints import (
+    DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, check_state_dict_fits, weight_path,
 )
-from trainer.rl_harness import MetricsWriter, StepTimer
+from trainer.distributed import Logger, setup_seed
+from trainer.dtypes import DTYPES, resolve_dtype
+from trainer.flags import DEFAULT_REWARD_MODEL_PATH, add_bool_flag
+from trainer.optimizer import build_cosine_scheduler
+from trainer.trainer_utils import render_reward_text, reward_model_messages
+from trainer.metrics import MetricsWriter, StepTimer
 
 
 # ----------------------------------------------------------------------------- the math

@@ -1,386 +1,19 @@
-"""Pieces shared by the training scripts: logging, distributed set-up, seeding, model loading,
-atomic checkpoints, the reward functions of chapter 8.3 and the k3 KL of chapter 8.6.
+"""What both RL scripts share from the chapter, in its order: the rewards of 8.3 (rule reward, repetition penalty,
+answer reward, the external reward model and its conversation, ``calculate_rewards``) and the KL and masks of 8.6
+(the completion mask, masked means, the k3 estimator).
 
-Nothing here reads a global: every function takes what it needs as arguments.
+Everything that is not in the chapter (processes, flags, weights on disk, resume, dtypes, the optimizer, metrics)
+lives in modules named for it, which a learner can skip. Nothing here reads a global: every function takes what
+it needs as arguments.
 """
-import contextlib
-import errno
-import glob
 import json
-import math
 import os
-import random
 import re
 
-import numpy as np
 import torch
-import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from model.hf_qwen3 import DTYPES  # noqa: F401 (the --*_dtype flag values, defined once)
-from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-DEFAULT_TOKENIZER_PATH = os.path.join(ROOT, "model")
-DEFAULT_SAVE_DIR = os.path.join(ROOT, "out")
-DEFAULT_REWARD_MODEL_PATH = os.path.join(ROOT, "out", "reward_model_256")  # trainer/train_reward.py, committed
-
-
-# ----------------------------------------------------------------------------- processes and logging
-
-
-def is_main_process():
-    """True on rank 0, or when not running distributed."""
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def Logger(content):
-    """Print on the main process only (flushes, so logs show up under torchrun and pipes)."""
-    if is_main_process():
-        print(content, flush=True)
-
-
-def init_distributed_mode(device=""):
-    """Initialise torch.distributed when launched by torchrun (RANK in the environment).
-
-    Backend: nccl on CUDA (one device per LOCAL_RANK), gloo on CPU.
-    Args:
-        device: ``--device``: "" = the first GPU if there is one, else the CPU; "cpu" keeps every process on
-            the CPU (gloo) even where CUDA exists; "cuda:N" picks the GPU of a single process (under torchrun
-            each process takes the GPU of its LOCAL_RANK).
-    Returns:
-        (local_rank, device): local_rank is 0 without torchrun; device is a string like "cuda:1" or "cpu".
-    """
-    cuda = torch.cuda.is_available() and device != "cpu"
-    if int(os.environ.get("RANK", -1)) == -1:
-        device = device or ("cuda:0" if cuda else "cpu")
-        if torch.device(device).type == "cuda":
-            torch.cuda.set_device(device)  # later calls without an index (bf16 support, memory) mean this GPU
-        return 0, device
-    local_rank = int(os.environ["LOCAL_RANK"])
-    dist.init_process_group(backend="nccl" if cuda else "gloo")
-    if cuda:
-        torch.cuda.set_device(local_rank)
-        return local_rank, f"cuda:{local_rank}"
-    return local_rank, "cpu"
-
-
-def setup_seed(seed):
-    """Seed the Python, NumPy and torch (CPU and CUDA) RNGs."""
-    random.seed(seed)
-    np.random.seed(seed % 2 ** 32)
-    torch.manual_seed(seed)
-    torch.cuda.manual_seed_all(seed)
-
-
-def add_bool_flag(parser, name, default=0, help=None):
-    """A yes/no flag in MiniMind's 0/1 style: ``--name 1``, ``--name 0``, or a bare ``--name`` (= 1).
-
-    The value is the int 0 or 1; anything else is an argparse error (exit 2) that names the flag.
-    """
-    parser.add_argument(name, type=int, default=default, choices=[0, 1], nargs="?", const=1, help=help)
-
-
-# ----------------------------------------------------------------------------- models and checkpoints
-
-
-def weight_path(from_weight, save_dir, hidden_size, use_moe, allow_file=True):
-    """MiniMind's naming: ``{save_dir}/{name}_{hidden}[_moe].pth``.
-
-    For loading (``allow_file``): ``from_weight`` itself if it is a file; else the name in ``save_dir``; else,
-    when that file does not exist, the name in the repository's ``out/`` (the bundled starting policy), so
-    that ``--save_dir runs/exp1`` still starts from ``out/full_sft_256.pth``. When neither exists the path in
-    ``save_dir`` is returned (and ``load_weights`` names it). Saves pass ``allow_file=False``: they always
-    write into ``save_dir``.
-    """
-    if allow_file and os.path.isfile(from_weight):
-        return from_weight
-    suffix = "_moe" if use_moe else ""
-    file_name = f"{from_weight}_{hidden_size}{suffix}.pth"
-    path = os.path.join(save_dir, file_name)
-    bundled = os.path.join(DEFAULT_SAVE_DIR, file_name)
-    if allow_file and not os.path.isfile(path) and os.path.isfile(bundled):
-        return bundled
-    return path
-
-
-def check_state_dict_fits(path, own, state_dict, flag_hint, may_be_missing=()):
-    """Raise unless ``state_dict`` (read from ``path``) has exactly the keys and shapes of ``own`` (a model's
-    state dict); keys in ``may_be_missing`` may be absent from ``state_dict`` (a freshly initialised head).
-
-    Raises:
-        ValueError: naming ``path``, the parameter, both shapes and ``flag_hint`` on a shape mismatch, or listing
-            the missing / unexpected keys (first 8 of each).
-    """
-    for name, tensor in state_dict.items():
-        if name in own and own[name].shape != tensor.shape:
-            raise ValueError(
-                f"{path}: parameter {name} has shape {tuple(tensor.shape)} but the model built from the flags "
-                f"expects {tuple(own[name].shape)}; change {flag_hint} to match the checkpoint"
-            )
-    missing = sorted(set(own) - set(state_dict) - set(may_be_missing))
-    unexpected = sorted(set(state_dict) - set(own))
-    if missing or unexpected:
-        raise ValueError(f"{path}: missing keys {missing[:8]}, unexpected keys {unexpected[:8]}; "
-                         f"check {flag_hint}")
-
-
-def load_weights(model, path, flag_hint="--hidden_size / --num_hidden_layers / --use_moe"):
-    """Load a ``.pth`` state dict into ``model`` strictly (weights_only=True).
-
-    Raises:
-        FileNotFoundError: if ``path`` is missing; the message lists the ``.pth`` files next to it.
-        ValueError: on a shape mismatch (naming the parameter, both shapes and the flags to change) or
-            missing/unexpected keys.
-    """
-    if not os.path.isfile(path):
-        folder = os.path.dirname(path) or "."
-        found = sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "*.pth")))
-        raise FileNotFoundError(f"weights not found: {path} (in {folder}: {found or 'no .pth files'})")
-    state_dict = torch.load(path, map_location="cpu", weights_only=True)
-    own = model.state_dict()
-    check_state_dict_fits(path, own, state_dict, flag_hint)
-    model.load_state_dict({k: v.to(own[k].dtype) for k, v in state_dict.items()}, strict=True)
-
-
-def build_config(hidden_size, num_hidden_layers, use_moe, vocab_size=6400):
-    """MiniMindConfig from the architecture flags every script shares."""
-    return MiniMindConfig(hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
-                          use_moe=bool(use_moe), vocab_size=vocab_size)
-
-
-def init_model(lm_config, from_weight="none", save_dir=DEFAULT_SAVE_DIR, tokenizer_path=DEFAULT_TOKENIZER_PATH,
-               device="cpu", tokenizer=None):
-    """Build a ``MiniMindForCausalLM`` and its tokenizer, loading weights strictly unless from_weight == 'none'.
-
-    Args:
-        lm_config: ``MiniMindConfig``.
-        from_weight: a weight name resolved as ``{save_dir}/{name}_{hidden}[_moe].pth`` (then in the
-            repository's ``out/``, see ``weight_path``), a path to a ``.pth`` file, or 'none' for random init.
-        tokenizer: an already loaded tokenizer (then ``tokenizer_path`` is not read again).
-    Returns:
-        (model fp32 on ``device``, tokenizer)
-    Raises:
-        FileNotFoundError / ValueError: see ``load_weights``.
-    """
-    tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(tokenizer_path)
-    model = MiniMindForCausalLM(lm_config)
-    if from_weight != "none":
-        path = weight_path(from_weight, save_dir, lm_config.hidden_size, lm_config.use_moe)
-        load_weights(model, path)
-        Logger(f"loaded weights {path}")
-    if len(tokenizer) > lm_config.vocab_size:
-        raise ValueError(f"tokenizer {tokenizer_path} has {len(tokenizer)} tokens but vocab_size is "
-                         f"{lm_config.vocab_size}")
-    return model.to(device), tokenizer
-
-
-def atomic_save(obj, path):
-    """torch.save to ``path`` through a temporary file in the same folder, fsync, then os.replace.
-
-    A crash, a SIGKILL or a full disk leaves the previous file at ``path`` intact (a temporary file left by a
-    killed writer is removed by the next save to ``path``).
-    Raises:
-        OSError: naming ``path`` when the folder is not writable or the write fails.
-    """
-    folder = os.path.dirname(os.path.abspath(path))
-    tmp = f"{path}.tmp{os.getpid()}"
-    for stale in glob.glob(glob.escape(path) + ".tmp*"):  # left by a process killed mid-write
-        os.remove(stale)
-    try:
-        os.makedirs(folder, exist_ok=True)
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except (OSError, RuntimeError) as err:  # torch's zip writer reports a full disk as a RuntimeError
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        reason = getattr(err, "strerror", None) or str(err)
-        code = getattr(err, "errno", None) or errno.EIO
-        raise OSError(code, f"could not save checkpoint to {path}: {reason}") from err
-
-
-def half_state_dict(model):
-    """The model's state dict in fp16 on CPU (MiniMind's release format for ``.pth`` weights)."""
-    raw = unwrap_model(model)
-    return {k: v.detach().half().cpu() for k, v in raw.state_dict().items()}
-
-
-def unwrap_model(model):
-    """The module inside a DistributedDataParallel (or torch.compile) wrapper."""
-    model = getattr(model, "module", model)
-    return getattr(model, "_orig_mod", model)
-
-
-# ----------------------------------------------------------------------------- resume, signals, bad steps
-
-
-def check_writable_dir(path):
-    """Create ``path`` if needed and prove a file can be written there.
-
-    Raises:
-        OSError: naming ``path`` (not a folder, no permission, read-only or full disk).
-    """
-    probe = os.path.join(path, f".write_probe{os.getpid()}")
-    try:
-        os.makedirs(path, exist_ok=True)
-        with open(probe, "wb") as f:
-            f.write(b"ok")
-        os.remove(probe)
-    except OSError as err:
-        raise OSError(err.errno, f"{path} is not a writable folder: {err.strerror}") from err
-
-
-def shutdown_distributed():
-    """End a distributed run explicitly: a barrier, so that every rank has finished its collectives, then
-    ``destroy_process_group``. Callers delete their DistributedDataParallel wrappers first: a wrapper freed
-    later, while Python tears down ``main``'s locals, joins gloo's worker threads from its destructor and can
-    deadlock on the GIL (pytorch#75097, #56297), so that a finished run never exits. No-op when not distributed.
-    """
-    if not dist.is_initialized():
-        return
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def build_policy_optimizer(model, learning_rate, weight_decay, final_norm_learning_rate):
-    """AdamW for an RL policy, with the final RMSNorm gain in a parameter group of its own that learns one number:
-    the sharpness of the output distribution (an output temperature).
-
-    The final RMSNorm gain (``model.model.norm.weight``, [hidden], entries ~1) multiplies every logit (the LM
-    head is tied to the embeddings and has no bias), so scaling it by c is sampling at temperature 1 / c.
-    Adam moves every parameter by about ``learning_rate`` per step whatever its size: at a rate small enough
-    that the noisy policy gradient does not wreck the matrices (entries ~0.03), the gain moves by a few
-    thousandths of a percent per step and the policy cannot grow more confident in what it already knows.
-    With ``final_norm_learning_rate`` > 0 the gain gets that rate, no weight decay, and the flag
-    ``scale_only``: ``project_scale_only_gradients`` keeps only the part of its gradient along the gain itself,
-    so it is scaled as a whole instead of taking a noisy step in each of its ``hidden`` entries.
-    0 keeps one plain AdamW group at ``learning_rate`` (the chapter's optimizer). Both groups follow the same
-    schedule (``build_cosine_scheduler``).
-
-    Args:
-        model: a MiniMind causal LM (not the DDP wrapper: its parameters are the same objects).
-        learning_rate, weight_decay: of every other parameter.
-        final_norm_learning_rate: float >= 0.
-    Returns:
-        torch.optim.AdamW (the fused kernel, ``adamw``); group 0 holds every other parameter, group 1 (when
-        used) the gain.
-    Raises:
-        ValueError: a negative ``final_norm_learning_rate``, or a model without ``model.norm.weight``.
-    """
-    if final_norm_learning_rate < 0:
-        raise ValueError(f"final_norm_learning_rate must be >= 0, got {final_norm_learning_rate}")
-    if not final_norm_learning_rate:
-        return adamw(model.parameters(), lr=learning_rate, weight_decay=weight_decay)
-    final_norm = getattr(getattr(getattr(model, "model", None), "norm", None), "weight", None)
-    if final_norm is None:
-        raise ValueError(f"{type(model).__name__} has no model.norm.weight for final_norm_learning_rate")
-    others = [p for p in model.parameters() if p is not final_norm]
-    return adamw([{"params": others, "lr": learning_rate, "weight_decay": weight_decay},
-                  {"params": [final_norm], "lr": final_norm_learning_rate, "weight_decay": 0.0, "scale_only": True}],
-                 lr=learning_rate)
-
-
-def adamw(params, **kwargs):
-    """``torch.optim.AdamW(params, fused=True, **kwargs)``: the update of Loshchilov & Hutter 2019, as torch's
-    default implementation computes it, to float rounding (tests/test_optimizer.py). On the CPU the default
-    is a loop of about ten passes over each tensor, the fused kernel one pass; on CUDA the default is the
-    multi-tensor (foreach) path, and the fused kernel does the whole update in fewer launches. Raises what
-    ``torch.optim.AdamW`` raises (a bad learning rate, parameters on a device without a fused kernel)."""
-    return torch.optim.AdamW(params, fused=True, **kwargs)
-
-
-def load_optimizer_state(optimizer, state):
-    """``optimizer.load_state_dict(state)`` that keeps this optimizer's kernel (``fused``, ``foreach``).
-
-    ``load_state_dict`` takes every group option from the saved state, so a checkpoint written by another
-    kernel (one from before ``adamw`` was fused) would bring that kernel back, silently. State dicts with
-    another number of groups go to ``load_state_dict`` unchanged, which raises its ValueError.
-    """
-    saved_groups = state["param_groups"]
-    if len(saved_groups) == len(optimizer.param_groups):
-        kernel_options = [{key: group[key] for key in ("fused", "foreach") if key in group}
-                          for group in optimizer.param_groups]
-        state = dict(state, param_groups=[dict(saved, **options)
-                                          for saved, options in zip(saved_groups, kernel_options)])
-    optimizer.load_state_dict(state)
-
-
-def project_scale_only_gradients(optimizer):
-    """For every parameter of a ``scale_only`` group (``build_policy_optimizer``): grad <- (grad . w / w . w) w,
-    the gradient of the loss with respect to a common factor c of w = c * w_now, put back along w.
-
-    Call it after the backward (and after DDP has averaged the gradients: the projection is linear and every
-    rank holds the same w, so all ranks get the same result) and before clipping and ``optimizer.step()``.
-    A parameter without a gradient, or with w = 0, is left alone.
-    """
-    for group in optimizer.param_groups:
-        if not group.get("scale_only"):
-            continue
-        for param in group["params"]:
-            if param.grad is None:
-                continue
-            weight = param.detach()
-            norm_sq = (weight * weight).sum()
-            if norm_sq > 0:
-                param.grad.copy_((param.grad * weight).sum() / norm_sq * weight)
-
-
-def cosine_lr(step, total_steps, learning_rate, min_lr_ratio=0.1):
-    """Cosine decay from ``learning_rate`` to ``min_lr_ratio * learning_rate`` over ``total_steps`` optimizer steps."""
-    progress = min(step / max(total_steps, 1), 1.0)
-    return learning_rate * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
-
-
-def build_cosine_scheduler(optimizer, total_steps, min_lr_ratio=0.1):
-    """LambdaLR that follows ``cosine_lr`` (state_dict-able, so a resume restores it)."""
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: cosine_lr(step, total_steps, 1.0, min_lr_ratio)
-    )
-
-
-# ----------------------------------------------------------------------------- masks and KL
-
-
-def completion_mask_from_ids(completion_ids, eos_token_id):
-    """Mask of the completion tokens that count: every token up to and including the first EOS.
-
-    completion_ids: long [N, R] -> long [N, R] of 0/1. A row without EOS (truncated) is all ones.
-    Everything after the first EOS (padding or stray tokens) is 0.
-    """
-    is_eos = completion_ids == eos_token_id  # [N, R]
-    positions = torch.arange(completion_ids.size(1), device=completion_ids.device).expand_as(completion_ids)
-    first_eos = torch.where(is_eos, positions, torch.full_like(positions, completion_ids.size(1))).min(dim=1).values
-    return (positions <= first_eos.unsqueeze(1)).long()
-
-
-def masked_mean(values, mask, dim=None):
-    """Mean of ``values`` over positions where mask == 1 (sum / count, count clamped to >= 1); chapter 8.4.2-8.6.
-
-    values, mask: same shape (mask 0/1, any dtype). dim=None averages over all entries -> scalar;
-    an int averages along that dimension. An all-zero mask gives 0, never NaN.
-    """
-    mask = mask.to(values.dtype)
-    if dim is None:
-        return (values * mask).sum() / mask.sum().clamp(min=1)
-    return (values * mask).sum(dim=dim) / mask.sum(dim=dim).clamp(min=1)
-
-
-def k3_kl(ref_per_token_logps, per_token_logps, mask=None):
-    """k3 estimator of KL(pi_theta || pi_ref) per token (Schulman 2020, "Approximating KL divergence"; chapter 8.6).
-
-    k3 = exp(ref - logp) - (ref - logp) - 1, elementwise on [N, R] fp32 log-probs (nats); >= 0, and 0 where
-    the two log-probs are equal. With ``mask`` ([N, R] 0/1), the log-ratio is set to 0 at masked positions
-    *before* ``exp``, so k3 is 0 there and its gradient is 0, never 0 * inf = NaN (a padded position can
-    hold any log-prob, e.g. -95, whose exp overflows).
-    """
-    log_ratio = ref_per_token_logps - per_token_logps  # [N, R]
-    if mask is not None:
-        log_ratio = torch.where(mask.bool(), log_ratio, torch.zeros_like(log_ratio))
-    return torch.exp(log_ratio) - log_ratio - 1
+from trainer.dtypes import resolve_dtype
 
 
 # ----------------------------------------------------------------------------- rewards (chapter 8.3)
@@ -527,70 +160,6 @@ def read_reward_model_config(path, trust_remote_code):
     return config
 
 
-TRAIN_DTYPES = ("float32", "bfloat16")
-DTYPE_CHOICES = ("auto", *TRAIN_DTYPES)
-
-
-def resolve_train_dtype(name, device):
-    """``--dtype`` as one of ``TRAIN_DTYPES``: "auto" is bfloat16 on a CUDA GPU that supports it (upstream
-    MiniMind's default) and float32 elsewhere (a CPU without bf16 matrix units runs bf16 slower than fp32)."""
-    if name != "auto":
-        return name
-    if torch.device(device).type == "cuda" and torch.cuda.is_bf16_supported():
-        return "bfloat16"
-    return "float32"
-
-
-def has_bf16_units(device):
-    """True where bf16 matrix products run on dedicated units: a CUDA GPU that supports bf16, or a CPU whose
-    flags (/proc/cpuinfo) list amx_bf16 or avx512_bf16. Elsewhere bf16 is emulated and slower than fp32."""
-    if torch.device(device).type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
-def autocast_context(device, dtype_name):
-    """The context for the policy's (and critic's) forwards under ``--dtype``.
-
-    "auto": ``resolve_train_dtype``. "float32": no autocast. "bfloat16": ``torch.autocast`` on the device's type
-    (CPU or CUDA); weights, gradients and optimizer states stay fp32, matrix products run in bf16, and every
-    log-softmax of this project casts its logits to fp32 first (``selective_log_softmax``), so log-probs, KL and
-    losses are fp32.
-    bf16 is only faster on hardware with bf16 matrix units (CUDA GPUs, CPUs with AMX / AVX512-BF16); on a
-    CPU without them it is much slower (``scripts/bench.py`` measures both peaks).
-
-    Args:
-        device: a torch.device or string ("cpu", "cuda:0").
-        dtype_name: one of ``DTYPE_CHOICES``.
-    Raises:
-        ValueError: for another name.
-    """
-    if dtype_name not in DTYPE_CHOICES:
-        raise ValueError(f"unknown --dtype {dtype_name!r}; valid: {', '.join(DTYPE_CHOICES)}")
-    dtype_name = resolve_train_dtype(dtype_name, device)
-    if dtype_name == "float32":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=torch.device(device).type, dtype=DTYPES[dtype_name])
-
-
-def resolve_dtype(name, default):
-    """torch dtype of a --*_dtype flag value ("float32", "bfloat16", "float16"), or ``default`` for "".
-
-    Raises:
-        ValueError: for any other name, listing the valid ones.
-    """
-    if not name:
-        return default
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; valid: {', '.join(DTYPES)}")
-    return DTYPES[name]
-
-
 class LMForRewardModel:
     """External reward model of chapter 8.3: ``get_scores`` -> one score per answer, clipped to [-3, 3].
 
@@ -681,6 +250,20 @@ class LMForRewardModel:
         return self.get_scores([messages], [response])[0]
 
 
+def load_reward_model(args, device, policy_dtype):
+    """The reward model of ``--reward_model_path`` (chapter 8.3, ``LMForRewardModel``), or None for 'none'.
+
+    Placed on ``--reward_device`` (default ``device``) in ``--reward_dtype`` (default ``policy_dtype``), scoring
+    ``--reward_batch_size`` answers per forward; ``--trust_remote_code 1`` allows a model with its own code.
+    Raises what ``LMForRewardModel`` raises (a missing folder, remote code not allowed, more than one label).
+    """
+    if args.reward_model_path == "none":
+        return None
+    return LMForRewardModel(args.reward_model_path, device=args.reward_device or device,
+                            dtype=resolve_dtype(args.reward_dtype, policy_dtype), batch_size=args.reward_batch_size,
+                            trust_remote_code=args.trust_remote_code)
+
+
 def calculate_rewards(prompts, responses, answers, reward_model, answer_reward_weight):
     """Sequence rewards of a batch (chapter 8.3): rule reward + reward-model score + weighted answer reward.
 
@@ -706,3 +289,43 @@ def calculate_rewards(prompts, responses, answers, reward_model, answer_reward_w
     return {"rewards": rewards, "rule_rewards": rule_rewards, "reward_model_scores": reward_model_scores,
             "answer_rewards": answer_rewards}
 
+
+# ----------------------------------------------------------------------------- KL and masks (chapter 8.6)
+
+
+def completion_mask_from_ids(completion_ids, eos_token_id):
+    """Mask of the completion tokens that count: every token up to and including the first EOS.
+
+    completion_ids: long [N, R] -> long [N, R] of 0/1. A row without EOS (truncated) is all ones.
+    Everything after the first EOS (padding or stray tokens) is 0.
+    """
+    is_eos = completion_ids == eos_token_id  # [N, R]
+    positions = torch.arange(completion_ids.size(1), device=completion_ids.device).expand_as(completion_ids)
+    first_eos = torch.where(is_eos, positions, torch.full_like(positions, completion_ids.size(1))).min(dim=1).values
+    return (positions <= first_eos.unsqueeze(1)).long()
+
+
+def masked_mean(values, mask, dim=None):
+    """Mean of ``values`` over positions where mask == 1 (sum / count, count clamped to >= 1); chapter 8.4.2-8.6.
+
+    values, mask: same shape (mask 0/1, any dtype). dim=None averages over all entries -> scalar;
+    an int averages along that dimension. An all-zero mask gives 0, never NaN.
+    """
+    mask = mask.to(values.dtype)
+    if dim is None:
+        return (values * mask).sum() / mask.sum().clamp(min=1)
+    return (values * mask).sum(dim=dim) / mask.sum(dim=dim).clamp(min=1)
+
+
+def k3_kl(ref_per_token_logps, per_token_logps, mask=None):
+    """k3 estimator of KL(pi_theta || pi_ref) per token (Schulman 2020, "Approximating KL divergence"; chapter 8.6).
+
+    k3 = exp(ref - logp) - (ref - logp) - 1, elementwise on [N, R] fp32 log-probs (nats); >= 0, and 0 where
+    the two log-probs are equal. With ``mask`` ([N, R] 0/1), the log-ratio is set to 0 at masked positions
+    *before* ``exp``, so k3 is 0 there and its gradient is 0, never 0 * inf = NaN (a padded position can
+    hold any log-prob, e.g. -95, whose exp overflows).
+    """
+    log_ratio = ref_per_token_logps - per_token_logps  # [N, R]
+    if mask is not None:
+        log_ratio = torch.where(mask.bool(), log_ratio, torch.zeros_like(log_ratio))
+    return torch.exp(log_ratio) - log_ratio - 1

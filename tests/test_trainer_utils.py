@@ -1,9 +1,12 @@
-"""Chapter 8.3 rewards, hand-computed."""
+"""trainer_utils.py: the rewards of chapter 8.3 and the KL and masks of 8.6, against hand-computed values."""
+import math
+
 import pytest
 import torch
 
 from trainer.trainer_utils import (
-    answer_reward, calculate_rewards, extract_final_number, prompt_to_messages, rep_penalty, rule_reward,
+    answer_reward, calculate_rewards, completion_mask_from_ids, extract_final_number, k3_kl, masked_mean,
+    prompt_to_messages, rep_penalty, rule_reward,
 )
 
 
@@ -56,3 +59,37 @@ def test_calculate_rewards_sums_parts():
     assert parts["answer_rewards"].tolist() == [1.0, 0.0]
     assert parts["rewards"].tolist() == pytest.approx([3.75, -0.5])
     assert parts["rewards"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("ids, expected", [
+    ([7, 8, 2, 0, 0], [1, 1, 1, 0, 0]),
+    ([7, 2, 9, 2, 0], [1, 1, 0, 0, 0]),
+    ([7, 8, 9, 9, 9], [1, 1, 1, 1, 1]),
+    ([2, 0, 0, 0, 0], [1, 0, 0, 0, 0]),
+])
+def test_completion_mask_through_first_eos(ids, expected):
+    assert completion_mask_from_ids(torch.tensor([ids]), eos_token_id=2).tolist() == [expected]
+
+
+def test_k3_values():
+    assert k3_kl(torch.tensor(-2.0), torch.tensor(-1.0)).item() == pytest.approx(math.exp(-1), abs=1e-5)  # 0.36788
+    assert k3_kl(torch.tensor(-1.3), torch.tensor(-1.3)).item() == 0.0
+    torch.manual_seed(0)
+    assert (k3_kl(torch.randn(100) * 3, torch.randn(100) * 3) >= 0).all()
+
+
+def test_masked_mean_ignores_masked_and_empty():
+    values = torch.tensor([[1.0, 2.0, 100.0], [3.0, 5.0, 7.0]])
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
+    assert masked_mean(values, mask).item() == pytest.approx(1.5)
+    assert masked_mean(values, mask, dim=1).tolist() == pytest.approx([1.5, 0.0])
+
+
+def test_masked_k3_is_zero_with_zero_gradient_where_masked():
+    per_token_logps = torch.tensor([[-1.0, -200.0]], requires_grad=True)
+    ref = torch.tensor([[-2.0, -1.0]])
+    per_token_kl = k3_kl(ref, per_token_logps, torch.tensor([[1, 0]]))
+    per_token_kl.sum().backward()
+    # real token: k3 = e^-1 - (-1) - 1 = 0.36788, d/dlogp = 1 - exp(ref - logp) = 1 - e^-1 = 0.63212
+    assert per_token_kl[0].tolist() == pytest.approx([math.exp(-1), 0.0], abs=1e-6)
+    assert per_token_logps.grad[0].tolist() == pytest.approx([1 - math.exp(-1), 0.0], abs=1e-6)

@@ -1,0 +1,33 @@
+"""scripts/check_same_numbers.py: the same seed gives the same numbers, and the comparison sees a one-ulp change."""
+import importlib.util
+import math
+import os
+
+from conftest import ROOT
+
+spec = importlib.util.spec_from_file_location("check_same_numbers",
+                                              os.path.join(ROOT, "scripts", "check_same_numbers.py"))
+check_same_numbers = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(check_same_numbers)
+
+
+def test_compare_rows_finds_a_one_ulp_change_a_key_order_and_a_missing_row():
+    rows = [{"step": 0, "eval/accuracy_sampled": 0.375}, {"step": 1, "reward": 4.5867204666137695, "loss": -0.06}]
+    assert check_same_numbers.compare_rows(rows, [dict(row) for row in rows]) == []
+    one_ulp = [rows[0], dict(rows[1], reward=math.nextafter(4.5867204666137695, 5.0))]
+    assert check_same_numbers.compare_rows(rows, one_ulp) == [
+        "row 1 (step 1) reward: 4.58672046661377 instead of 4.5867204666137695"]
+    reordered = [rows[0], {"step": 1, "loss": -0.06, "reward": 4.5867204666137695}]
+    assert check_same_numbers.compare_rows(rows, reordered) == [
+        "row 1 (step 1): keys ['step', 'loss', 'reward'] instead of ['step', 'reward', 'loss']"]
+    assert check_same_numbers.compare_rows(rows, rows[:1]) == ["1 rows instead of 2"]
+
+
+def test_both_scripts_give_the_same_numbers_twice(tmp_path):
+    """Two runs of each script with the same seed, one thread: every logged number equal, bit for bit (what the
+    comparison against a git revision relies on)."""
+    for script in ("grpo", "ppo"):
+        first, second = (check_same_numbers.run_metrics(ROOT, script, 2, ["--eval_interval", "0"],
+                                                        str(tmp_path / f"{script}{i}")) for i in range(2))
+        assert len(first) == 2 and first[0]["step"] == 1 and "reward" in first[0]
+        assert check_same_numbers.compare_rows(first, second) == []

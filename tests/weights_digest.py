@@ -1,0 +1,15 @@
+"""A digest of a model's weights, for tests that compare weights across processes and checkpoints."""
+import hashlib
+
+import torch
+
+from trainer.checkpoints import unwrap_model
+
+
+def parameter_digest(model):
+    """sha256 over every state-dict entry's name and bytes: equal digests mean bit-identical weights."""
+    digest = hashlib.sha256()
+    for name, param in unwrap_model(model).state_dict().items():
+        digest.update(name.encode())
+        digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

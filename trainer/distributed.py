@@ -1,0 +1,103 @@
+"""Processes: torchrun set-up and tear-down, seeding, printing on rank 0, and the few values ranks agree on.
+
+Infrastructure, not RL: a learner can skip this file. Without torchrun every function is the single-process
+identity (``mean_over_ranks`` returns its input, ``any_rank`` the plain bool).
+"""
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+
+def is_main_process():
+    """True on rank 0, or when not running distributed."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def Logger(content):
+    """Print on the main process only (flushes, so logs show up under torchrun and pipes)."""
+    if is_main_process():
+        print(content, flush=True)
+
+
+def init_distributed_mode(device=""):
+    """Initialise torch.distributed when launched by torchrun (RANK in the environment).
+
+    Backend: nccl on CUDA (one device per LOCAL_RANK), gloo on CPU.
+    Args:
+        device: ``--device``: "" = the first GPU if there is one, else the CPU; "cpu" keeps every process on
+            the CPU (gloo) even where CUDA exists; "cuda:N" picks the GPU of a single process (under torchrun
+            each process takes the GPU of its LOCAL_RANK).
+    Returns:
+        (local_rank, device): local_rank is 0 without torchrun; device is a string like "cuda:1" or "cpu".
+    """
+    cuda = torch.cuda.is_available() and device != "cpu"
+    if int(os.environ.get("RANK", -1)) == -1:
+        device = device or ("cuda:0" if cuda else "cpu")
+        if torch.device(device).type == "cuda":
+            torch.cuda.set_device(device)  # later calls without an index (bf16 support, memory) mean this GPU
+        return 0, device
+    local_rank = int(os.environ["LOCAL_RANK"])
+    dist.init_process_group(backend="nccl" if cuda else "gloo")
+    if cuda:
+        torch.cuda.set_device(local_rank)
+        return local_rank, f"cuda:{local_rank}"
+    return local_rank, "cpu"
+
+
+def shutdown_distributed():
+    """End a distributed run explicitly: a barrier, so that every rank has finished its collectives, then
+    ``destroy_process_group``. Callers delete their DistributedDataParallel wrappers first: a wrapper freed
+    later, while Python tears down ``main``'s locals, joins gloo's worker threads from its destructor and can
+    deadlock on the GIL (pytorch#75097, #56297), so that a finished run never exits. No-op when not distributed.
+    """
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def setup_seed(seed):
+    """Seed the Python, NumPy and torch (CPU and CUDA) RNGs."""
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
+    torch.manual_seed(seed)
+    torch.cuda.manual_seed_all(seed)
+
+
+def wrap_ddp(model, device, local_rank):
+    """DistributedDataParallel around ``model`` when distributed (gloo on CPU, one GPU per rank on CUDA)."""
+    if not dist.is_initialized():
+        return model
+    # MoE experts that received no token on a rank get no gradient there: DDP must be told to expect that.
+    use_moe = bool(getattr(getattr(model, "config", None), "use_moe", False))
+    return DistributedDataParallel(model, device_ids=[local_rank] if device.startswith("cuda") else None,
+                                   find_unused_parameters=use_moe)
+
+
+def any_rank(flag, device):
+    """True when ``flag`` is true on at least one rank (all_reduce MAX); the plain bool when not distributed."""
+    if not dist.is_initialized():
+        return bool(flag)
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item() > 0)
+
+
+def all_ranks_mean(value, device):
+    """Mean of one float over ranks (so that every rank takes the same early-stop decision)."""
+    return float(mean_over_ranks({"value": float(value)}, device)["value"])
+
+
+def mean_over_ranks(metrics, device):
+    """Average a dict of floats over ranks (all_reduce); unchanged when not distributed."""
+    if not dist.is_initialized():
+        return metrics
+    keys = sorted(metrics)
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(values)
+    values /= dist.get_world_size()
+    return dict(zip(keys, values.tolist()))

@@ -1,0 +1,89 @@
+"""Metrics of a run: metrics.jsonl (+ wandb), the time estimate of the log line, the debug printout.
+
+Infrastructure, not RL: a learner can skip this file.
+"""
+import json
+import os
+import time
+
+from trainer.distributed import Logger, is_main_process
+
+
+def format_duration(seconds):
+    """Seconds -> 'H:MM:SS'."""
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class MetricsWriter:
+    """Appends one JSON object per step to ``run_dir/metrics.jsonl`` and mirrors it to wandb.
+
+    Only the main process writes. ``wandb`` is imported only when ``use_wandb`` is true
+    (``WANDB_MODE=offline`` works without a network).
+    """
+
+    def __init__(self, run_dir, use_wandb=False, wandb_project="MiniMind-RL", run_name=None, config=None,
+                 wandb_id=None):
+        self.enabled = is_main_process()
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.wandb = None
+        self.wandb_id = wandb_id
+        if not self.enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        if use_wandb:
+            import wandb
+            self.wandb = wandb
+            # a resumed run passes its saved id, so wandb continues the same run
+            run = wandb.init(project=wandb_project, name=run_name, config=config, dir=run_dir, id=wandb_id,
+                             resume="allow" if wandb_id else None)
+            self.wandb_id = run.id
+
+    def log(self, metrics):
+        """metrics: dict of str -> float/int (must include 'step')."""
+        if not self.enabled:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=int(metrics["step"]))
+
+    def close(self):
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+class StepTimer:
+    """Elapsed time and an estimate of the time left, for log lines."""
+
+    def __init__(self, total_steps, start_step=0):
+        self.start = time.time()
+        self.total_steps = total_steps
+        self.start_step = start_step
+
+    def eta(self, step):
+        """(elapsed 'H:MM:SS', remaining 'H:MM:SS') after ``step`` of ``total_steps``."""
+        elapsed = time.time() - self.start
+        done = max(step - self.start_step, 1)
+        remaining = elapsed / done * (self.total_steps - step)
+        return format_duration(elapsed), format_duration(remaining)
+
+
+def open_metrics(args, progress):
+    """(run_dir, MetricsWriter): ``--run_dir``, else the resumed run's folder, else
+    ``{save_dir}/runs/{save_weight}-TIME``; a resumed run appends to its metrics and wandb run."""
+    run_dir = args.run_dir or progress.get("run_dir") or os.path.join(
+        args.save_dir, "runs", f"{args.save_weight}-{time.strftime('%Y%m%d-%H%M%S')}")
+    writer = MetricsWriter(run_dir, args.use_wandb, args.wandb_project, os.path.basename(run_dir), vars(args),
+                           wandb_id=progress.get("wandb_id"))
+    return run_dir, writer
+
+
+def print_debug_samples(step, prompts, completions, reward_parts, num_generations):
+    """--debug_mode: each prompt, its sampled answers and their reward parts (rank 0 only)."""
+    for i in range(0, len(completions), num_generations):
+        Logger(f"[debug] step {step} prompt:\n{prompts[i]}")
+        for j in range(i, i + num_generations):
+            Logger(f"[debug] answer {j - i}: reward {reward_parts['rewards'][j]:.3f} "
+                   f"(rule {reward_parts['rule_rewards'][j]:.3f}, rm {reward_parts['reward_model_scores'][j]:.3f}, "
+                   f"answer {reward_parts['answer_rewards'][j]:.0f})\n{completions[j]}")
