@@ -407,7 +407,7 @@ def run_ours_ppo(spec, tokenizer, timer):
     """Our PPO step (rollout of B = 12 prompts, GAE, 2 epochs of minibatches of 2) through train_ppo's functions."""
     import trainer.train_ppo as ppo
     from trainer.rollout_engine import TorchRolloutEngine
-    from trainer.optimizer import build_cosine_scheduler, build_policy_optimizer
+    from trainer.optimizer import adamw, build_cosine_scheduler, build_policy_optimizer
     rows = NUM_PROMPTS * NUM_GENERATIONS
     args = ppo.parse_args([
         "--hidden_size", str(spec["hidden_size"]), "--num_hidden_layers", str(spec["num_hidden_layers"]),
@@ -425,7 +425,7 @@ def run_ours_ppo(spec, tokenizer, timer):
     critic = critic.to(spec["device"])
     actor_optimizer = build_policy_optimizer(model, args.learning_rate, args.weight_decay,
                                              args.final_norm_learning_rate)
-    critic_optimizer = ppo.build_critic_optimizer(critic, args)
+    critic_optimizer = adamw(critic.parameters(), lr=args.critic_learning_rate, weight_decay=args.weight_decay)
     steps = spec["warmup"] + spec["steps"]
     actor_scheduler = build_cosine_scheduler(actor_optimizer, steps)
     critic_scheduler = build_cosine_scheduler(critic_optimizer, steps)
@@ -440,10 +440,10 @@ def run_ours_ppo(spec, tokenizer, timer):
     generator = torch.Generator().manual_seed(0)
 
     def step():
-        data = ppo.ppo_rollout(batch, model, ref_model, critic, engine, reward_fn, None, tokenizer, args,
-                               spec["device"])
-        ppo.ppo_update(data, model, critic, actor_optimizer, critic_optimizer, actor_scheduler, critic_scheduler,
-                       args, spec["device"], generator)
+        rollout_batch = ppo.ppo_rollout(batch, ref_model, critic, engine, reward_fn, None, tokenizer, args,
+                                        spec["device"])
+        ppo.ppo_update(rollout_batch, model, critic, actor_optimizer, critic_optimizer, actor_scheduler,
+                       critic_scheduler, args, spec["device"], generator)
 
     phases, totals = time_steps(step, spec, timer)
     return phases, totals, rows * spec["gen_len"], config

@@ -30,7 +30,7 @@ from trainer import train_grpo, train_ppo
 from trainer.rollout_engine import TorchRolloutEngine, compute_per_token_logps, tokenize_prompts
 from trainer.checkpoints import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, init_model
 from trainer.distributed import setup_seed
-from trainer.optimizer import build_cosine_scheduler, build_policy_optimizer, project_scale_only_gradients
+from trainer.optimizer import adamw, build_cosine_scheduler, build_policy_optimizer, project_scale_only_gradients
 from trainer.trainer_utils import calculate_rewards, k3_kl, masked_mean
 
 # Stage headings, in order; tests/test_learner.py checks that the document has all of them.
@@ -144,7 +144,8 @@ def training_flags(args):
 
 
 def load_policy_and_reference(args, seed):
-    """(policy, frozen reference copy, tokenizer), as ``RLRun.build`` makes them (chapter 8.1), on the CPU."""
+    """(policy, frozen reference copy, tokenizer): the roles each training script's ``main`` makes (chapter 8.1),
+    on the CPU."""
     setup_seed(seed)
     lm_config = build_config(args.hidden_size, args.num_hidden_layers, 0)
     model, tokenizer = init_model(lm_config, args.from_weight, args.save_dir, args.tokenizer_path, "cpu")
@@ -318,32 +319,34 @@ def ppo_walkthrough(batch, ppo_args, actor, ref_model, critic, tokenizer, seed, 
     actor.train()
     critic.train()
     engine = TorchRolloutEngine(actor, tokenizer, generator=torch.Generator().manual_seed(seed))
-    data = train_ppo.ppo_rollout(batch, actor, ref_model, critic, engine, calculate_rewards, None, tokenizer, ppo_args,
-                                 "cpu")
-    mask = data.completion_mask  # [B, R]
+    rollout_batch = train_ppo.ppo_rollout(batch, ref_model, critic, engine, calculate_rewards, None, tokenizer,
+                                          ppo_args, "cpu")
+    mask = rollout_batch.completion_mask  # [B, R]
     R = mask.size(1)
     lines += [f"### {stages[0]}", ""]
     lines += ["`ppo_rollout` samples one answer per prompt and scores it as GRPO does; under `no_grad` it also "
               "gets the reference log-probs and the critic's [价值模型] old values V(s_t) for every completion "
               "position (`CriticModel`, chapter 8.4.1; its value head starts at 0, so V = 0 at the first step).", ""]
-    block = format_tensor("output_ids", data.output_ids, max_values=10)
+    block = format_tensor("output_ids", rollout_batch.output_ids, max_values=10)
     block += format_tensor("completion_mask", mask, max_values=12)
     block += [f"answer lengths: {mask.sum(dim=1).tolist()}"]
-    block += ["answers:"] + [f"  [{i}] {json.dumps(c, ensure_ascii=False)}" for i, c in enumerate(data.completions)]
-    block += format_tensor("rule_rewards", data.reward_parts["rule_rewards"], decimals=6)
-    block += format_tensor("answer_rewards", data.reward_parts["answer_rewards"], decimals=6)
-    block += format_tensor("rewards", data.rewards, decimals=6)
-    block += format_tensor("old_per_token_logps", data.old_per_token_logps)
-    block += format_tensor("ref_per_token_logps", data.ref_per_token_logps)
-    block += format_tensor("old_resp_values", data.old_resp_values, max_values=12)
+    block += ["answers:"] + [f"  [{i}] {json.dumps(c, ensure_ascii=False)}"
+                             for i, c in enumerate(rollout_batch.completions)]
+    block += format_tensor("rule_rewards", rollout_batch.reward_parts["rule_rewards"], decimals=6)
+    block += format_tensor("answer_rewards", rollout_batch.reward_parts["answer_rewards"], decimals=6)
+    block += format_tensor("rewards", rollout_batch.rewards, decimals=6)
+    block += format_tensor("old_per_token_logps", rollout_batch.old_per_token_logps)
+    block += format_tensor("ref_per_token_logps", rollout_batch.ref_per_token_logps)
+    block += format_tensor("old_resp_values", rollout_batch.old_resp_values, max_values=12)
     lines += code_block(block)
     lines += [f"(`rewards` = rule + reward model + {ppo_args.answer_reward_weight:g} × answer, computed by "
               "`calculate_rewards` as in the GRPO step.)", ""]
 
     # 2-4. the same functions ppo_rollout called, shown stage by stage
-    scores = train_ppo.normalize_rewards(data.rewards) if ppo_args.reward_norm else data.rewards  # [B]
+    rewards = rollout_batch.rewards  # [B]
+    scores = train_ppo.normalize_rewards(rewards) if ppo_args.reward_norm else rewards  # [B]
     token_rewards = train_ppo.place_sequence_rewards(scores, mask)  # [B, R]
-    gae_advantages, returns = train_ppo.compute_gae(token_rewards, data.old_resp_values, mask, ppo_args.gamma,
+    gae_advantages, returns = train_ppo.compute_gae(token_rewards, rollout_batch.old_resp_values, mask, ppo_args.gamma,
                                                     ppo_args.lam)  # [B, R]
     whitened = train_ppo.masked_whiten(gae_advantages, mask)  # [B, R]
     lines += [f"### {stages[1]}", ""]
@@ -360,7 +363,7 @@ def ppo_walkthrough(batch, ppo_args, actor, ref_model, critic, tokenizer, seed, 
               "token of an answer gets its whole reward minus the critic's value; at the chapter's λ = 0.95 the "
               "first of 50 tokens would get 0.95^49 ≈ 8% of it.", ""]
     block = format_tensor("advantages (GAE, before whitening)", gae_advantages, max_values=12)
-    block += format_window("old_resp_values", data.old_resp_values, last, decimals=6)
+    block += format_window("old_resp_values", rollout_batch.old_resp_values, last, decimals=6)
     block += format_window("advantages (GAE, before whitening)", gae_advantages, last, decimals=6)
     block += format_window("returns", returns, last, decimals=6)
     lines += code_block(block)
@@ -370,7 +373,7 @@ def ppo_walkthrough(batch, ppo_args, actor, ref_model, critic, tokenizer, seed, 
               "answer rewarded above the batch's token-weighted mean gets a positive advantage on every token, the "
               "others a negative one; with λ < 1 and all rewards positive, the early tokens of an answer can go "
               "negative even when its reward is above the batch's, while its late tokens go positive.", ""]
-    max_diff = (whitened - data.advantages).abs().max().item()
+    max_diff = (whitened - rollout_batch.advantages).abs().max().item()
     block = format_tensor("advantages (whitened)", whitened, max_values=12)
     block += [f"masked mean {masked_mean(whitened, mask).item():.6f}, masked std "
               f"{masked_mean(whitened ** 2, mask).sqrt().item():.6f}",
@@ -379,15 +382,16 @@ def ppo_walkthrough(batch, ppo_args, actor, ref_model, critic, tokenizer, seed, 
 
     # 5. ppo_update
     with torch.no_grad():
-        first_per_token_logps = compute_per_token_logps(actor, data.output_ids, R, data.full_mask,
+        first_per_token_logps = compute_per_token_logps(actor, rollout_batch.output_ids, R, rollout_batch.full_mask,
                                                         ppo_args.temperature)  # [B, R]
-    first_ratio_error = ((first_per_token_logps - data.old_per_token_logps).abs() * mask).max().item()
+    first_ratio_error = ((first_per_token_logps - rollout_batch.old_per_token_logps).abs() * mask).max().item()
     actor_optimizer = build_policy_optimizer(actor, ppo_args.learning_rate, ppo_args.weight_decay,
                                              ppo_args.final_norm_learning_rate)  # as train_ppo.py builds it
-    critic_optimizer = train_ppo.build_critic_optimizer(critic, ppo_args)  # as train_ppo.py builds it
+    critic_optimizer = adamw(critic.parameters(), lr=ppo_args.critic_learning_rate,
+                             weight_decay=ppo_args.weight_decay)  # as train_ppo.py builds it
     actor_scheduler = build_cosine_scheduler(actor_optimizer, ppo_args.max_steps)
     critic_scheduler = build_cosine_scheduler(critic_optimizer, ppo_args.max_steps)
-    update = train_ppo.ppo_update(data, actor, critic, actor_optimizer, critic_optimizer, actor_scheduler,
+    update = train_ppo.ppo_update(rollout_batch, actor, critic, actor_optimizer, critic_optimizer, actor_scheduler,
                                   critic_scheduler, ppo_args, "cpu", torch.Generator().manual_seed(seed))
     lines += [f"### {stages[4]}", ""]
     lines += ["`ppo_update` (chapters 8.4.3–8.4.4) reuses this one rollout for several optimizer steps: each "
@@ -401,15 +405,16 @@ def ppo_walkthrough(batch, ppo_args, actor, ref_model, critic, tokenizer, seed, 
 
     # 6. after the update
     with torch.no_grad():
-        new_per_token_logps = compute_per_token_logps(actor, data.output_ids, R, data.full_mask,
+        new_per_token_logps = compute_per_token_logps(actor, rollout_batch.output_ids, R, rollout_batch.full_mask,
                                                       ppo_args.temperature)  # [B, R]
         policy_loss, stats = train_ppo.ppo_policy_loss(
-            new_per_token_logps, data.old_per_token_logps, data.ref_per_token_logps, data.advantages,
-            mask, ppo_args.clip_epsilon, ppo_args.kl_coef)
-        new_values = critic(data.output_ids, attention_mask=data.full_mask)[:, -R - 1:-1]  # [B, R], as ppo_update
-        value_loss, value_clipfrac = train_ppo.ppo_value_loss(new_values, data.old_resp_values, data.returns,
-                                                              mask, ppo_args.cliprange_value)
-    ratio = torch.exp(new_per_token_logps - data.old_per_token_logps) * mask  # [B, R], for display
+            new_per_token_logps, rollout_batch.old_per_token_logps, rollout_batch.ref_per_token_logps,
+            rollout_batch.advantages, mask, ppo_args.clip_epsilon, ppo_args.kl_coef)
+        new_values = critic(rollout_batch.output_ids,
+                            attention_mask=rollout_batch.full_mask)[:, -R - 1:-1]  # [B, R], as ppo_update
+        value_loss, value_clipfrac = train_ppo.ppo_value_loss(new_values, rollout_batch.old_resp_values,
+                                                              rollout_batch.returns, mask, ppo_args.cliprange_value)
+    ratio = torch.exp(new_per_token_logps - rollout_batch.old_per_token_logps) * mask  # [B, R], for display
     clipped_ratio = torch.clamp(ratio, 1 - ppo_args.clip_epsilon, 1 + ppo_args.clip_epsilon) * mask
     lines += [f"### {stages[5]}", ""]
     lines += ["Scoring the same answers with the updated actor and critic shows what the next minibatch would "
@@ -419,16 +424,16 @@ def ppo_walkthrough(batch, ppo_args, actor, ref_model, critic, tokenizer, seed, 
               f"`early_stop_kl` = {ppo_args.early_stop_kl}. `ppo_value_loss` (chapter 8.4.4) is 0.5 × max of the "
               "unclipped and the clipped squared error to the returns.", ""]
     block = format_tensor("ratio", ratio, max_values=12)
-    block += format_tensor("-A * ratio", -data.advantages * ratio, max_values=12)
-    block += format_tensor("-A * clip(ratio)", -data.advantages * clipped_ratio, max_values=12)
+    block += format_tensor("-A * ratio", -rollout_batch.advantages * ratio, max_values=12)
+    block += format_tensor("-A * clip(ratio)", -rollout_batch.advantages * clipped_ratio, max_values=12)
     block += [f"policy_loss (surrogate + {ppo_args.kl_coef} × k3): {policy_loss.item():.6f}",
               f"approx_kl: {stats['approx_kl'].item():.3e}   clipfrac: {stats['clipfrac'].item():.4f}   "
               f"kl_ref (k3): {stats['kl_ref'].item():.3e}"]
     block += format_tensor("values after the update", new_values * mask, max_values=12)
     block += [f"value_loss: {value_loss.item():.6f}   value_clipfrac: {value_clipfrac.item():.4f}"]
     lines += code_block(block)
-    summary = {"answers": data.output_ids.size(0), "advantage_shape": list(data.advantages.shape),
-               "advantages_first_answer": len(set(data.advantages[0][mask[0].bool()].tolist())),
+    summary = {"answers": rollout_batch.output_ids.size(0), "advantage_shape": list(rollout_batch.advantages.shape),
+               "advantages_first_answer": len(set(rollout_batch.advantages[0][mask[0].bool()].tolist())),
                "models": model_parameters(actor, ref_model, critic),
                "optimizer_steps": int(update["optimizer_steps"])}
     return lines, summary

@@ -104,10 +104,74 @@ def test_device_flag_picks_the_device():
 
 def test_use_compile_wraps_the_same_parameters_and_0_leaves_the_module():
     # compiling is lazy (the first call compiles, ~1-3 min on a 2-core CPU), so this builds the wrapper only
-    from trainer.rl_harness import compile_for_training
     from trainer.checkpoints import unwrap_model
+    from trainer.distributed import compile_for_training
     model = torch.nn.Linear(3, 2)
     assert compile_for_training(model, 0) is model
     compiled = compile_for_training(model, 1)
     assert compiled is not model and unwrap_model(compiled) is model
     assert [id(p) for p in compiled.parameters()] == [id(p) for p in model.parameters()]
+
+
+# ----------------------------------------------------------------------------- where the chapter's code lives
+TRAINER_CHAPTER_MODULES = {"trainer.train_grpo", "trainer.train_ppo", "trainer.trainer_utils", "trainer.rollout_engine",
+                           "trainer.evaluation"}
+LOWER_INFRASTRUCTURE = ("distributed", "dtypes", "checkpoints", "optimizer", "resume", "metrics")
+
+
+def function_calls(path, function_name):
+    """Dotted names of every call inside the top-level function ``function_name`` of ``path`` (``a.b.c(...)``
+    gives 'a.b.c', ``f(...)`` gives 'f')."""
+    tree = ast.parse(open(os.path.join(ROOT, path), encoding="utf-8").read())
+    function = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == function_name)
+    names = set()
+    for node in ast.walk(function):
+        if isinstance(node, ast.Call):
+            names.add(ast.unparse(node.func))
+    return names
+
+
+def test_the_update_is_written_out_in_both_training_scripts():
+    """Clip, optimizer.step and zero_grad are in each script's own code, not behind an infrastructure call."""
+    grpo = function_calls("trainer/train_grpo.py", "main")
+    assert {"torch.nn.utils.clip_grad_norm_", "optimizer.step", "scheduler.step", "optimizer.zero_grad"} <= grpo
+    ppo_step = function_calls("trainer/train_ppo.py", "clip_and_step")
+    assert {"torch.nn.utils.clip_grad_norm_", "optimizer.step", "optimizer.zero_grad"} <= ppo_step
+    assert "clip_and_step" in function_calls("trainer/train_ppo.py", "ppo_update")
+
+
+def test_the_roles_of_section_8_1_are_built_in_each_main():
+    """Policy, frozen reference and reward model (PPO: and the critic) are built by main itself; the harness's
+    set-up builds no model."""
+    for script, roles in (("train_grpo", {"load_policy", "copy.deepcopy", "load_reward_model"}),
+                          ("train_ppo", {"load_policy", "copy.deepcopy", "load_reward_model", "build_critic"})):
+        assert roles <= function_calls(f"trainer/{script}.py", "main"), script
+    tree = ast.parse(open(os.path.join(ROOT, "trainer", "rl_harness.py"), encoding="utf-8").read())
+    harness_calls = {ast.unparse(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+    assert not harness_calls & {"load_policy", "init_model", "LMForRewardModel", "load_reward_model", "CriticModel"}
+
+
+def test_trainer_utils_holds_the_chapter_sections_8_3_and_8_6_only():
+    """Two section headers, 8.3 and 8.6, every definition under one of them, and no infrastructure imported but
+    the dtype of the reward model."""
+    text = open(os.path.join(ROOT, "trainer", "trainer_utils.py"), encoding="utf-8").read()
+    headers = [line for line in text.splitlines() if line.startswith("# ----")]
+    assert len(headers) == 2 and "chapter 8.3" in headers[0] and "chapter 8.6" in headers[1]
+    first_header_line = text.splitlines().index(headers[0]) + 1
+    tree = ast.parse(text)
+    definitions = [node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Assign))]
+    assert all(node.lineno > first_header_line for node in definitions)
+    project_imports = {name for name in imported_modules("trainer/trainer_utils.py")
+                       if name.split(".")[0] in ("trainer", "model")}
+    assert project_imports == {"trainer.dtypes", "trainer.dtypes.resolve_dtype"}
+
+
+@pytest.mark.parametrize("module", LOWER_INFRASTRUCTURE)
+def test_infrastructure_modules_import_no_chapter_code(module):
+    """The infrastructure a learner may skip sits below the chapter's code: it imports only other infrastructure
+    (so following a step never leads from the infrastructure back into the algorithm)."""
+    imported = {name for name in imported_modules(f"trainer/{module}.py") if name.startswith("trainer.")}
+    allowed = {f"trainer.{other}" for other in LOWER_INFRASTRUCTURE}
+    offenders = {name for name in imported if name.rsplit(".", 1)[0] not in allowed and name not in allowed}
+    assert offenders == set()
+    assert not {name.rsplit(".", 1)[0] for name in imported} & TRAINER_CHAPTER_MODULES

@@ -1,4 +1,5 @@
-"""Processes: torchrun set-up and tear-down, seeding, printing on rank 0, and the few values ranks agree on.
+"""Processes: torchrun set-up and tear-down, seeding, printing on rank 0, the wrappers the training forwards run
+through (DistributedDataParallel, torch.compile), and the few values ranks agree on.
 
 Infrastructure, not RL: a learner can skip this file. Without torchrun every function is the single-process
 identity (``mean_over_ranks`` returns its input, ``any_rank`` the plain bool).
@@ -76,6 +77,13 @@ def wrap_ddp(model, device, local_rank):
     use_moe = bool(getattr(getattr(model, "config", None), "use_moe", False))
     return DistributedDataParallel(model, device_ids=[local_rank] if device.startswith("cuda") else None,
                                    find_unused_parameters=use_moe)
+
+
+def compile_for_training(model, use_compile):
+    """``--use_compile 1``: ``torch.compile(model, dynamic=True)`` (the lengths change every step), for the
+    forwards that train (log-probs with gradient, values); the rollout keeps the plain module. The compiled
+    wrapper shares the parameters; ``unwrap_model`` returns the plain module. ``use_compile`` 0: ``model``."""
+    return torch.compile(model, dynamic=True) if use_compile else model
 
 
 def any_rank(flag, device):

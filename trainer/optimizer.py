@@ -94,17 +94,6 @@ def build_cosine_scheduler(optimizer, total_steps, min_lr_ratio=0.1):
     )
 
 
-def rescale_schedule(scheduler, saved_world_size, world_size):
-    """Move a restored ``LambdaLR`` (``build_cosine_scheduler``) to where a resume across a world-size change
-    puts the step: its position is scaled by ``saved_world_size / world_size`` with the same integer rule as
-    ``resume_progress``, and every group's learning rate is recomputed at that position."""
-    scheduler.last_epoch = scheduler.last_epoch * saved_world_size // world_size
-    rates = [base * rate(scheduler.last_epoch) for base, rate in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
-    for group, learning_rate in zip(scheduler.optimizer.param_groups, rates):
-        group["lr"] = learning_rate
-    scheduler._last_lr = rates
-
-
 def accumulation_window_size(step, total_steps, accumulation_steps):
     """How many backward passes the optimizer step that ``step`` (1-based) belongs to accumulates.
 

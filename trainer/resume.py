@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from trainer.checkpoints import atomic_save, half_state_dict, unwrap_model, weight_path
 from trainer.distributed import Logger, is_main_process, setup_seed
-from trainer.optimizer import load_optimizer_state, rescale_schedule
+from trainer.optimizer import load_optimizer_state
 
 RESUME_FORMAT_VERSION = 1
 ARCHITECTURE_FLAGS = ("hidden_size", "num_hidden_layers", "use_moe")
@@ -272,6 +272,17 @@ def restore_from_checkpoint(args, run, objects, steps_per_epoch, path, checkpoin
         Logger(f"warning: resuming with a changed flag: {change}")
     Logger(f"resumed from {path} at step {progress['step']} (epoch {progress['epoch']}, "
            f"batch {progress['batch_in_epoch']})")
+
+
+def rescale_schedule(scheduler, saved_world_size, world_size):
+    """Move a restored ``LambdaLR`` (``build_cosine_scheduler``) to where a resume across a world-size change
+    puts the step: its position is scaled by ``saved_world_size / world_size`` with the same integer rule as
+    ``resume_progress``, and every group's learning rate is recomputed at that position."""
+    scheduler.last_epoch = scheduler.last_epoch * saved_world_size // world_size
+    rates = [base * rate(scheduler.last_epoch) for base, rate in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, learning_rate in zip(scheduler.optimizer.param_groups, rates):
+        group["lr"] = learning_rate
+    scheduler._last_lr = rates
 
 
 def save_checkpoint(args, script, lm_config, objects, progress, weights):

@@ -145,13 +145,6 @@ def count_long_prompts(dataset, tokenizer, max_seq_len):
     return sum(length > max_seq_len for length in lengths)
 
 
-def compile_for_training(model, use_compile):
-    """``--use_compile 1``: ``torch.compile(model, dynamic=True)`` (the lengths change every step), for the
-    forwards that train (log-probs with gradient, values); the rollout keeps the plain module. The compiled
-    wrapper shares the parameters; ``unwrap_model`` returns the plain module. ``use_compile`` 0: ``model``."""
-    return torch.compile(model, dynamic=True) if use_compile else model
-
-
 def count_total_steps(max_steps, epochs, steps_per_epoch):
     """Steps of the run: ``max_steps`` when set (capped by the data), else ``epochs`` full passes."""
     return min(max_steps, epochs * steps_per_epoch) if max_steps else epochs * steps_per_epoch
@@ -223,10 +216,10 @@ class RLRun:
             DataFormatError: a bad data line (file and line number).
         """
         local_rank, device = init_distributed_mode(args.device)
-        args.dtype = resolve_train_dtype(args.dtype, device)  # "auto" -> what this device runs
+        setup_seed(args.seed)  # identical initial weights on every rank
         rank = dist.get_rank() if dist.is_initialized() else 0
         world_size = dist.get_world_size() if dist.is_initialized() else 1
-        setup_seed(args.seed)  # identical initial weights on every rank
+        args.dtype = resolve_train_dtype(args.dtype, device)  # "auto" -> what this device runs
         lm_config = build_config(args.hidden_size, args.num_hidden_layers, args.use_moe)
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
         dataset = RLAIFDataset(args.data_path, tokenizer, thinking_ratio=args.thinking_ratio, seed=args.seed)
@@ -234,15 +227,15 @@ class RLRun:
         if len(dataset) < needed:
             raise ValueError(f"--data_path {args.data_path}: found {len(dataset)} prompts, need at least {needed} "
                              f"(--batch_size {args.batch_size} x {world_size} processes) for one full batch")
-        long_prompts = count_long_prompts(dataset, tokenizer, args.max_seq_len)
-        if long_prompts:
-            Logger(f"warning: {long_prompts} of {len(dataset)} prompts are longer than --max_seq_len "
-                   f"{args.max_seq_len} tokens; they are cut from the left so the generation prompt survives")
         evaluator = None
         if args.eval_interval:
             eval_dataset = RLAIFDataset(args.eval_data_path, tokenizer, thinking_ratio=1.0, seed=args.seed)
             evaluator = HeldOutEvaluator(eval_dataset, tokenizer, args.eval_num_prompts, args.temperature,
                                          args.max_gen_len, args.max_seq_len, device)
+        long_prompts = count_long_prompts(dataset, tokenizer, args.max_seq_len)
+        if long_prompts:
+            Logger(f"warning: {long_prompts} of {len(dataset)} prompts are longer than --max_seq_len "
+                   f"{args.max_seq_len} tokens; they are cut from the left so the generation prompt survives")
         batch_sampler = ResumableBatchSampler(dataset, args.batch_size, world_size, rank, args.seed)
         # its own generator: creating the loader's iterator must not draw from the global RNG (exact resume)
         loader = DataLoader(dataset, batch_sampler=batch_sampler, num_workers=args.num_workers,

@@ -33,14 +33,14 @@ import copy
 import torch
 
 from trainer.checkpoints import load_policy
-from trainer.distributed import any_rank, setup_seed, shutdown_distributed, wrap_ddp
+from trainer.distributed import any_rank, compile_for_training, setup_seed, shutdown_distributed, wrap_ddp
 from trainer.dtypes import autocast_context
 from trainer.flags import add_bool_flag, add_common_rl_args, check_common_rl_args
 from trainer.metrics import print_debug_samples
 from trainer.optimizer import (
     accumulation_window_size, build_cosine_scheduler, build_policy_optimizer, project_scale_only_gradients,
 )
-from trainer.rl_harness import RLRun, compile_for_training, nonfinite_parts
+from trainer.rl_harness import RLRun, nonfinite_parts
 from trainer.rollout_engine import compute_group_per_token_logps, compute_per_token_logps, tokenize_prompts
 from trainer.trainer_utils import calculate_rewards, k3_kl, load_reward_model, masked_mean
 

@@ -39,15 +39,17 @@ sys.path.insert(0, ROOT)  # `python trainer/x.py` from any folder imports this c
 import torch
 
 from model.model_minimind import CriticModel
-from trainer.checkpoints import load_policy, unwrap_model, weight_path
-from trainer.distributed import all_ranks_mean, any_rank, setup_seed, shutdown_distributed, wrap_ddp
+from trainer.checkpoints import load_policy, weight_path
+from trainer.distributed import (
+    all_ranks_mean, any_rank, compile_for_training, setup_seed, shutdown_distributed, wrap_ddp,
+)
 from trainer.dtypes import autocast_context
 from trainer.flags import add_bool_flag, add_common_rl_args, check_common_rl_args
 from trainer.metrics import print_debug_samples
 from trainer.optimizer import (
     accumulation_window_size, adamw, build_cosine_scheduler, build_policy_optimizer, project_scale_only_gradients,
 )
-from trainer.rl_harness import RLRun, compile_for_training, nonfinite_parts
+from trainer.rl_harness import RLRun, nonfinite_parts
 from trainer.rollout_engine import compute_per_token_logps, tokenize_prompts
 from trainer.trainer_utils import calculate_rewards, k3_kl, load_reward_model, masked_mean
 
@@ -257,12 +259,6 @@ def build_critic(lm_config, args, device):
     return critic.to(device)
 
 
-def build_critic_optimizer(critic, args):
-    """AdamW of the critic (chapter 8.4.4's value loss): ``--critic_learning_rate``, ``--weight_decay``, the fused
-    kernel (``adamw``)."""
-    return adamw(critic.parameters(), lr=args.critic_learning_rate, weight_decay=args.weight_decay)
-
-
 # ----------------------------------------------------------------------------- the loop
 @dataclass
 class PPORolloutBatch:
@@ -287,11 +283,12 @@ class PPORolloutBatch:
 
 
 @torch.no_grad()
-def ppo_rollout(batch, actor, ref_model, critic, rollout_engine, reward_fn, reward_model, tokenizer, args, device):
+def ppo_rollout(batch, ref_model, critic, rollout_engine, reward_fn, reward_model, tokenizer, args, device):
     """Steps 1-4 of a PPO step (chapter 8.4): rollout, rewards, reference log-probs, old values, GAE.
 
-    ``reward_fn`` is ``calculate_rewards`` (chapter 8.3) or a replacement with the same arguments and result.
-    Returns a ``PPORolloutBatch`` of B rows.
+    The rollout engine samples from the actor; ``critic`` is the plain module (not a DDP wrapper: these forwards
+    have no backward). ``reward_fn`` is ``calculate_rewards`` (chapter 8.3) or a replacement with the same
+    arguments and result. Returns a ``PPORolloutBatch`` of B rows.
     """
     prompts, answers = batch["prompt"], batch["answer"]  # list[str] of length B
     prompt_ids, attention_mask, truncated = tokenize_prompts(tokenizer, prompts, args.max_seq_len, device)
@@ -304,13 +301,12 @@ def ppo_rollout(batch, actor, ref_model, critic, rollout_engine, reward_fn, rewa
 
     reward_parts = reward_fn(prompts, rollout.completions, answers, reward_model, args.answer_reward_weight)
     rewards = reward_parts["rewards"].to(device)  # [B]
-    critic_module = unwrap_model(critic)
-    critic_module.eval()
+    critic.eval()
     with autocast_context(device, args.dtype):
         ref_per_token_logps = compute_per_token_logps(ref_model, output_ids, gen_len, full_mask,
                                                       args.temperature)  # [B, R]
-        old_resp_values = critic_module(output_ids, attention_mask=full_mask)[:, -gen_len - 1:-1]  # [B, R], V(s_t)
-    critic_module.train()
+        old_resp_values = critic(output_ids, attention_mask=full_mask)[:, -gen_len - 1:-1]  # [B, R], V(s_t)
+    critic.train()
 
     scores = normalize_rewards(rewards) if args.reward_norm else rewards  # [B]
     token_rewards = place_sequence_rewards(scores, completion_mask)  # [B, R]
@@ -458,7 +454,7 @@ def main(argv=None, reward_fn=calculate_rewards, run_class=RLRun):
     critic = build_critic(run.lm_config, args, device)  # V(s_t): the actor's weights and a new value head
     actor_optimizer = build_policy_optimizer(actor, args.learning_rate, args.weight_decay,
                                              args.final_norm_learning_rate)
-    critic_optimizer = build_critic_optimizer(critic, args)
+    critic_optimizer = adamw(critic.parameters(), lr=args.critic_learning_rate, weight_decay=args.weight_decay)
     actor_scheduler = build_cosine_scheduler(actor_optimizer, run.total_steps)  # one schedule step per rollout
     critic_scheduler = build_cosine_scheduler(critic_optimizer, run.total_steps)
     ddp_actor = compile_for_training(wrap_ddp(actor, device, run.local_rank), args.use_compile)
@@ -476,8 +472,8 @@ def main(argv=None, reward_fn=calculate_rewards, run_class=RLRun):
         # the rates this step's updates use (the schedules step at the end of ppo_update)
         learning_rates = {"learning_rate": actor_optimizer.param_groups[0]["lr"],
                           "critic_learning_rate": critic_optimizer.param_groups[0]["lr"]}
-        rollout_batch = ppo_rollout(batch, ddp_actor, ref_model, ddp_critic, run.rollout_engine, reward_fn,
-                                    reward_model, run.tokenizer, args, device)
+        rollout_batch = ppo_rollout(batch, ref_model, critic, run.rollout_engine, reward_fn, reward_model,
+                                    run.tokenizer, args, device)
         problems = nonfinite_parts(rewards=rollout_batch.rewards)
         skipped = any_rank(bool(problems), device)  # a NaN reward on any rank: GAE would spread it, no update
         if skipped:
