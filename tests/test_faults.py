@@ -339,6 +339,17 @@ def test_checkpoint_of_another_size_is_named_for_the_policy_and_the_reward_model
     assert torch.equal(reward_model.model.embed_tokens.weight, torch.load(path)["model.embed_tokens.weight"])
 
 
+def test_an_upstream_size_checkpoint_names_the_flags_that_load_it(tmp_path):
+    # upstream MiniMind's full_sft_768.pth (fp16, hidden 768, here 2 layers) given to our defaults (256 x 4): the
+    # error names what the file holds as the flags that build it
+    upstream = MiniMindForCausalLM(checkpoints.build_config(768, 2, 0))
+    path = tmp_path / "full_sft_768.pth"
+    torch.save({k: v.half() for k, v in upstream.state_dict().items()}, path)
+    with pytest.raises(ValueError, match=r"holds a MiniMind of hidden_size 768, 2 layers, dense, vocab 6400: pass "
+                                         r"--hidden_size 768 --num_hidden_layers 2 --use_moe 0"):
+        checkpoints.load_weights(MiniMindForCausalLM(checkpoints.build_config(256, 4, 0)), str(path))
+
+
 @pytest.mark.parametrize("script", ["train_grpo.py", "train_ppo.py"])
 def test_bad_data_line_is_reported_before_missing_weights(script, tmp_path):
     # the data is validated before any model is built: with both a bad line and no weights, the line is named

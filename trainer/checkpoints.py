@@ -37,6 +37,24 @@ def weight_path(from_weight, save_dir, hidden_size, use_moe, allow_file=True):
     return path
 
 
+def minimind_dims(state_dict):
+    """The architecture flags a MiniMind state dict was trained with, read from its tensors' names and shapes:
+    {"hidden_size", "num_hidden_layers", "use_moe", "vocab_size"}, or None when it is not a MiniMind state dict
+    (no ``model.embed_tokens.weight``)."""
+    embed = state_dict.get("model.embed_tokens.weight")
+    if embed is None or embed.dim() != 2:
+        return None
+    layers = {int(name.split(".")[2]) for name in state_dict if name.startswith("model.layers.")}
+    return {"hidden_size": int(embed.shape[1]), "num_hidden_layers": len(layers),
+            "use_moe": int(any(".mlp.experts." in name for name in state_dict)), "vocab_size": int(embed.shape[0])}
+
+
+def describe_dims(dims):
+    """'hidden_size 768, 8 layers, dense, vocab 6400' for ``minimind_dims``'s dict."""
+    return (f"hidden_size {dims['hidden_size']}, {dims['num_hidden_layers']} layers, "
+            f"{'MoE' if dims['use_moe'] else 'dense'}, vocab {dims['vocab_size']}")
+
+
 def check_state_dict_fits(path, own, state_dict, flag_hint, may_be_missing=()):
     """Raise unless ``state_dict`` (read from ``path``) has exactly the keys and shapes of ``own`` (a model's
     state dict); keys in ``may_be_missing`` may be absent from ``state_dict`` (a freshly initialised head).
@@ -45,17 +63,22 @@ def check_state_dict_fits(path, own, state_dict, flag_hint, may_be_missing=()):
         ValueError: naming ``path``, the parameter, both shapes and ``flag_hint`` on a shape mismatch, or listing
             the missing / unexpected keys (first 8 of each).
     """
+    dims = minimind_dims(state_dict)
+    found = ""
+    if dims is not None:  # what the checkpoint holds, as the flags that build it
+        flags = f"--hidden_size {dims['hidden_size']} --num_hidden_layers {dims['num_hidden_layers']}"
+        found = f" ({path} holds a MiniMind of {describe_dims(dims)}: pass {flags} --use_moe {dims['use_moe']})"
     for name, tensor in state_dict.items():
         if name in own and own[name].shape != tensor.shape:
             raise ValueError(
                 f"{path}: parameter {name} has shape {tuple(tensor.shape)} but the model built from the flags "
-                f"expects {tuple(own[name].shape)}; change {flag_hint} to match the checkpoint"
+                f"expects {tuple(own[name].shape)}; change {flag_hint} to match the checkpoint{found}"
             )
     missing = sorted(set(own) - set(state_dict) - set(may_be_missing))
     unexpected = sorted(set(state_dict) - set(own))
     if missing or unexpected:
         raise ValueError(f"{path}: missing keys {missing[:8]}, unexpected keys {unexpected[:8]}; "
-                         f"check {flag_hint}")
+                         f"check {flag_hint}{found}")
 
 
 def load_weights(model, path, flag_hint="--hidden_size / --num_hidden_layers / --use_moe"):
@@ -101,7 +124,12 @@ def init_model(lm_config, from_weight="none", save_dir=DEFAULT_SAVE_DIR, tokeniz
     if from_weight != "none":
         path = weight_path(from_weight, save_dir, lm_config.hidden_size, lm_config.use_moe)
         load_weights(model, path)
-        Logger(f"loaded weights {path}")
+        Logger(f"loaded weights {path} ({describe_dims(minimind_dims(model.state_dict()))})")
+        others = sorted(set(glob.glob(os.path.join(glob.escape(save_dir), f"{glob.escape(from_weight)}_*.pth")))
+                        - set(glob.glob(os.path.join(glob.escape(save_dir), "*_resume.pth"))) - {path})
+        if others and not os.path.isfile(from_weight):  # e.g. upstream's full_sft_768.pth beside the bundled one
+            Logger(f"note: {', '.join(map(os.path.basename, others))} in {save_dir} too: --hidden_size, "
+                   f"--num_hidden_layers and --use_moe choose which {from_weight} a run starts from")
     if len(tokenizer) > lm_config.vocab_size:
         raise ValueError(f"tokenizer {tokenizer_path} has {len(tokenizer)} tokens but vocab_size is "
                          f"{lm_config.vocab_size}")

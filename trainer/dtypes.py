@@ -62,6 +62,17 @@ def autocast_context(device, dtype_name):
     return torch.autocast(device_type=torch.device(device).type, dtype=DTYPES[dtype_name])
 
 
+def reward_model_dtype(device, policy_dtype, bf16_supported=None):
+    """The default dtype of a frozen reward model: bfloat16 on a CUDA device that supports it, else float16 on
+    CUDA (half the memory of fp32, as upstream MiniMind loads its reward model), ``policy_dtype`` elsewhere (a CPU
+    runs half precision slower than fp32). ``bf16_supported`` overrides the CUDA query (tests)."""
+    if torch.device(device).type != "cuda":
+        return policy_dtype
+    if bf16_supported is None:
+        bf16_supported = torch.cuda.is_bf16_supported()
+    return torch.bfloat16 if bf16_supported else torch.float16
+
+
 def resolve_dtype(name, default):
     """torch dtype of a --*_dtype flag value ("float32", "bfloat16", "float16"), or ``default`` for "".
 

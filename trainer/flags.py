@@ -8,10 +8,13 @@ import torch
 
 from trainer.checkpoints import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, ROOT, check_writable_dir
 from trainer.dtypes import DTYPE_CHOICES, DTYPES
+from trainer.metrics import TRACKERS
 from trainer.rollout_engine import ROLLOUT_ENGINES, SGLANG_LOGPROB_MODES, TORCH_LOGPROB_MODES
 from trainer.trainer_utils import read_reward_model_config
 
 DEFAULT_REWARD_MODEL_PATH = os.path.join(ROOT, "out", "reward_model_256")  # trainer/train_reward.py, committed
+BUNDLED_TRAIN_DATA = os.path.join(ROOT, "dataset", "rlaif_train.jsonl")
+BUNDLED_VAL_DATA = os.path.join(ROOT, "dataset", "rlaif_val.jsonl")
 
 
 def add_bool_flag(parser, name, default=0, help=None):
@@ -22,11 +25,16 @@ def add_bool_flag(parser, name, default=0, help=None):
     parser.add_argument(name, type=int, default=default, choices=[0, 1], nargs="?", const=1, help=help)
 
 
+def same_file(path, other):
+    """True when ``path`` and ``other`` name the same existing file (another spelling of the path counts)."""
+    return os.path.isfile(path) and os.path.isfile(other) and os.path.samefile(path, other)
+
+
 def add_common_rl_args(parser):
     """Flags shared by train_grpo.py and train_ppo.py (same names, same meanings); each script adds its own."""
     parser.add_argument("--save_dir", default=DEFAULT_SAVE_DIR, help="where weights and runs are written")
     parser.add_argument("--run_dir", default="", help="metrics folder (default: {save_dir}/runs/{save_weight}-TIME)")
-    parser.add_argument("--data_path", default=os.path.join(ROOT, "dataset", "rlaif_train.jsonl"),
+    parser.add_argument("--data_path", default=BUNDLED_TRAIN_DATA,
                         help="RL prompts, MiniMind's RLAIF JSONL (the assistant turn, if any, is the reference answer)")
     parser.add_argument("--tokenizer_path", default=DEFAULT_TOKENIZER_PATH, help="tokenizer folder")
     parser.add_argument("--from_weight", default="full_sft", help="name in save_dir ({name}_{hidden}.pth) or a path")
@@ -47,9 +55,10 @@ def add_common_rl_args(parser):
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollout")
     parser.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling (1.0 = off)")
     parser.add_argument("--top_k", type=int, default=0, help="top-k sampling (0 = off)")
-    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                        help="autocast dtype of the policy/critic forwards (weights and log-softmax stay fp32); "
-                             "auto = bfloat16 on a CUDA GPU that supports it, float32 elsewhere")
+    parser.add_argument("--dtype", default="auto",
+                        help="autocast dtype of the policy/critic forwards (weights and log-softmax stay fp32): "
+                             f"{', '.join(DTYPE_CHOICES)}; auto = bfloat16 on a CUDA GPU that supports it, float32 "
+                             "elsewhere")
     parser.add_argument("--device", default="",
                         help="e.g. cuda:1 or cpu (default: the first GPU if there is one; under torchrun each "
                              "process takes the GPU of its LOCAL_RANK, and cpu keeps them all on the CPU)")
@@ -65,13 +74,18 @@ def add_common_rl_args(parser):
     parser.add_argument("--reward_batch_size", type=int, default=16, help="answers per reward-model forward")
     parser.add_argument("--reward_device", default="", help="device of the reward model (default: the policy's)")
     parser.add_argument("--reward_dtype", default="", choices=["", *DTYPES],
-                        help="dtype of the reward model (default: the policy's)")
+                        help="dtype of the reward model (default: bfloat16 on a GPU that supports it, else float16 "
+                             "on a GPU, as upstream MiniMind; the policy's weights' dtype on the CPU)")
     add_bool_flag(parser, "--trust_remote_code",
                   help="allow a reward model that runs its own Python code (e.g. internlm2-1_8b-reward)")
     parser.add_argument("--answer_reward_weight", type=float, default=2.0,
                         help="weight of the 0/1 reward for a correct final number")
     parser.add_argument("--rollout_engine", default="torch", help=f"one of {', '.join(ROLLOUT_ENGINES)}")
-    parser.add_argument("--sglang_url", default="http://127.0.0.1:30000", help="server of --rollout_engine sglang")
+    parser.add_argument("--sglang_url", "--sglang_base_url", default="http://127.0.0.1:30000",
+                        help="server of --rollout_engine sglang (--sglang_base_url: upstream MiniMind's name)")
+    parser.add_argument("--sglang_model_path", default=None,
+                        help="upstream MiniMind's tokenizer folder for SGLang: not a flag here (the engine uses "
+                             "--tokenizer_path and the weights it syncs to --sglang_shared_path)")
     parser.add_argument("--sglang_shared_path", default="",
                         help="folder the trainer writes synced weights to and the server reads "
                              "(default {save_dir}/sglang_policy)")
@@ -81,8 +95,9 @@ def add_common_rl_args(parser):
                         help="push weights to SGLang every N policy updates (N > 1: rollouts up to N-1 updates old)")
     parser.add_argument("--sglang_export_dtype", default="float32", choices=sorted(DTYPES),
                         help="dtype of the weights synced to SGLang")
-    parser.add_argument("--eval_data_path", default=os.path.join(ROOT, "dataset", "rlaif_val.jsonl"),
-                        help="held-out prompts of the periodic evaluation (the validation split)")
+    parser.add_argument("--eval_data_path", default=None,
+                        help="held-out prompts of the periodic evaluation (default: the bundled validation split "
+                             "when --data_path is the bundled training data; no evaluation for other data)")
     parser.add_argument("--eval_interval", type=int, default=50,
                         help="held-out evaluation at step 0, every N steps and at the end (0 = off)")
     parser.add_argument("--eval_num_prompts", type=int, default=200,
@@ -90,8 +105,11 @@ def add_common_rl_args(parser):
     parser.add_argument("--log_interval", type=int, default=1, help="log line and metrics.jsonl every N steps")
     parser.add_argument("--save_interval", type=int, default=50, help="checkpoint and resume file every N steps")
     parser.add_argument("--seed", type=int, default=42, help="data order, initial state and sampling")
-    add_bool_flag(parser, "--use_wandb", help="1: also send the metrics to wandb")
-    parser.add_argument("--wandb_project", default="MiniMind-RL", help="wandb project name")
+    add_bool_flag(parser, "--use_wandb", help="1: also send the metrics to --tracker (wandb or swanlab)")
+    parser.add_argument("--tracker", default="wandb", choices=TRACKERS,
+                        help="where --use_wandb 1 sends the metrics: wandb, or swanlab (upstream MiniMind's; "
+                             "offline unless SWANLAB_MODE says otherwise)")
+    parser.add_argument("--wandb_project", default="MiniMind-RL", help="wandb / swanlab project name")
     add_bool_flag(parser, "--debug_mode", help="1: print prompts, answers and reward parts")
     parser.add_argument("--debug_interval", type=int, default=20, help="--debug_mode prints every N steps")
     add_bool_flag(parser, "--from_resume",
@@ -111,8 +129,19 @@ def check_common_rl_args(parser, args):
     if args.eval_interval < 0 or args.eval_num_prompts < 1:
         parser.error(f"--eval_interval must be >= 0 and --eval_num_prompts >= 1, got {args.eval_interval} and "
                      f"{args.eval_num_prompts}")
-    if args.eval_interval and not os.path.isfile(args.eval_data_path):
+    if args.eval_data_path is None:  # the bundled validation prompts fit the bundled training data only
+        args.eval_data_path = BUNDLED_VAL_DATA if same_file(args.data_path, BUNDLED_TRAIN_DATA) else ""
+    if args.eval_interval and args.eval_data_path and not os.path.isfile(args.eval_data_path):
         parser.error(f"--eval_data_path {args.eval_data_path} does not exist (--eval_interval 0 turns evaluation off)")
+    if args.dtype not in DTYPE_CHOICES:
+        upstream = (" (upstream MiniMind's fp16 autocast needs a loss scaler, which these scripts do not have)"
+                    if args.dtype == "float16" else "")
+        parser.error(f"--dtype {args.dtype} is not supported{upstream}; use one of {', '.join(DTYPE_CHOICES)} "
+                     f"(bfloat16 on a GPU: its range needs no loss scaler)")
+    if args.sglang_model_path is not None:
+        parser.error("--sglang_model_path is upstream MiniMind's tokenizer folder for SGLang; here the engine "
+                     "tokenizes with --tokenizer_path and the server loads what the trainer writes to "
+                     "--sglang_shared_path: drop --sglang_model_path (and see docs/sglang.md)")
     if args.learning_rate <= 0:
         parser.error(f"--learning_rate must be > 0, got {args.learning_rate}")
     if args.final_norm_learning_rate < 0:

@@ -15,15 +15,23 @@ def format_duration(seconds):
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
-class MetricsWriter:
-    """Appends one JSON object per step to ``run_dir/metrics.jsonl`` and mirrors it to wandb.
+TRACKERS = ("wandb", "swanlab")
 
-    Only the main process writes. ``wandb`` is imported only when ``use_wandb`` is true
-    (``WANDB_MODE=offline`` works without a network).
+
+class MetricsWriter:
+    """Appends one JSON object per step to ``run_dir/metrics.jsonl`` and mirrors it to a tracker: wandb, or
+    SwanLab (upstream MiniMind's, which it imports as ``wandb``; both take the same ``init`` / ``log`` / ``finish``).
+
+    Only the main process writes. The tracker is imported only when ``use_wandb`` is true. Both work without a
+    network: ``WANDB_MODE=offline`` for wandb; SwanLab runs in ``SWANLAB_MODE`` (default ``offline``: the run is
+    written under ``run_dir``, ``swanlab sync`` uploads it; ``SWANLAB_MODE=cloud`` after ``swanlab login``).
+    Raises ValueError for an unknown ``tracker``.
     """
 
     def __init__(self, run_dir, use_wandb=False, wandb_project="MiniMind-RL", run_name=None, config=None,
-                 wandb_id=None):
+                 wandb_id=None, tracker="wandb"):
+        if tracker not in TRACKERS:
+            raise ValueError(f"unknown tracker {tracker!r}; valid: {', '.join(TRACKERS)}")
         self.enabled = is_main_process()
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.wandb = None
@@ -31,7 +39,14 @@ class MetricsWriter:
         if not self.enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
-        if use_wandb:
+        if use_wandb and tracker == "swanlab":
+            import swanlab
+            self.wandb = swanlab
+            run = swanlab.init(project=wandb_project, name=run_name, config=config, log_dir=run_dir, id=wandb_id,
+                               resume="allow" if wandb_id else None,
+                               mode=os.environ.get("SWANLAB_MODE", "offline"))
+            self.wandb_id = run.id
+        elif use_wandb:
             import wandb
             self.wandb = wandb
             # a resumed run passes its saved id, so wandb continues the same run
@@ -75,7 +90,7 @@ def open_metrics(args, progress):
     run_dir = args.run_dir or progress.get("run_dir") or os.path.join(
         args.save_dir, "runs", f"{args.save_weight}-{time.strftime('%Y%m%d-%H%M%S')}")
     writer = MetricsWriter(run_dir, args.use_wandb, args.wandb_project, os.path.basename(run_dir), vars(args),
-                           wandb_id=progress.get("wandb_id"))
+                           wandb_id=progress.get("wandb_id"), tracker=args.tracker)
     return run_dir, writer
 
 

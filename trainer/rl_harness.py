@@ -228,7 +228,10 @@ class RLRun:
             raise ValueError(f"--data_path {args.data_path}: found {len(dataset)} prompts, need at least {needed} "
                              f"(--batch_size {args.batch_size} x {world_size} processes) for one full batch")
         evaluator = None
-        if args.eval_interval:
+        if args.eval_interval and not args.eval_data_path:
+            Logger(f"held-out evaluation off: --data_path {args.data_path} is not the bundled training data, whose "
+                   f"validation prompts the evaluation would use; pass --eval_data_path FILE to evaluate")
+        elif args.eval_interval:
             eval_dataset = RLAIFDataset(args.eval_data_path, tokenizer, thinking_ratio=1.0, seed=args.seed)
             evaluator = HeldOutEvaluator(eval_dataset, tokenizer, args.eval_num_prompts, args.temperature,
                                          args.max_gen_len, args.max_seq_len, device)

@@ -227,8 +227,9 @@ def parse_args(argv=None):
     parser.add_argument("--early_stop_kl", type=float, default=0.25,
                         help="stop the epochs once the approximate KL 0.5 * E[(log ratio)^2] passes this")
     parser.add_argument("--mini_batch_size", type=int, default=8, help="rollout rows per minibatch update")
-    parser.add_argument("--minibatch_accumulation_steps", type=int, default=1,
-                        help="minibatches whose gradients make one optimizer step")
+    parser.add_argument("--minibatch_accumulation_steps", "--accumulation_steps", type=int, default=1,
+                        help="minibatches whose gradients make one optimizer step (--accumulation_steps: upstream "
+                             "MiniMind's name for the same)")
     add_bool_flag(parser, "--reward_norm",
                   help="1 = standardise the batch's rewards before GAE (the learner's article, 5.4); 0 = raw "
                        "(the chapter)")

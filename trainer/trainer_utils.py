@@ -13,7 +13,7 @@ import re
 import torch
 from transformers import AutoTokenizer
 
-from trainer.dtypes import resolve_dtype
+from trainer.dtypes import resolve_dtype, reward_model_dtype
 
 
 # ----------------------------------------------------------------------------- rewards (chapter 8.3)
@@ -253,15 +253,17 @@ class LMForRewardModel:
 def load_reward_model(args, device, policy_dtype):
     """The reward model of ``--reward_model_path`` (chapter 8.3, ``LMForRewardModel``), or None for 'none'.
 
-    Placed on ``--reward_device`` (default ``device``) in ``--reward_dtype`` (default ``policy_dtype``), scoring
+    Placed on ``--reward_device`` (default ``device``) in ``--reward_dtype`` (default ``reward_model_dtype``: half
+    precision on a GPU, as upstream MiniMind loads it; ``policy_dtype`` on the CPU), scoring
     ``--reward_batch_size`` answers per forward; ``--trust_remote_code 1`` allows a model with its own code.
     Raises what ``LMForRewardModel`` raises (a missing folder, remote code not allowed, more than one label).
     """
     if args.reward_model_path == "none":
         return None
-    return LMForRewardModel(args.reward_model_path, device=args.reward_device or device,
-                            dtype=resolve_dtype(args.reward_dtype, policy_dtype), batch_size=args.reward_batch_size,
-                            trust_remote_code=args.trust_remote_code)
+    reward_device = args.reward_device or device
+    dtype = resolve_dtype(args.reward_dtype, reward_model_dtype(reward_device, policy_dtype))
+    return LMForRewardModel(args.reward_model_path, device=reward_device, dtype=dtype,
+                            batch_size=args.reward_batch_size, trust_remote_code=args.trust_remote_code)
 
 
 def calculate_rewards(prompts, responses, answers, reward_model, answer_reward_weight):
