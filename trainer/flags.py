@@ -74,8 +74,8 @@ def add_common_rl_args(parser):
     parser.add_argument("--reward_batch_size", type=int, default=16, help="answers per reward-model forward")
     parser.add_argument("--reward_device", default="", help="device of the reward model (default: the policy's)")
     parser.add_argument("--reward_dtype", default="", choices=["", *DTYPES],
-                        help="dtype of the reward model (default: bfloat16 on a GPU that supports it, else float16 "
-                             "on a GPU, as upstream MiniMind; the policy's weights' dtype on the CPU)")
+                        help="dtype of the reward model (default: float16 on a GPU, as upstream MiniMind; the "
+                             "policy's weights' dtype on the CPU)")
     add_bool_flag(parser, "--trust_remote_code",
                   help="allow a reward model that runs its own Python code (e.g. internlm2-1_8b-reward)")
     parser.add_argument("--answer_reward_weight", type=float, default=2.0,
