@@ -87,6 +87,11 @@ def main():
                 for p in prompts_grpo]
     record["reward_model_scores"] = [reward_model.get_score(m, a) for m, a in zip(messages, answers)]
 
+    # upstream's own precision, float16 (its LMForRewardModel's default)
+    half_model = LMForRewardModel(folder, device="cpu", dtype=torch.float16)
+    record["grpo_rewards_float16"] = train_grpo.calculate_rewards(PROMPTS, RESPONSES, half_model).tolist()
+    record["reward_model_scores_float16"] = [half_model.get_score(m, a) for m, a in zip(messages, answers)]
+
     # the remote model's own calls on the conversations that upstream builds (unclipped)
     tokenizer, model = reward_model.tokenizer, reward_model.model
     history = "\n".join(f"{m['role']}: {m['content']}" for m in messages[3][:-1])

@@ -86,6 +86,16 @@ def test_calculate_rewards_equals_upstream(reward_folder, batch_size):
     assert parts["rewards"].tolist() == pytest.approx(REFERENCE["ppo_rewards"], abs=TOLERANCE)
 
 
+def test_float16_equals_upstream_float16(reward_folder):
+    """Upstream's own precision: both sides in float16 (upstream's LMForRewardModel default), within 1e-3."""
+    reward_model = LMForRewardModel(reward_folder, dtype=torch.float16, batch_size=4)
+    responses = REFERENCE["responses"]
+    parts = calculate_rewards(PROMPTS_PER_ANSWER, responses, [""] * len(responses), reward_model,
+                              answer_reward_weight=1.0)
+    assert parts["reward_model_scores"].tolist() == pytest.approx(REFERENCE["reward_model_scores_float16"], abs=1e-3)
+    assert parts["rewards"].tolist() == pytest.approx(REFERENCE["grpo_rewards_float16"], abs=1e-3)
+
+
 def test_one_answer_alone_equals_upstream(reward_folder):
     """get_score of one answer, and a batch whose size leaves a remainder of 1 by the chunk size (5 = 2 + 2 + 1)."""
     from trainer.trainer_utils import prompt_to_messages
