@@ -41,6 +41,7 @@ from trainer.evaluation import HeldOutEvaluator
 from trainer.rollout_engine import (
     ROLLOUT_ENGINES, SGLANG_LOGPROB_MODES, TORCH_LOGPROB_MODES, create_rollout_engine,
 )
+from trainer.tokenizer_check import check_tokenizer_fits_checkpoint, write_tokenizer_record
 from trainer.trainer_utils import (
     DEFAULT_REWARD_MODEL_PATH, DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, DTYPE_CHOICES, DTYPES, ROOT,
     LMForRewardModel, Logger, add_bool_flag, atomic_save, build_config, check_writable_dir,
@@ -765,6 +766,7 @@ def save_checkpoint(args, script, lm_config, objects, progress, weights):
             state_dict = half_state_dict(module)
             check_finite_state(state_dict, path)
             atomic_save(state_dict, path)
+            write_tokenizer_record(path, args.tokenizer_path)  # which tokenizer these weights go with
     path = resume_path(args.save_weight, args.save_dir, args.hidden_size, args.use_moe)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     save_resume(path, script, args, dict(progress, world_size=world_size), training_states(objects))
@@ -864,6 +866,8 @@ class RLRun:
         lm_config = build_config(args.hidden_size, args.num_hidden_layers, args.use_moe)
         # the data is read and validated before any model is built: a bad line is reported even without weights
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
+        check_tokenizer_fits_checkpoint(tokenizer, args.tokenizer_path, None if args.from_weight == "none" else
+                                        weight_path(args.from_weight, args.save_dir, args.hidden_size, args.use_moe))
         dataset = RLAIFDataset(args.data_path, tokenizer, thinking_ratio=args.thinking_ratio, seed=args.seed)
         needed = args.batch_size * world_size
         if len(dataset) < needed:

@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 from dataset.lm_dataset import SFTDataset, sft_collate
+from trainer.tokenizer_check import write_tokenizer_record
 from trainer.trainer_utils import (
     DEFAULT_SAVE_DIR, Logger, add_bool_flag, atomic_save, build_config, build_cosine_scheduler, check_writable_dir,
     half_state_dict, init_distributed_mode, init_model, is_main_process, setup_seed, weight_path,
@@ -130,6 +131,7 @@ def main(argv=None):
             if args.save_interval and step % args.save_interval == 0 and is_main_process():
                 snapshot = weight_path(f"{args.save_weight}_step{step}", args.save_dir, args.hidden_size, args.use_moe)
                 atomic_save(half_state_dict(model), snapshot)
+                write_tokenizer_record(snapshot, tokenizer.name_or_path)
             if step >= total_steps:
                 break
         if step >= total_steps:
@@ -138,6 +140,7 @@ def main(argv=None):
     if is_main_process():
         path = weight_path(args.save_weight, args.save_dir, args.hidden_size, args.use_moe)
         atomic_save(half_state_dict(model), path)
+        write_tokenizer_record(path, tokenizer.name_or_path)  # which tokenizer these weights go with
         Logger(f"saved {path}")
     if dist.is_initialized():
         dist.destroy_process_group()
