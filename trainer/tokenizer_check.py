@@ -56,9 +56,12 @@ def write_tokenizer_record(checkpoint_path, tokenizer_path):
 
 
 def embedding_rows(checkpoint_path):
-    """Rows of ``model.embed_tokens.weight`` in a MiniMind ``.pth`` state dict (memory-mapped: only the header is
-    read), or None when the file has no such tensor (the strict load names that problem later)."""
-    state_dict = torch.load(checkpoint_path, map_location="cpu", weights_only=True, mmap=True)
+    """Rows of ``model.embed_tokens.weight`` in a MiniMind ``.pth`` state dict (memory-mapped where the file allows,
+    so the tensors are not read), or None when the file has no such tensor (the strict load names that later)."""
+    try:
+        state_dict = torch.load(checkpoint_path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # a file in torch's legacy (non-zip) format cannot be memory-mapped
+        state_dict = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
     tensor = state_dict.get(EMBEDDING_KEY) if isinstance(state_dict, dict) else None
     return None if tensor is None else tensor.shape[0]
 
