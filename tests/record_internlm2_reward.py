@@ -12,7 +12,8 @@ AutoTokenizer builds the remote fast tokenizer from tokenizer.model with it; hug
     python -m venv /tmp/tf457
     /tmp/tf457/bin/pip install torch==2.13.0 transformers==4.57.6 sentencepiece einops protobuf \\
         "huggingface-hub<1.0" "datasets<4" requests
-    git clone https://github.com/jingyaogong/minimind /tmp/minimind   # commit d65ef2c (trainer, model, dataset)
+    git clone https://github.com/jingyaogong/minimind /tmp/minimind
+    git -C /tmp/minimind checkout d65ef2c00ebc6082f9df11541e1b191655eddb00   # the commit the file was recorded at
     /tmp/tf457/bin/python tests/record_internlm2_reward.py --minimind /tmp/minimind \\
         --out tests/reference_internlm2_reward.json
 """
