@@ -25,6 +25,7 @@ from trainer.checkpoints import (
     DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, atomic_save, build_config, init_model, weight_path,
 )
 from trainer.flags import add_bool_flag
+from trainer.tokenizer_check import write_tokenizer_record
 
 
 def to_hf(args):
@@ -53,6 +54,8 @@ def to_minimind(args):
         raise ValueError(f"{args.hf_dir}: missing tensors {missing[:8]}, unexpected tensors {unexpected[:8]}")
     dtype = DTYPES[args.dtype]
     atomic_save({k: v.to(dtype) for k, v in state_dict.items()}, args.out)
+    if os.path.isfile(os.path.join(args.hf_dir, "tokenizer_config.json")):  # the tokenizer to_hf wrote beside it
+        write_tokenizer_record(args.out, args.hf_dir)
     print(f"wrote {args.out} (hidden_size {lm_config.hidden_size}, num_hidden_layers {lm_config.num_hidden_layers}:"
           f" pass --hidden_size {lm_config.hidden_size} --num_hidden_layers {lm_config.num_hidden_layers} "
           f"--from_weight {args.out} to the training scripts)")

@@ -39,12 +39,15 @@ def tokenizer():
 @pytest.fixture
 def tiny_weights(tmp_path):
     """A random MiniMind of the scripts' flags --hidden_size 64 --num_hidden_layers 2, saved as {tmp}/tiny_64.pth
-    (MiniMind naming); returns (save_dir, name)."""
+    (MiniMind naming) with the record of the bundled tokenizer beside it (tiny_64.tokenizer.json), as the scripts
+    save weights; returns (save_dir, name)."""
     from model.model_minimind import MiniMindForCausalLM
+    from trainer.tokenizer_check import write_tokenizer_record
     from trainer.checkpoints import build_config
     torch.manual_seed(0)
     model = MiniMindForCausalLM(build_config(hidden_size=64, num_hidden_layers=2, use_moe=0))
     torch.save({k: v.half() for k, v in model.state_dict().items()}, tmp_path / "tiny_64.pth")
+    write_tokenizer_record(str(tmp_path / "tiny_64.pth"), os.path.join(ROOT, "model"))  # as the scripts save it
     return str(tmp_path), "tiny"
 
 

@@ -33,7 +33,8 @@ def harness(script, harness_flags, script_flags, timeout=300):
 def new_run_dir(tmp_path, name, tiny_weights):
     folder = tmp_path / name
     folder.mkdir()
-    shutil.copy(os.path.join(tiny_weights[0], "tiny_64.pth"), folder / "tiny_64.pth")
+    for name in ("tiny_64.pth", "tiny_64.tokenizer.json"):  # the weights and the record of their tokenizer
+        shutil.copy(os.path.join(tiny_weights[0], name), folder / name)
     return folder
 
 

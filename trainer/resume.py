@@ -12,6 +12,7 @@ import torch.distributed as dist
 from trainer.checkpoints import atomic_save, half_state_dict, unwrap_model, weight_path
 from trainer.distributed import Logger, is_main_process, setup_seed
 from trainer.optimizer import load_optimizer_state
+from trainer.tokenizer_check import write_tokenizer_record
 
 RESUME_FORMAT_VERSION = 1
 ARCHITECTURE_FLAGS = ("hidden_size", "num_hidden_layers", "use_moe")
@@ -303,6 +304,7 @@ def save_checkpoint(args, script, lm_config, objects, progress, weights):
             state_dict = half_state_dict(module)
             check_finite_state(state_dict, path)
             atomic_save(state_dict, path)
+            write_tokenizer_record(path, args.tokenizer_path)  # which tokenizer these weights go with
     path = resume_path(args.save_weight, args.save_dir, args.hidden_size, args.use_moe)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     save_resume(path, script, args, dict(progress, world_size=world_size), training_states(objects))

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoTokenizer
 
 from dataset.lm_dataset import RLAIFDataset
-from trainer.checkpoints import build_config
+from trainer.checkpoints import build_config, weight_path
 from trainer.distributed import Logger, any_rank, init_distributed_mode, mean_over_ranks, setup_seed
 from trainer.dtypes import resolve_train_dtype
 from trainer.evaluation import HeldOutEvaluator
@@ -37,6 +37,7 @@ from trainer.flags import rollout_engine_kwargs
 from trainer.metrics import MetricsWriter, StepTimer, open_metrics
 from trainer.resume import resume_command, save_checkpoint, start_or_resume
 from trainer.rollout_engine import create_rollout_engine
+from trainer.tokenizer_check import check_tokenizer_fits_checkpoint
 
 
 class StopSignal:
@@ -222,6 +223,8 @@ class RLRun:
         args.dtype = resolve_train_dtype(args.dtype, device)  # "auto" -> what this device runs
         lm_config = build_config(args.hidden_size, args.num_hidden_layers, args.use_moe)
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
+        check_tokenizer_fits_checkpoint(tokenizer, args.tokenizer_path, None if args.from_weight == "none" else
+                                        weight_path(args.from_weight, args.save_dir, args.hidden_size, args.use_moe))
         dataset = RLAIFDataset(args.data_path, tokenizer, thinking_ratio=args.thinking_ratio, seed=args.seed)
         needed = args.batch_size * world_size
         if len(dataset) < needed:

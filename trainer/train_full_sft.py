@@ -33,6 +33,7 @@ from trainer.optimizer import build_cosine_scheduler
 from trainer.distributed import any_rank
 from trainer.optimizer import project_scale_only_gradients
 from trainer.rl_harness import BadStepGuard, nonfinite_parts
+from trainer.tokenizer_check import write_tokenizer_record
 
 
 def parse_args(argv=None):
@@ -137,6 +138,7 @@ def main(argv=None):
             if args.save_interval and step % args.save_interval == 0 and is_main_process():
                 snapshot = weight_path(f"{args.save_weight}_step{step}", args.save_dir, args.hidden_size, args.use_moe)
                 atomic_save(half_state_dict(model), snapshot)
+                write_tokenizer_record(snapshot, tokenizer.name_or_path)
             if step >= total_steps:
                 break
         if step >= total_steps:
@@ -145,6 +147,7 @@ def main(argv=None):
     if is_main_process():
         path = weight_path(args.save_weight, args.save_dir, args.hidden_size, args.use_moe)
         atomic_save(half_state_dict(model), path)
+        write_tokenizer_record(path, tokenizer.name_or_path)  # which tokenizer these weights go with
         Logger(f"saved {path}")
     if dist.is_initialized():
         dist.destroy_process_group()

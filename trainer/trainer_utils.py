@@ -14,6 +14,9 @@ import torch
 from transformers import AutoTokenizer
 
 from trainer.dtypes import resolve_dtype, reward_model_dtype
+from trainer.internlm2_reward import (
+    InternLM2RewardModel, InternLM2RewardTokenizer, is_internlm2_reward, require_sentencepiece,
+)
 
 
 # ----------------------------------------------------------------------------- rewards (chapter 8.3)
@@ -109,7 +112,8 @@ def reward_model_messages(messages, response):
     they are, thinking included, as upstream does), and the user turn is
     ``f"{history}\\n以上是对话历史。我的新问题是：\\n{last query}"``, or the last query alone when there is
     no history.
-    The assistant turn is the final answer of ``response`` (the text after '</think>', ``split_thinking``).
+    The assistant turn is the final answer of ``response`` (the text after '</think>', ``split_thinking``);
+    ``LMForRewardModel`` gives models with upstream's interface upstream's text instead (``answer_text``).
 
     Args:
         messages: list of {"role", "content"} of the prompt (``prompt_to_messages``); may be empty.
@@ -138,10 +142,15 @@ def render_reward_text(tokenizer, conversation):
 def read_reward_model_config(path, trust_remote_code):
     """Check a reward-model folder before anything is loaded; returns its config.json as a dict.
 
+    An InternLM2 reward model (``auto_map`` naming ``InternLM2ForRewardModel``, upstream MiniMind's default
+    ``internlm2-1_8b-reward``) loads without running its code (``trainer/internlm2_reward.py``), so it needs no
+    ``trust_remote_code``; it needs the sentencepiece package.
+
     Raises:
         FileNotFoundError: if ``path`` or its config.json does not exist.
         ValueError: if config.json is not JSON, or the model needs remote code (an ``auto_map`` in config.json)
-            and ``trust_remote_code`` is false.
+            and ``trust_remote_code`` is false, or an InternLM2 reward model while sentencepiece is not installed
+            (the message gives the pip command).
     """
     if not os.path.exists(path):
         raise FileNotFoundError(f"--reward_model_path {path} does not exist (use 'none' to disable)")
@@ -153,7 +162,12 @@ def read_reward_model_config(path, trust_remote_code):
             config = json.load(f)
     except json.JSONDecodeError as err:
         raise ValueError(f"{config_path}:{err.lineno}: invalid JSON ({err.msg})") from err
-    if config.get("auto_map") and not trust_remote_code:
+    if is_internlm2_reward(config):
+        try:
+            require_sentencepiece(path)
+        except ModuleNotFoundError as err:
+            raise ValueError(str(err)) from err
+    elif config.get("auto_map") and not trust_remote_code:
         raise ValueError(f"--reward_model_path {path} runs its own Python code (auto_map in config.json: "
                          f"{sorted(config['auto_map'])}); pass --trust_remote_code to allow it "
                          f"(after reading that code)")
@@ -163,22 +177,28 @@ def read_reward_model_config(path, trust_remote_code):
 class LMForRewardModel:
     """External reward model of chapter 8.3: ``get_scores`` -> one score per answer, clipped to [-3, 3].
 
-    Two kinds load:
+    Three kinds load:
       (a) a transformers sequence-classification model with one label (``AutoModelForSequenceClassification``,
           e.g. ``Qwen3ForSequenceClassification`` as written by ``trainer/train_reward.py``): the conversation of
           ``reward_model_messages`` is rendered with the reward model's own chat template and scored in
           right-padded forwards of at most ``batch_size`` answers; the score is the logit at the last non-pad token;
-      (b) a remote-code model exposing ``get_score(tokenizer, messages)`` (and optionally the batched
-          ``get_scores(tokenizer, list of messages)``), as internlm2's reward models do; loaded with
-          ``AutoModel.from_pretrained(..., trust_remote_code=True)`` only when ``trust_remote_code`` is true.
+      (b) an InternLM2 reward model (``auto_map`` naming ``InternLM2ForRewardModel``: upstream MiniMind's default
+          ``internlm2-1_8b-reward``): loaded into transformers' ``LlamaModel`` without running its remote code
+          (``trainer/internlm2_reward.py``) and scored as its ``get_scores`` scores, in chunks of ``batch_size``;
+      (c) another remote-code model exposing ``get_score(tokenizer, messages)`` (and optionally the batched
+          ``get_scores(tokenizer, list of messages)``, whose result may be a bare float for one conversation);
+          loaded with ``AutoModel.from_pretrained(..., trust_remote_code=True)`` only when ``trust_remote_code``.
+    Kinds (b) and (c), upstream's interface, score upstream's text (``answer_text``); kind (a) scores the stripped
+    final answer, the text ``train_reward.py`` trains on.
 
     Args:
         path: model folder. device: e.g. "cpu", "cuda:0". dtype: torch dtype of the weights.
         batch_size: answers per forward (``--reward_batch_size``). max_length: tokens kept per answer (from the right,
-            so the answer is never cut). trust_remote_code: allow kind (b).
+            so the answer is never cut). trust_remote_code: allow kind (c).
     Raises:
-        FileNotFoundError / ValueError: see ``read_reward_model_config``; ValueError also for a sequence-classification
-            model with more than one label, or a remote-code model without ``get_score``.
+        FileNotFoundError / ValueError: see ``read_reward_model_config`` (and ``InternLM2RewardModel.from_pretrained``
+            for kind (b)); ValueError also for a sequence-classification model with more than one label, or a
+            remote-code model without ``get_score``.
     """
 
     def __init__(self, path, device="cpu", dtype=torch.float32, batch_size=16, max_length=2048,
@@ -187,14 +207,20 @@ class LMForRewardModel:
 
         config = read_reward_model_config(path, trust_remote_code)
         auto_map = config.get("auto_map") or {}
-        self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        self.remote = bool(auto_map) and "AutoModelForSequenceClassification" not in auto_map
-        if self.remote:
+        if is_internlm2_reward(config):
+            self.kind = "internlm2"
+            self.tokenizer = InternLM2RewardTokenizer(path)
+            self.model = InternLM2RewardModel.from_pretrained(path, config, dtype=dtype)
+        elif auto_map and "AutoModelForSequenceClassification" not in auto_map:
+            self.kind = "remote"
+            self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
             self.model = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=True)
             if not callable(getattr(self.model, "get_score", None)):
                 raise ValueError(f"--reward_model_path {path}: {type(self.model).__name__} has no "
                                  f"get_score(tokenizer, messages) and is not a sequence-classification model")
         else:
+            self.kind = "classifier"
+            self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
             self.model = AutoModelForSequenceClassification.from_pretrained(
                 path, dtype=dtype, trust_remote_code=trust_remote_code)
             if self.model.config.num_labels != 1:
@@ -211,15 +237,34 @@ class LMForRewardModel:
         self.batch_size = batch_size
         self.max_length = max_length
 
+    @staticmethod
+    def score_list(scores, count):
+        """``count`` floats from what a remote ``get_scores`` returned: a list, a tensor, or a bare float (its
+        ``squeeze().tolist()`` for one conversation). Raises ValueError when the number of scores is not ``count``."""
+        values = torch.as_tensor(scores, dtype=torch.float32).reshape(-1).tolist()
+        if len(values) != count:
+            raise ValueError(f"the reward model's get_scores returned {len(values)} scores for {count} conversations")
+        return values
+
+    @staticmethod
+    def answer_text(response):
+        """The answer text that upstream MiniMind's ``calculate_rewards`` gives the reward model: the text after the
+        first '</think>', stripped, or the whole response unchanged when it has no '</think>'."""
+        if "</think>" in response:
+            return response.split("</think>", 1)[1].strip()
+        return response
+
     @torch.no_grad()
     def raw_scores(self, conversations):
         """Unclipped fp32 scores (list of floats) of conversations ([user, assistant] messages), in chunks."""
         scores = []
         for start in range(0, len(conversations), self.batch_size):
             chunk = conversations[start:start + self.batch_size]
-            if self.remote and callable(getattr(self.model, "get_scores", None)):
-                scores.extend(float(s) for s in self.model.get_scores(self.tokenizer, chunk))
-            elif self.remote:
+            if self.kind == "internlm2":
+                scores.extend(self.model.get_scores(self.tokenizer, chunk, max_length=self.max_length))
+            elif self.kind == "remote" and callable(getattr(self.model, "get_scores", None)):
+                scores.extend(self.score_list(self.model.get_scores(self.tokenizer, chunk), len(chunk)))
+            elif self.kind == "remote":
                 scores.extend(float(self.model.get_score(self.tokenizer, c)) for c in chunk)
             else:
                 scores.extend(self.classifier_scores(chunk))
@@ -238,11 +283,15 @@ class LMForRewardModel:
 
         Args:
             messages_list: list of N message lists (the prompts, ``prompt_to_messages``).
-            responses: list of N completions; only the final answer (after '</think>') is scored.
+            responses: list of N completions; the final answer is scored (after '</think>'; see the class
+                docstring for the text of each kind).
         Returns:
             list of N floats in [-3, 3].
         """
         conversations = [reward_model_messages(m, r) for m, r in zip(messages_list, responses)]
+        if self.kind != "classifier":  # upstream's interface: upstream's text
+            for conversation, response in zip(conversations, responses):
+                conversation[-1]["content"] = self.answer_text(response)
         return [max(min(score, 3.0), -3.0) for score in self.raw_scores(conversations)]
 
     def get_score(self, messages, response):
