@@ -7,10 +7,13 @@ One step, in chapter order:
   3. advantages [B*G] = (r - group mean) / (group std + 1e-4) (8.5.1, ``grpo_advantages``);
   4. ref_per_token_logps from the frozen reference model, per_token_logps from the policy (with grad);
   5. loss: CISPO (default) or the clipped GRPO surrogate, plus beta * k3 KL to the reference
-     (8.5.2, 8.6, ``grpo_loss``), then backward, grad clip, AdamW + cosine schedule (the final RMSNorm gain
-     in a group of its own that learns the output's sharpness, ``build_policy_optimizer``);
+     (8.5.2, 8.6, ``grpo_loss``), then backward and the update, written out in ``main``: grad clip, AdamW step
+     (the final RMSNorm gain in a group of its own that learns the output's sharpness, ``build_policy_optimizer``),
+     cosine schedule, or no step on any rank when a value was NaN;
   6. one log line + metrics.jsonl (+ wandb), atomic checkpoints, and the held-out evaluation at step 0,
      every ``--eval_interval`` steps and at the end (``trainer/evaluation.py``).
+
+``main`` builds the roles of chapter 8.1 (policy, frozen reference, reward model) and runs the loop.
 
 Run (the embedded default: tiny MiniMind, bundled arithmetic prompts, CPU):
     python trainer/train_grpo.py

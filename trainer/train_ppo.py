@@ -14,8 +14,11 @@ One step, in chapter order:
      (``ppo_policy_loss``, 8.4.3) and the clipped value loss (``ppo_value_loss``, 8.4.4),
      loss = policy_loss + vf_coef * value_loss + both MoE aux losses; the epochs stop early once the approximate KL
      0.5 * E[(log ratio)^2] passes ``early_stop_kl``;
-  6. two AdamW optimizers with cosine schedules (actor, critic; the actor's final RMSNorm gain in a group of
-     its own, ``build_policy_optimizer``), one log line, atomic checkpoints, the held-out evaluation.
+  6. the update (``clip_and_step``, in ``ppo_update``): each model's gradient norm clipped, then both AdamW
+     optimizers step (the actor's final RMSNorm gain in a group of its own, ``build_policy_optimizer``), or neither
+     on a NaN; cosine schedules once per rollout; then one log line, atomic checkpoints, the held-out evaluation.
+
+``main`` builds the roles of chapter 8.1 (actor, frozen reference, reward model, critic) and runs the loop.
 
 "The learner's article" below is the walk-through of MiniMind's PPO code listed in the README's Sources.
 
