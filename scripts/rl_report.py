@@ -130,31 +130,33 @@ def plot_report(report, out_dir):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    figure, axis = plt.subplots(figsize=(6, 4))
-    for name, result in report["checkpoints"].items():
-        labels = list(result["accuracy"])
-        axis.plot(range(len(labels)), list(result["accuracy"].values()), marker="o", label=name)
-    axis.set_xticks(range(len(labels)), ["greedy" if x == "greedy" else f"T {x}" for x in labels])
-    axis.set_ylabel("held-out accuracy")
-    axis.set_title(f"accuracy against sampling temperature ({report['num_prompts']} prompts)")
-    axis.grid(alpha=0.3)
-    axis.legend()
-    figure.tight_layout()
-    figure.savefig(os.path.join(out_dir, "accuracy_vs_temperature.png"), dpi=120)
-    plt.close(figure)
-    figure, axis = plt.subplots(figsize=(6, 4))
-    for name, result in report["checkpoints"].items():
-        ks = [int(k) for k in result["pass_at_k"]]
-        axis.plot(ks, list(result["pass_at_k"].values()), marker=".", label=name)
-    axis.set_xscale("log", base=2)
-    axis.set_xlabel("k")
-    axis.set_ylabel("pass@k")
-    axis.set_title(f"pass@k at T {report['pass_temperature']:g} (n = {report['num_samples']} answers a prompt)")
-    axis.grid(alpha=0.3)
-    axis.legend()
-    figure.tight_layout()
-    figure.savefig(os.path.join(out_dir, "pass_at_k.png"), dpi=120)
-    plt.close(figure)
+
+    def save_lines(file_name, curves, title, ylabel, xlabel="", xticks=None, log2_x=False):
+        figure, axis = plt.subplots(figsize=(6, 4))
+        for name, (xs, ys) in curves.items():
+            axis.plot(xs, ys, marker="o", markersize=3, label=name)
+        if xticks:
+            axis.set_xticks(*xticks)
+        if log2_x:
+            axis.set_xscale("log", base=2)
+        axis.set(title=title, xlabel=xlabel, ylabel=ylabel)
+        axis.grid(alpha=0.3)
+        axis.legend()
+        figure.tight_layout()
+        figure.savefig(os.path.join(out_dir, file_name), dpi=120)
+        plt.close(figure)
+
+    checkpoints = report["checkpoints"]
+    labels = list(next(iter(checkpoints.values()))["accuracy"])
+    save_lines("accuracy_vs_temperature.png",
+               {name: (range(len(labels)), list(r["accuracy"].values())) for name, r in checkpoints.items()},
+               f"accuracy against sampling temperature ({report['num_prompts']} prompts)", "held-out accuracy",
+               xticks=(range(len(labels)), ["greedy" if x == "greedy" else f"T {x}" for x in labels]))
+    save_lines("pass_at_k.png",
+               {name: ([int(k) for k in r["pass_at_k"]], list(r["pass_at_k"].values()))
+                for name, r in checkpoints.items()},
+               f"pass@k at T {report['pass_temperature']:g} (n = {report['num_samples']} answers a prompt)",
+               "pass@k", xlabel="k", log2_x=True)
 
 
 def error_table(report):
