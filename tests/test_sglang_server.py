@@ -50,9 +50,10 @@ def free_port():
 
 
 def launch_server(model_dir, work_dir):
-    """scripts/launch_sglang.sh on ``model_dir`` with SGLANG_PYTHON; returns (url, pid of the process group)."""
+    """scripts/launch_sglang.sh on ``model_dir`` with SGLANG_PYTHON; returns (url, pid of the process group).
+    The PID file goes to SGLANG_PID_DIR when set (.ci/run stops every server listed there on exit)."""
     port = free_port()
-    pid_file = os.path.join(work_dir, f"sglang-{port}.pid")
+    pid_file = os.path.join(os.environ.get("SGLANG_PID_DIR") or work_dir, f"sglang-{port}.pid")
     env = dict(os.environ, SGLANG_PYTHON=SGLANG_PYTHON, SGLANG_PID_FILE=pid_file,
                SGLANG_LOG=os.path.join(work_dir, f"sglang-{port}.log"))
     done = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_sglang.sh"), model_dir, str(port)],
