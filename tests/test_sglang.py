@@ -2,6 +2,7 @@
 import json
 import os
 import socket
+import sys
 
 import pytest
 import requests
@@ -322,9 +323,11 @@ SGLangStandin(args.model_path, port=args.port).httpd.serve_forever()
 """
 
 
-def test_check_sglang_launches_and_stops_the_server(tiny_weights, tmp_path, monkeypatch):
-    """Without --sglang_url the script runs `python -m sglang.launch_server` (here a fake package that serves
-    the stand-in) on the exported folder, and stops it at the end."""
+@pytest.mark.parametrize("server_device", ["cuda", "cpu"])
+def test_check_sglang_launches_and_stops_the_server(server_device, tiny_weights, tmp_path, monkeypatch):
+    """Without --sglang_url the script launches `--sglang_python -m sglang.launch_server` (cuda) or
+    scripts/launch_sglang.sh with that python (cpu), here with a fake package that serves the stand-in, on the
+    exported folder, and stops it at the end."""
     from conftest import ROOT
     from scripts.check_sglang import main as check_main
     fake = tmp_path / "fake" / "sglang"
@@ -336,6 +339,7 @@ def test_check_sglang_launches_and_stops_the_server(tiny_weights, tmp_path, monk
     save_dir, name = tiny_weights
     port = free_port()
     summary = check_main(["--port", str(port), "--server_args", "", "--launch_timeout", "300", "--save_dir", save_dir,
+                          "--server_device", server_device, "--sglang_python", sys.executable,
                           "--from_weight", name, "--work_dir", str(tmp_path / "check"), "--num_prompts", "1",
                           "--num_generations", "2", "--max_gen_len", "4", "--grpo_steps", "1"] + ARCH)
     assert summary["sglang_logprob_gap"] < 1e-3
