@@ -19,7 +19,7 @@
 #   --mem-fraction-static 0.2 --max-total-tokens 32768 --max-running-requests 64 --context-length 2048
 #                                    caps on the KV cache and the batch (the defaults size them for a GPU)
 #   --disable-overlap-schedule       no overlap of scheduling and compute
-#   --sleep-on-idle                  an idle server sleeps instead of polling (about 85% of a core without it)
+#   --sleep-on-idle                  an idle server sleeps instead of polling (without it: one core busy)
 set -euo pipefail
 if [[ $# -lt 2 ]]; then
     echo "usage: $0 MODEL_DIR PORT [extra sglang.launch_server arguments]" >&2
