@@ -25,12 +25,20 @@ FLOPs utilisation against the fp32 and bf16 matrix-multiply peaks measured at th
 policy forward + backward: 2 + 2 + 6 FLOPs per weight per token, plus attention), the same numerator for
 every contestant, so MFU ratios are inverse time ratios.
 
+``--contestants sglang_engine`` adds the rollout of ``SGLangRolloutEngine`` against a real SGLang server on the
+CPU (float32, EOS ignored as for the others): for each run a server is launched on the workload's weights by
+scripts/launch_sglang.sh (the venv of scripts/setup_sglang_env.sh, or ``--sglang_python``) and stopped after
+it, so no engine shares the machine with another; its "server" phase is the /generate request, the rest is
+the engine's local recomputation of the old log-probs (``--sglang_logprobs recompute``, the default).
+
 Run:
     pip install -r requirements-bench.txt      # TRL (benchmark only)
     pip install --no-deps --target .bench/trl-1.9.2 trl==1.9.2   # for trl_ppo only
     python scripts/bench.py                    # about 20 minutes on a 2-core CPU; table + out/bench/bench.json
     python scripts/bench.py --tiny             # seconds: a 2-layer model, 8 tokens (what the test runs)
     python scripts/bench.py --device cuda --dtype bfloat16 --lengths 64   # on a GPU (scripts/check_gpu.py)
+    python scripts/bench.py --contestants sglang_engine,ours_rollout,hf_generate --sizes default --lengths 64 \\
+        --dtype float32 --repeats 3 --json out/bench/bench_sglang.json   # the SGLang rollout (docs/performance.md)
 """
 import argparse
 import contextlib
@@ -59,6 +67,7 @@ SIZES = {  # name -> (hidden_size, num_hidden_layers, starting weights)
     "tiny": (64, 2, "random"),
 }
 CONTESTANTS = ("ours_grpo", "trl_grpo", "ours_rollout", "hf_generate", "ours_ppo", "trl_ppo")
+SGLANG_CONTESTANT = "sglang_engine"  # asked for by name only: it needs the SGLang server venv (docs/sglang.md)
 TRL_PPO_VERSION = "1.9.2"  # the last TRL release with PPOTrainer (trl.experimental.ppo; removed in TRL PR #7020)
 DEFAULT_TRL_PPO_PATH = os.path.join(ROOT, ".bench", f"trl-{TRL_PPO_VERSION}")
 PHASES = ("rollout", "reward", "reference_forward", "policy_forward", "policy_backward", "optimizer")
@@ -210,6 +219,8 @@ def summarize(step_phases, step_totals, tokens_per_rollout, model_flops, peaks, 
     median = statistics.median(step_totals)
     phases = {name: statistics.median([p.get(name, 0.0) for p in step_phases]) for name in PHASES}
     phases["other"] = max(median - sum(phases.values()), 0.0)
+    if any("server" in p for p in step_phases):  # sglang_engine: the /generate request, a part of "rollout"
+        phases["server"] = statistics.median([p.get("server", 0.0) for p in step_phases])
     rollout = phases["rollout"]
     return {
         "step_s_median": median, "step_s_min": min(step_totals), "step_s_max": max(step_totals),
@@ -392,6 +403,60 @@ def run_rollouts(spec, tokenizer, timer, contestant):
     return phases, totals, rows * spec["gen_len"], config
 
 
+def run_sglang_rollouts(spec, tokenizer, timer):
+    """Rollout alone through ``SGLangRolloutEngine`` against the server at spec["url"] (launched on the
+    workload's weights): the /generate request is the "server" phase, the engine's local recomputation of the
+    old log-probs the rest. EOS is ignored (``ignore_eos``, no stop token) for full-length work."""
+    from trainer import rollout_engine
+    from trainer.rollout_engine import SGLangRolloutEngine, tokenize_prompts
+    model, config = load_minimind(spec)
+    stopping = rollout_engine.sglang_sampling_params
+    rollout_engine.sglang_sampling_params = lambda *args: dict(stopping(*args), ignore_eos=True, stop_token_ids=[])
+    engine = SGLangRolloutEngine(model.eval(), tokenizer, spec["url"], spec["tmp_dir"])
+    engine.request = timer.wrap(engine.request, "server")
+    prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, spec["prompts"], 512, "cpu")
+
+    def rollout():
+        return engine.rollout(prompt_ids, attention_mask, NUM_GENERATIONS, spec["gen_len"]).completion_ids
+    phases, totals = time_steps(timer.wrap(rollout, "rollout"), spec, timer)
+    return phases, totals, NUM_PROMPTS * NUM_GENERATIONS * spec["gen_len"], config
+
+
+def launch_sglang(folder, work_dir, sglang_python):
+    """scripts/launch_sglang.sh on ``folder`` at a free port; returns (url, process-group id of the server).
+    Raises RuntimeError when it cannot start (the script prints why)."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    pid_file = os.path.join(work_dir, f"sglang-{port}.pid")
+    env = dict(os.environ, SGLANG_PID_FILE=pid_file, SGLANG_LOG=os.path.join(work_dir, f"sglang-{port}.log"))
+    if sglang_python:
+        env["SGLANG_PYTHON"] = sglang_python
+    done = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_sglang.sh"), folder, str(port)],
+                          env=env, stdout=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise RuntimeError("scripts/launch_sglang.sh could not start a server (its messages are above)")
+    with open(pid_file) as f:
+        return done.stdout.strip().splitlines()[-1], int(f.read())
+
+
+def stop_sglang(pgid):
+    """SIGTERM the server's process group and wait until it is gone (SIGKILL after 60 s)."""
+    import signal
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    for _ in range(120):
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.5)
+    os.killpg(pgid, signal.SIGKILL)
+
+
 def without_flag(flags, name):
     """``flags`` (a list of words) without ``name`` and the value that follows it."""
     kept, skip = [], False
@@ -528,6 +593,8 @@ def worker(spec):
         phases, totals, tokens, config = run_ours_ppo(spec, tokenizer, timer)
     elif contestant == "trl_ppo":
         phases, totals, tokens, config = run_trl_ppo(spec, tokenizer, timer)
+    elif contestant == SGLANG_CONTESTANT:
+        phases, totals, tokens, config = run_sglang_rollouts(spec, tokenizer, timer)
     else:
         phases, totals, tokens, config = run_rollouts(spec, tokenizer, timer, contestant)
     rows = NUM_PROMPTS * NUM_GENERATIONS
@@ -540,8 +607,13 @@ def worker(spec):
 
 
 # ----------------------------------------------------------------------------- the run
-def contestant_available(name, trl_ppo_path):
+def contestant_available(name, trl_ppo_path, sglang_python=""):
     """None when the contestant can run here, else the reason it cannot."""
+    if name == SGLANG_CONTESTANT:
+        python = sglang_python or os.path.join(os.environ.get("SGLANG_VENV") or os.path.expanduser(
+            os.path.join("~", ".cache", "minimind-rl", "sglang-venv")), "bin", "python")
+        if not os.access(python, os.X_OK):
+            return f"no SGLang server python at {python} (bash scripts/setup_sglang_env.sh, or --sglang_python)"
     if name == "trl_grpo" and importlib.util.find_spec("trl") is None:
         return "trl not installed (pip install -r requirements-bench.txt)"
     if name == "trl_ppo" and not os.path.isdir(os.path.join(trl_ppo_path, "trl", "experimental", "ppo")):
@@ -641,6 +713,8 @@ def parse_args(argv=None):
     parser.add_argument("--json", default=os.path.join(ROOT, "out", "bench", "bench.json"))
     parser.add_argument("--trl_ppo_path", default=DEFAULT_TRL_PPO_PATH,
                         help=f"folder holding TRL {TRL_PPO_VERSION} (for trl_ppo; installed apart from the newer TRL)")
+    parser.add_argument("--sglang_python", default="",
+                        help=f"the server venv's python for {SGLANG_CONTESTANT} (default: launch_sglang.sh's)")
     parser.add_argument("--tiny", action="store_true",
                         help="a 2-layer hidden-64 model, 8 tokens, 1 timed step (keeps the script working)")
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
@@ -651,8 +725,9 @@ def parse_args(argv=None):
         if size not in SIZES:
             parser.error(f"--sizes: unknown size {size!r}; valid: {', '.join(SIZES)}")
     for name in args.contestants.split(","):
-        if name not in CONTESTANTS:
-            parser.error(f"--contestants: unknown contestant {name!r}; valid: {', '.join(CONTESTANTS)}")
+        if name not in CONTESTANTS + (SGLANG_CONTESTANT,):
+            parser.error(f"--contestants: unknown contestant {name!r}; valid: "
+                         f"{', '.join(CONTESTANTS + (SGLANG_CONTESTANT,))}")
     try:
         args.lengths = [int(n) for n in args.lengths.split(",")]
     except ValueError:
@@ -696,10 +771,19 @@ def main(argv=None):
                             tmp_dir=os.path.join(work_dir, f"trl_{size}_{gen_len}_{dtype}_{repeat}"),
                             trl_ppo_path=args.trl_ppo_path, ours_flags=args.ours_flags.split(),
                             natural_eos=args.natural_eos)
-                reason = contestant_available(contestant, args.trl_ppo_path)
+                reason = contestant_available(contestant, args.trl_ppo_path, args.sglang_python)
                 if reason and repeat > 0:
                     continue
-                result = {"skipped": reason} if reason else run_worker(spec, args.timeout)
+                if reason:
+                    result = {"skipped": reason}
+                elif contestant == SGLANG_CONTESTANT:  # a server of its own, up only during this run
+                    url, server = launch_sglang(folder, work_dir, args.sglang_python)
+                    try:
+                        result = run_worker(dict(spec, url=url), args.timeout)
+                    finally:
+                        stop_sglang(server)
+                else:
+                    result = run_worker(spec, args.timeout)
                 runs[contestant].append(result)
                 print(f"{workload} | {contestant} | run {repeat + 1}: " + (
                     f"{result['step_s_median']:.2f} s/step" if "step_s_median" in result else str(result)),

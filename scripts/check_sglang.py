@@ -1,14 +1,19 @@
-"""Check ``--rollout_engine sglang`` on a machine with a CUDA GPU and SGLang installed (not run by CI).
+"""Check ``--rollout_engine sglang`` against a real SGLang server, on a GPU or on a CPU.
 
-Steps: export the policy as a Qwen3ForCausalLM folder, launch ``python -m sglang.launch_server`` on it (or use
-a running server with ``--sglang_url``), sample the same prompts with both rollout engines and print their
-tokens/s and the SGLang log-prob gap (masked mean |server - trainer| per token), then run a few GRPO steps
-with ``--rollout_engine sglang`` and print each step's ``logprob_gap``. The server is stopped at the end.
+Steps: export the policy as a Qwen3ForCausalLM folder, launch a server on it (or use a running server with
+``--sglang_url``), sample the same prompts with both rollout engines and print their tokens/s and the SGLang
+log-prob gap (masked mean |server - trainer| per token), then run a few GRPO steps with
+``--rollout_engine sglang`` and print each step's ``logprob_gap``. A server launched here is stopped at the end.
 
-Usage (pip install "sglang[all]" first; the server shares the GPU with the trainer, hence the memory cap):
-    python scripts/check_sglang.py
-    python scripts/check_sglang.py --from_weight full_sft --hidden_size 256 --num_hidden_layers 4 \\
-        --server_args "--mem-fraction-static 0.4 --dtype float32"
+The server runs in its own Python environment (sglang pins other transformers than the trainer):
+``--sglang_python`` names its python. On a GPU the command is ``PYTHON -m sglang.launch_server``; on a CPU
+(``--server_device cpu``, the default without CUDA) it is ``scripts/launch_sglang.sh``, with the CPU flags and
+the venv of ``scripts/setup_sglang_env.sh`` (docs/sglang.md).
+
+Usage:
+    bash scripts/setup_sglang_env.sh && python scripts/check_sglang.py          # CPU, the default venv
+    python scripts/check_sglang.py --sglang_python /path/to/sglang-venv/bin/python \\
+        --server_args "--mem-fraction-static 0.4 --dtype float32"                 # GPU
     python scripts/check_sglang.py --sglang_url http://127.0.0.1:30000   # a server that is already running
 """
 import argparse
@@ -32,39 +37,71 @@ from trainer.rollout_engine import SGLangRolloutEngine, TorchRolloutEngine, toke
 from trainer.checkpoints import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, init_model, weight_path
 
 
-def launch_server(folder, port, server_args, timeout_s):
-    """Start ``python -m sglang.launch_server`` on ``folder`` and wait for GET /health == 200.
+def launch_server(folder, port, args, work_dir):
+    """Start a server on ``folder`` at 127.0.0.1:``port`` and wait for GET /health == 200.
 
-    The environment is passed on without SGLANG_RETURN_ORIGINAL_LOGPROB, so log-probs are SGLang's default
-    (temperature-scaled, the trainer's convention). Returns (process, url).
+    ``args.server_device`` cuda: ``{sglang_python} -m sglang.launch_server ... {server_args}`` in its own process
+    group; cpu: ``scripts/launch_sglang.sh folder port {server_args}`` (which waits for /health itself) with
+    SGLANG_PYTHON = ``args.sglang_python`` when given. The environment is passed on without
+    SGLANG_RETURN_ORIGINAL_LOGPROB, so log-probs are SGLang's default (temperature-scaled, the trainer's
+    convention). Returns (process-group id, url).
     Raises:
-        RuntimeError: if the server exits or does not answer within ``timeout_s`` seconds.
+        RuntimeError: if the server exits or does not answer within ``args.launch_timeout`` seconds.
     """
     env = {k: v for k, v in os.environ.items() if k != "SGLANG_RETURN_ORIGINAL_LOGPROB"}
-    command = [sys.executable, "-m", "sglang.launch_server", "--model-path", folder, "--port", str(port),
-               "--host", "127.0.0.1"] + shlex.split(server_args)
+    url = f"http://127.0.0.1:{port}"
+    if args.server_device == "cpu":
+        pid_file = os.path.join(work_dir, "sglang.pid")
+        env.update(SGLANG_PID_FILE=pid_file, SGLANG_LOG=os.path.join(work_dir, "sglang.log"),
+                   SGLANG_LAUNCH_TIMEOUT=str(args.launch_timeout))
+        if args.sglang_python:
+            env["SGLANG_PYTHON"] = args.sglang_python
+        command = ["bash", os.path.join(ROOT, "scripts", "launch_sglang.sh"), folder, str(port)]
+        command += shlex.split(args.server_args)
+        print("launching:", " ".join(command), flush=True)
+        done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"scripts/launch_sglang.sh could not start a server (exit {done.returncode}; its "
+                               f"messages are above): {' '.join(command)}")
+        with open(pid_file) as f:
+            return int(f.read()), url
+    command = [args.sglang_python or sys.executable, "-m", "sglang.launch_server", "--model-path", folder,
+               "--port", str(port), "--host", "127.0.0.1"] + shlex.split(args.server_args)
     print("launching:", " ".join(command), flush=True)
     process = subprocess.Popen(command, env=env, start_new_session=True)  # its own process group
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + timeout_s
+    deadline = time.time() + args.launch_timeout
     while time.time() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"the SGLang server exited with code {process.returncode}: {' '.join(command)}")
         try:
             if requests.get(url + "/health", timeout=5).status_code == 200:
-                return process, url
+                return process.pid, url
         except requests.RequestException:
             pass
         time.sleep(5)
-    stop_server(process)
-    raise RuntimeError(f"the SGLang server did not answer {url}/health within {timeout_s} s")
+    stop_server(process.pid)
+    raise RuntimeError(f"the SGLang server did not answer {url}/health within {args.launch_timeout} s")
 
 
-def stop_server(process):
-    """SIGTERM to the server's process group (sglang.launch_server starts scheduler and detokenizer children)."""
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=120)
+def stop_server(pgid, timeout_s=120):
+    """SIGTERM to the server's process group (the launcher, its scheduler and detokenizer), SIGKILL after
+    ``timeout_s`` seconds."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            os.waitpid(pgid, os.WNOHANG)  # reaps the launcher when it is this process's child
+        except ChildProcessError:
+            pass
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.5)
+    os.killpg(pgid, signal.SIGKILL)
 
 
 def timed_rollout(engine, prompt_ids, attention_mask, args):
@@ -128,9 +165,15 @@ def parse_args(argv=None):
     parser.add_argument("--data_path", default=os.path.join(ROOT, "dataset", "rlaif_train.jsonl"))
     parser.add_argument("--work_dir", default=os.path.join(DEFAULT_SAVE_DIR, "check_sglang"))
     parser.add_argument("--sglang_url", default="", help="use this running server instead of launching one")
+    parser.add_argument("--sglang_python", default="",
+                        help="the server venv's python (default: cuda, this python; cpu, the venv of "
+                             "scripts/setup_sglang_env.sh)")
+    parser.add_argument("--server_device", default="auto", choices=["auto", "cuda", "cpu"],
+                        help="auto: cuda when torch sees a GPU, else cpu (scripts/launch_sglang.sh)")
     parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--server_args", default="--mem-fraction-static 0.4",
-                        help="extra arguments of sglang.launch_server")
+    parser.add_argument("--server_args", default=None,
+                        help="extra arguments of sglang.launch_server (default: cuda, --mem-fraction-static 0.4, "
+                             "leaving GPU memory to the trainer; cpu, none beyond launch_sglang.sh's)")
     parser.add_argument("--launch_timeout", type=int, default=900, help="seconds to wait for the server")
     parser.add_argument("--num_prompts", type=int, default=16)
     parser.add_argument("--num_generations", type=int, default=4)
@@ -143,25 +186,33 @@ def parse_args(argv=None):
     for flag in ("num_prompts", "num_generations", "max_gen_len", "grpo_steps"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    if args.sglang_python and not os.access(args.sglang_python, os.X_OK):
+        parser.error(f"--sglang_python {args.sglang_python} is not an executable (bash scripts/setup_sglang_env.sh "
+                     "prints the venv's python)")
+    if args.server_device == "auto":
+        args.server_device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.server_args is None:
+        args.server_args = "--mem-fraction-static 0.4" if args.server_device == "cuda" else ""
     return args
 
 
 def main(argv=None):
     args = parse_args(argv)
     work_dir = os.path.abspath(args.work_dir)
-    process, url = None, args.sglang_url.rstrip("/")
+    server_pgid, url = None, args.sglang_url.rstrip("/")
     if not url:
+        os.makedirs(work_dir, exist_ok=True)
         lm_config = build_config(args.hidden_size, args.num_hidden_layers, 0)
         model, tokenizer = init_model(lm_config, args.from_weight, args.save_dir, args.tokenizer_path)
         folder = save_qwen3_folder(model.state_dict(), lm_config, os.path.join(work_dir, "launch"), tokenizer)
         del model
-        process, url = launch_server(folder, args.port, args.server_args, args.launch_timeout)
+        server_pgid, url = launch_server(folder, args.port, args, work_dir)
     try:
         summary = compare_engines(args, url, work_dir)
         rows = run_grpo_steps(args, url, work_dir)
     finally:
-        if process is not None:
-            stop_server(process)
+        if server_pgid is not None:
+            stop_server(server_pgid)
     summary["grpo_logprob_gap"] = [row["logprob_gap"] for row in rows]
     summary["grpo_reward"] = [row["reward"] for row in rows]
     print(json.dumps(summary, indent=2))

@@ -7,12 +7,14 @@ behaviour as documented (``python/sglang/srt/entrypoints/http_server.py``, ``man
   * POST /generate {input_ids: list[int] | list[list[int]], sampling_params, return_logprob} -> one JSON
     object, or a list in input order for a batch: ``text``, ``output_ids`` (with the EOS id when generation
     stopped on it), ``meta_info`` {id, finish_reason {"type": "stop", "matched": id} | {"type": "length",
-    "length": n}, prompt_tokens, completion_tokens, cached_tokens, output_token_logprobs [[logprob, id, null]]};
+    "length": n}, prompt_tokens, completion_tokens, cached_tokens, weight_version, output_token_logprobs
+    [[logprob, id, null]]};
     log-probs are those of softmax(logits / temperature), or of softmax(logits) when the server was started
     with SGLANG_RETURN_ORIGINAL_LOGPROB=1 (``return_original_logprob=True`` here);
     missing sampling parameters take SGLang's defaults (max_new_tokens 128, temperature 1, top_p 1, top_k -1);
-  * POST /update_weights_from_disk {model_path, ...} -> 200 {success: true, message, num_paused_requests}
-    after really loading the folder's weights, or 400 {success: false, message} when it cannot be loaded;
+  * POST /update_weights_from_disk {model_path, weight_version, ...} -> 200 {success: true, message,
+    num_paused_requests} after really loading the folder's weights (and taking ``weight_version`` as the label
+    of later answers, "default" at launch), or 400 {success: false, message} when it cannot be loaded;
   * GET or POST /flush_cache -> 200 with a text body.
 It generates with the project's own ``MiniMindForCausalLM`` (one full forward per token, no cache).
 
@@ -70,6 +72,7 @@ class SGLangStandin:
         self.requests = []
         self.loaded_paths = []
         self.faults = {}
+        self.weight_version = "default"  # SGLang's --weight-version default
         config, state_dict = load_qwen3_folder(model_path)
         self.model = MiniMindForCausalLM(config).eval()
         self.model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
@@ -127,7 +130,8 @@ class SGLangStandin:
             "output_ids": reported_ids,
             "meta_info": {
                 "id": uuid.uuid4().hex, "finish_reason": finish_reason, "prompt_tokens": len(input_ids),
-                "completion_tokens": len(output_ids), "cached_tokens": 0, "output_token_logprobs": triples,
+                "completion_tokens": len(output_ids), "cached_tokens": 0, "weight_version": self.weight_version,
+                "output_token_logprobs": triples,
             },
         }
 
@@ -146,6 +150,8 @@ class SGLangStandin:
             _, state_dict = load_qwen3_folder(path)
             with self.lock:
                 self.model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
+                if payload.get("weight_version") is not None:
+                    self.weight_version = payload["weight_version"]
         except (OSError, ValueError, RuntimeError) as err:
             return 400, {"success": False, "message": f"Failed to update weights: {err}.\nRolling back to original "
                                                      f"weights.", "num_paused_requests": 0}

@@ -2,6 +2,7 @@
 import json
 import os
 import socket
+import sys
 
 import pytest
 import requests
@@ -112,7 +113,9 @@ def test_server_logps_match_after_update_policy_and_differ_before(start_standin,
     engine.update_policy(trainer_policy)
     assert server_vs_trainer_gap() < 1e-3
     assert server.loaded_paths[-1] == os.path.join(str(tmp_path / "shared"), "policy_v0")
-    assert server.requests[-2][1] == {"model_path": server.loaded_paths[-1], "flush_cache": True}
+    assert server.requests[-2][1] == {"model_path": server.loaded_paths[-1], "flush_cache": True,
+                                      "weight_version": engine.server_weight_version}
+    assert engine.server_weight_version == f"{engine.version_label}-v0"
 
 
 def test_sync_interval_pushes_every_nth_update(start_standin, tokenizer, tmp_path):
@@ -192,6 +195,45 @@ def test_inconsistent_or_aborted_answers_are_refused(start_standin, tokenizer, t
     prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, PROMPTS, 256, "cpu")
     with pytest.raises(RuntimeError, match=message):
         engine.rollout(prompt_ids, attention_mask, 2, 6)
+
+
+@pytest.mark.parametrize("row, value, message", [
+    (1, None, r"prompt rows \[1\] have no token"),
+    (0, 6400, r"outside the vocabulary \[0, 6400\) as \(row, id\): \[\(0, 6400\)\]"),
+    (1, -1, r"outside the vocabulary \[0, 6400\) as \(row, id\): \[\(1, -1\)\]"),
+])
+def test_prompts_that_crash_a_server_are_never_sent(start_standin, tokenizer, tmp_path, row, value, message):
+    """An empty prompt or an id outside the vocabulary stops a real SGLang server: refused before the request."""
+    policy = make_policy(0)
+    server = start_standin(policy)
+    engine = SGLangRolloutEngine(policy, tokenizer, server.url, str(tmp_path / "shared"), **FAST)
+    prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, PROMPTS, 256, "cpu")
+    if value is None:
+        attention_mask[row] = 0
+    else:
+        prompt_ids[row, -1] = value  # the last position is a prompt token (left padding)
+    requests_before = len(server.requests)
+    with pytest.raises(ValueError, match=message):
+        engine.rollout(prompt_ids, attention_mask, 2, 4)
+    assert len(server.requests) == requests_before
+
+
+def test_answers_from_other_weights_stop_the_rollout(start_standin, tokenizer, tmp_path):
+    """Another client reloads the server (as a restart would, the label back to "default"): the next rollout
+    is refused because its answers no longer carry the label of the trainer's last sync."""
+    policy = make_policy(0)
+    server = start_standin(policy)
+    engine = SGLangRolloutEngine(policy, tokenizer, server.url, str(tmp_path / "shared"), **FAST)
+    prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, PROMPTS[:1], 256, "cpu")
+    assert engine.rollout(prompt_ids, attention_mask, 2, 4).completion_ids.size(0) == 2
+    other = save_qwen3_folder(make_policy(7).state_dict(), policy.config, str(tmp_path / "other"), tokenizer=tokenizer)
+    answer = requests.post(server.url + "/update_weights_from_disk", json={"model_path": other,
+                                                                           "weight_version": "default"})
+    assert answer.json()["success"] is True
+    with pytest.raises(RuntimeError, match=r"came from weights 'default', but the trainer synced '[0-9a-f]{8}-v0'"):
+        engine.rollout(prompt_ids, attention_mask, 2, 4)
+    engine.update_policy(policy)  # a new sync labels the server's answers again
+    assert engine.rollout(prompt_ids, attention_mask, 2, 4).metrics["logprob_gap"] < 1e-3
 
 
 def test_server_down_gives_the_startup_error(tokenizer, tmp_path):
@@ -281,9 +323,11 @@ SGLangStandin(args.model_path, port=args.port).httpd.serve_forever()
 """
 
 
-def test_check_sglang_launches_and_stops_the_server(tiny_weights, tmp_path, monkeypatch):
-    """Without --sglang_url the script runs `python -m sglang.launch_server` (here a fake package that serves
-    the stand-in) on the exported folder, and stops it at the end."""
+@pytest.mark.parametrize("server_device", ["cuda", "cpu"])
+def test_check_sglang_launches_and_stops_the_server(server_device, tiny_weights, tmp_path, monkeypatch):
+    """Without --sglang_url the script launches `--sglang_python -m sglang.launch_server` (cuda) or
+    scripts/launch_sglang.sh with that python (cpu), here with a fake package that serves the stand-in, on the
+    exported folder, and stops it at the end."""
     from conftest import ROOT
     from scripts.check_sglang import main as check_main
     fake = tmp_path / "fake" / "sglang"
@@ -295,6 +339,7 @@ def test_check_sglang_launches_and_stops_the_server(tiny_weights, tmp_path, monk
     save_dir, name = tiny_weights
     port = free_port()
     summary = check_main(["--port", str(port), "--server_args", "", "--launch_timeout", "300", "--save_dir", save_dir,
+                          "--server_device", server_device, "--sglang_python", sys.executable,
                           "--from_weight", name, "--work_dir", str(tmp_path / "check"), "--num_prompts", "1",
                           "--num_generations", "2", "--max_gen_len", "4", "--grpo_steps", "1"] + ARCH)
     assert summary["sglang_logprob_gap"] < 1e-3
@@ -376,3 +421,15 @@ def test_parse_a_well_formed_answer():
 def test_parse_refuses_bad_answers(bad, message):
     with pytest.raises(RuntimeError, match=message):
         parse_sglang_output(bad, 3, max_new_tokens=2, eos_token_id=2)
+
+
+def test_parse_checks_the_weight_version_label():
+    good = answer([7], [[-0.5, 7, None]], {"type": "length", "length": 1})
+    good["meta_info"]["weight_version"] = "ab12-v3"
+    assert parse_sglang_output(good, 0, 1, 2, weight_version="ab12-v3") == ([7], [-0.5])
+    assert parse_sglang_output(good, 0, 1, 2, weight_version=None) == ([7], [-0.5])  # nothing synced yet
+    with pytest.raises(RuntimeError, match="answer 0 came from weights 'ab12-v3', but the trainer synced 'ab12-v4'"):
+        parse_sglang_output(good, 0, 1, 2, weight_version="ab12-v4")
+    del good["meta_info"]["weight_version"]
+    with pytest.raises(RuntimeError, match="no meta_info.weight_version"):
+        parse_sglang_output(good, 0, 1, 2, weight_version="ab12-v3")

@@ -331,23 +331,29 @@ def sglang_sampling_params(temperature, top_p, top_k, max_new_tokens, eos_token_
     }
 
 
-def parse_sglang_output(output, index, max_new_tokens, eos_token_id):
+def parse_sglang_output(output, index, max_new_tokens, eos_token_id, weight_version=None):
     """Completion token ids and their log-probs from one element of SGLang's ``/generate`` answer.
 
     SGLang answers a batched request with a JSON list in input order; each element holds ``output_ids``
-    (the generated ids, ending with the EOS id when generation stopped on it) and ``meta_info`` with
-    ``output_token_logprobs`` ([logprob, token_id, text or null] per generated token), ``finish_reason``
-    ({"type": "stop" | "length" | "abort", ...}) and ``completion_tokens`` (SGLang ``io_struct.py`` /
+    (the generated ids, ending with the EOS id when generation stopped on it; ``text`` leaves it out) and
+    ``meta_info`` with ``output_token_logprobs`` ([logprob, token_id, text or null] per generated token),
+    ``finish_reason`` ({"type": "stop" | "length" | "abort", ...}), ``completion_tokens`` and
+    ``weight_version`` (the label of the weights that generated it: the server's ``--weight-version``,
+    "default", until an ``/update_weights_from_disk`` request sets another) (SGLang ``io_struct.py`` /
     ``tokenizer_manager.py``).
 
     Args:
         output: one decoded JSON element; index: its position in the batch (for messages).
+        weight_version: the label of the weights the trainer synced last; None skips the check (nothing
+            synced yet, so the trainer does not know what the server holds).
     Returns:
         (token_ids list[int], logps list[float]) of equal length.
     Raises:
-        RuntimeError: for an aborted request, missing log-probs (never padded), or token ids in the log-prob
-            triples that differ from ``output_ids`` (older servers put prompt tokens into ``output_ids``),
-            counts that disagree, or more than ``max_new_tokens`` tokens.
+        RuntimeError: for an aborted request, an answer from other weights than ``weight_version`` (a server
+            that was restarted, or that another client loaded other weights into: its rollouts would be
+            trained on as if they came from the policy), missing log-probs (never padded), token ids in the
+            log-prob triples that differ from ``output_ids`` (older servers put prompt tokens into
+            ``output_ids``), counts that disagree, or more than ``max_new_tokens`` tokens.
     """
     where = f"SGLang /generate answer {index}"
     if not isinstance(output, dict) or "output_ids" not in output or "meta_info" not in output:
@@ -358,6 +364,14 @@ def parse_sglang_output(output, index, max_new_tokens, eos_token_id):
     if finish_reason.get("type") == "abort":
         raise RuntimeError(f"{where}: the server aborted the request ({finish_reason.get('message', finish_reason)});"
                            " an aborted rollout is not an empty answer, so the step stops here")
+    if weight_version is not None and meta_info.get("weight_version") != weight_version:
+        if "weight_version" not in meta_info:
+            raise RuntimeError(f"{where}: no meta_info.weight_version, so the trainer cannot tell which weights "
+                               "generated it; use an SGLang server that reports it (0.5.21 does)")
+        raise RuntimeError(f"{where} came from weights {meta_info['weight_version']!r}, but the trainer synced "
+                           f"{weight_version!r}: the server was restarted or another client loaded other weights "
+                           "into it, so its rollouts are not the policy's. Give each run its own server, then "
+                           "resume the run (the resumed run pushes its weights at start-up).")
     triples = meta_info.get("output_token_logprobs")
     if triples is None:
         raise RuntimeError(f"{where}: no meta_info.output_token_logprobs (the request sets return_logprob: true; "
@@ -384,12 +398,40 @@ def parse_sglang_output(output, index, max_new_tokens, eos_token_id):
     return token_ids, [float(logp) for logp in logps]
 
 
+def check_sglang_prompts(prompt_ids, attention_mask, vocab_size):
+    """Refuse prompts an SGLang server cannot take, before they are sent (one bad request stops the server).
+
+    An SGLang server's scheduler crashes, and every process of the server exits, on a prompt with no token
+    (``{"input_ids": [[]]}``) or with an id outside the model's vocabulary (SGLang 0.5.21); the engine would then
+    retry a dead server. So both are refused here, with the rows and ids that are wrong.
+
+    Args:
+        prompt_ids: long [B, P]; attention_mask: [B, P] (1 = prompt token); vocab_size: the model's.
+    Raises:
+        ValueError: naming the rows with no prompt token, or the first ids outside [0, vocab_size).
+    """
+    mask = attention_mask.bool()  # [B, P]
+    empty_rows = (~mask.any(dim=1)).nonzero().flatten().tolist()
+    if empty_rows:
+        raise ValueError(f"SGLang rollout: prompt rows {empty_rows[:8]} have no token (attention_mask all 0); "
+                         "an empty prompt crashes the SGLang server, so it is not sent")
+    outside = mask & ((prompt_ids < 0) | (prompt_ids >= vocab_size))  # [B, P]
+    if outside.any():
+        rows, cols = outside.nonzero(as_tuple=True)
+        found = [(int(r), int(prompt_ids[r, c])) for r, c in zip(rows[:8], cols[:8])]
+        raise ValueError(f"SGLang rollout: prompt token ids outside the vocabulary [0, {vocab_size}) as (row, id): "
+                         f"{found}; such an id crashes the SGLang server, so it is not sent (tokenizer and model "
+                         "disagree?)")
+
+
 class SGLangRolloutEngine(RolloutEngine):
     """Rollouts from an SGLang server over its HTTP API; weights synced through a shared folder (chapter 8.2).
 
-    ``rollout`` sends one batched ``/generate`` request (each prompt's unpadded ids, repeated in place,
-    P0,P0,..,P1,..; every sampling parameter explicit; ``return_logprob: true``) and checks the answer
-    (``parse_sglang_output``). The old log-probs follow ``logprobs_mode``:
+    ``rollout`` refuses prompts that would crash the server (``check_sglang_prompts``: an empty prompt, an id
+    outside the vocabulary), sends one batched ``/generate`` request (each prompt's unpadded ids, repeated in
+    place, P0,P0,..,P1,..; every sampling parameter explicit; ``return_logprob: true``) and checks the answer
+    (``parse_sglang_output``), including that every answer carries the ``weight_version`` label of the last
+    sync, so a server that serves other weights stops the run. The old log-probs follow ``logprobs_mode``:
       * "recompute" (default): recomputed by the local policy with ``compute_per_token_logps``, the
         project's convention, whatever the server's settings;
       * "server": the server's own; on the first batch they are checked against a local recomputation and
@@ -400,7 +442,8 @@ class SGLangRolloutEngine(RolloutEngine):
     ``update_policy`` counts its calls and on every ``sync_interval``-th one: rank 0 writes the policy as a
     Qwen3ForCausalLM folder ``{shared_path}/policy_v{n}`` (n = weights pushed before; ``model/hf_qwen3.py``,
     written then renamed) and
-    POSTs ``/update_weights_from_disk`` {model_path, flush_cache: true}; a reply without ``success`` raises
+    POSTs ``/update_weights_from_disk`` {model_path, flush_cache: true, weight_version: a label unique to this
+    engine and push}; a reply without ``success`` raises
     with the server's ``message``; the other ranks learn the outcome by a broadcast. The previous folder is
     removed after a successful update. With ``sync_at_start`` the starting policy is pushed at construction,
     so the server never samples from other weights than the trainer's.
@@ -415,8 +458,10 @@ class SGLangRolloutEngine(RolloutEngine):
         health_retries: /health attempts at start-up before the error with the launch command.
         session: a ``requests.Session`` (default: a new one).
     Raises:
-        ValueError: for an unknown ``logprobs_mode`` or ``sync_interval`` < 1.
-        RuntimeError: at start-up when no server answers /health (naming the URL and the launch command).
+        ValueError: for an unknown ``logprobs_mode`` or ``sync_interval`` < 1; from ``rollout``, for prompts
+            the server cannot take.
+        RuntimeError: at start-up when no server answers /health (naming the URL and the launch command); from
+            ``rollout``, for an answer that fails the checks above.
     """
 
     def __init__(self, policy_model, tokenizer, url, shared_path, logprobs_mode="recompute", sync_interval=1,
@@ -447,6 +492,8 @@ class SGLangRolloutEngine(RolloutEngine):
         self.session = session or requests.Session()
         self.num_update_calls = 0
         self.weight_version = 0
+        self.version_label = os.urandom(4).hex()  # tells this engine's weight versions from any other client's
+        self.server_weight_version = None  # label of the weights synced last; None until the first push
         self.synced_folder = None
         self.server_logps_checked = False
         launch_folder = os.path.join(self.shared_path, "policy_v0")
@@ -499,8 +546,10 @@ class SGLangRolloutEngine(RolloutEngine):
         port = urllib.parse.urlparse(self.url).port or 30000
         raise RuntimeError(
             f"no SGLang server answers at {self.url}/health after {health_retries} attempts ({last_error}). "
-            f"Start one on the policy's weights (pip install sglang; needs a CUDA GPU), e.g.\n"
+            f"Start one on the policy's weights, e.g. on a GPU (pip install sglang)\n"
             f"  python -m sglang.launch_server --model-path {launch_folder} --port {port} --host 127.0.0.1\n"
+            f"or on a CPU (docs/sglang.md): bash scripts/setup_sglang_env.sh, then\n"
+            f"  bash scripts/launch_sglang.sh {launch_folder} {port}\n"
             f"(the folder is written by the trainer at start-up; for other weights use "
             f"python scripts/convert_model.py to_hf --weight ... --out FOLDER), or pass --sglang_url.")
 
@@ -509,6 +558,7 @@ class SGLangRolloutEngine(RolloutEngine):
     def rollout(self, prompt_ids, attention_mask, num_generations, max_new_tokens, temperature=1.0):
         model = unwrap_model(self.policy_model)
         device = prompt_ids.device
+        check_sglang_prompts(prompt_ids, attention_mask, model.config.vocab_size)
         prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
         prompt_mask = attention_mask.repeat_interleave(num_generations, dim=0)  # [N, P]
         input_ids = [row[mask.bool()].tolist() for row, mask in zip(prompt_ids, prompt_mask)]  # N unpadded lists
@@ -521,12 +571,16 @@ class SGLangRolloutEngine(RolloutEngine):
         response = self.request("POST", "/generate", payload)
         if response.status_code != 200:
             raise RuntimeError(f"SGLang {self.url}/generate answered HTTP {response.status_code}: "
-                               f"{response.text[:500]}")
+                               f"{response.text[:500]!r} to a request with sampling_params "
+                               f"{sorted(payload['sampling_params'])}. SGLang answers a sampling parameter it does "
+                               "not know, or a value it cannot take, with HTTP 400 or a bare HTTP 500 (0.5.21); the "
+                               "server's log names the cause.")
         outputs = response.json()
         if not isinstance(outputs, list) or len(outputs) != len(input_ids):
             got = len(outputs) if isinstance(outputs, list) else type(outputs).__name__
             raise RuntimeError(f"SGLang {self.url}/generate: expected a list of {len(input_ids)} answers, got {got}")
-        parsed = [parse_sglang_output(output, i, max_new_tokens, self.eos_token_id) for i, output in enumerate(outputs)]
+        parsed = [parse_sglang_output(output, i, max_new_tokens, self.eos_token_id, self.server_weight_version)
+                  for i, output in enumerate(outputs)]
 
         gen_len = max(len(token_ids) for token_ids, _ in parsed)  # R
         completion_ids = torch.full((len(parsed), gen_len), self.pad_token_id, dtype=torch.long)  # [N, R]
@@ -589,13 +643,17 @@ class SGLangRolloutEngine(RolloutEngine):
         return save_qwen3_folder(raw.state_dict(), raw.config, folder, tokenizer=self.tokenizer,
                                  dtype=self.export_dtype)
 
-    def post_update(self, folder):
-        """POST /update_weights_from_disk {model_path, flush_cache: true}.
+    def post_update(self, folder, weight_version):
+        """POST /update_weights_from_disk {model_path, flush_cache: true, weight_version}.
+
+        The server labels every later answer with ``weight_version`` (``meta_info.weight_version``); ``rollout``
+        checks the label. A failed update (HTTP 400, ``success: false``) leaves the server on its old weights.
 
         Raises:
             RuntimeError: with the server's ``message`` unless the JSON answer says ``success``.
         """
-        response = self.request("POST", "/update_weights_from_disk", {"model_path": folder, "flush_cache": True})
+        response = self.request("POST", "/update_weights_from_disk",
+                                {"model_path": folder, "flush_cache": True, "weight_version": weight_version})
         try:
             body = response.json()
         except ValueError:
@@ -605,28 +663,30 @@ class SGLangRolloutEngine(RolloutEngine):
                                f"(HTTP {response.status_code}): {body.get('message')}")
 
     def push_weights(self, model, folder=None):
-        """Rank 0 exports (unless ``folder`` is already written) and asks the server to load; every rank raises
-        on failure (the outcome is broadcast from rank 0)."""
+        """Rank 0 exports (unless ``folder`` is already written) and asks the server to load it under the label
+        ``{version_label}-v{n}``; every rank raises on failure and learns the label (both broadcast from rank 0)."""
         error, caught = None, None
+        version = f"{self.version_label}-v{self.weight_version}"
         if is_main_process():
             try:
                 if folder is None:
                     folder = self.export_policy(model, os.path.join(self.shared_path,
                                                                     f"policy_v{self.weight_version}"))
-                self.post_update(folder)
+                self.post_update(folder, version)
                 if self.synced_folder and self.synced_folder != folder:
                     shutil.rmtree(self.synced_folder, ignore_errors=True)
                 self.synced_folder = folder
             except (RuntimeError, OSError, ValueError) as err:
                 error, caught = f"{type(err).__name__}: {err}", err
         if dist.is_initialized():
-            outcome = [error]
+            outcome = [error, version]
             dist.broadcast_object_list(outcome, src=0)
-            error = outcome[0]
+            error, version = outcome
         if caught is not None:
             raise caught
         if error is not None:
             raise RuntimeError(f"rank 0 could not sync the policy to SGLang: {error}")
+        self.server_weight_version = version
         self.weight_version += 1
 
     def state_dict(self):

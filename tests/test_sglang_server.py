@@ -1,0 +1,295 @@
+"""--rollout_engine sglang against a real SGLang server on the CPU (docs/sglang.md, "On a CPU").
+
+The server comes from the environment: SGLANG_URL (a running server launched on a model of the bundled
+policy's architecture, hidden 256 x 4 layers, as .ci/run does) or SGLANG_PYTHON (the server venv's python,
+from scripts/setup_sglang_env.sh: the module launches its own server with scripts/launch_sglang.sh). Without
+either, every test here is skipped with that reason. The server-killing test always launches a server of its
+own (it needs SGLANG_PYTHON). What a real server cannot be made to do (stray prompt tokens, aborts, HTTP 503)
+is tested against the stand-in in tests/test_sglang.py.
+
+Every expected value is computed here, by the project's torch code (``compute_per_token_logps``) on the same
+weights, or by a second request to the same server.
+"""
+import copy
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+import torch
+
+from conftest import ROOT
+from model.hf_qwen3 import save_qwen3_folder
+from trainer import rollout_engine as rollout_module
+from trainer.rollout_engine import SGLangRolloutEngine, compute_per_token_logps, tokenize_prompts
+from trainer.train_grpo import main as grpo_main
+from trainer.train_ppo import main as ppo_main
+from trainer.trainer_utils import build_config, init_model
+
+SGLANG_URL = os.environ.get("SGLANG_URL", "").rstrip("/")
+SGLANG_PYTHON = os.environ.get("SGLANG_PYTHON", "")
+NO_SERVER = ("no real SGLang server: set SGLANG_URL (a server on a 256 x 4 model) or SGLANG_PYTHON (the server "
+             "venv's python; bash scripts/setup_sglang_env.sh makes it). .ci/run does both.")
+pytestmark = pytest.mark.skipif(not (SGLANG_URL or SGLANG_PYTHON), reason=NO_SERVER)
+
+HIDDEN, LAYERS = 256, 4  # the bundled policy out/full_sft_256.pth
+BUNDLED = os.path.join(ROOT, "out", f"full_sft_{HIDDEN}.pth")
+ENGINE = dict(backoff_s=0.2, health_retries=3, max_retries=2)
+TOLERANCE = 1e-4  # |server - trainer| per token, float32 on both sides
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_server(model_dir, work_dir):
+    """scripts/launch_sglang.sh on ``model_dir`` with SGLANG_PYTHON; returns (url, pid of the process group).
+    The PID file goes to SGLANG_PID_DIR when set (.ci/run stops every server listed there on exit)."""
+    port = free_port()
+    pid_file = os.path.join(os.environ.get("SGLANG_PID_DIR") or work_dir, f"sglang-{port}.pid")
+    env = dict(os.environ, SGLANG_PYTHON=SGLANG_PYTHON, SGLANG_PID_FILE=pid_file,
+               SGLANG_LOG=os.path.join(work_dir, f"sglang-{port}.log"))
+    done = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_sglang.sh"), model_dir, str(port)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"launch_sglang.sh failed:\n{done.stderr[-3000:]}"
+    return done.stdout.strip().splitlines()[-1], int(open(pid_file).read())
+
+
+def stop_server(pid):
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    for _ in range(60):
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.5)
+    os.killpg(pid, signal.SIGKILL)
+
+
+def load_policy():
+    """The bundled SFT policy in float32 (the server's dtype), eval mode."""
+    model, tokenizer = init_model(build_config(HIDDEN, LAYERS, 0), BUNDLED)
+    return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="module")
+def server_url(tmp_path_factory):
+    """SGLANG_URL, or a server launched here with SGLANG_PYTHON on the bundled policy (stopped at the end)."""
+    if SGLANG_URL:
+        assert requests.get(SGLANG_URL + "/health", timeout=30).status_code == 200, f"{SGLANG_URL} is not up"
+        yield SGLANG_URL
+        return
+    work_dir = tmp_path_factory.mktemp("sglang_server")
+    model, tokenizer = load_policy()
+    folder = save_qwen3_folder(model.state_dict(), model.config, str(work_dir / "launch"), tokenizer=tokenizer)
+    url, pid = launch_server(folder, str(work_dir))
+    yield url
+    stop_server(pid)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    """The first four prompts of the bundled validation split, chat-formatted as the training scripts do."""
+    from dataset.lm_dataset import RLAIFDataset
+    _, tokenizer = load_policy()
+    dataset = RLAIFDataset(os.path.join(ROOT, "dataset", "rlaif_val.jsonl"), tokenizer, seed=0)
+    return [dataset[i]["prompt"] for i in range(4)]
+
+
+def server_vs_trainer(engine, model, prompt_ids, attention_mask, temperature, max_new_tokens=24):
+    """One rollout in ``--sglang_logprobs server`` mode -> (max |server - trainer| over completion tokens,
+    the rollout). The trainer's numbers: ``compute_per_token_logps`` of ``model`` on the returned ids."""
+    result = engine.rollout(prompt_ids, attention_mask, 2, max_new_tokens, temperature)
+    with torch.no_grad():
+        ours = compute_per_token_logps(model, result.output_ids, result.completion_ids.size(1),
+                                       result.attention_mask, temperature)  # [N, R]
+    mask = result.completion_mask.bool()
+    assert mask.sum() > 0
+    return (result.per_token_logps - ours)[mask].abs().max().item(), result
+
+
+def test_server_logps_equal_ours_at_t1_and_t07_before_and_after_updates(server_url, prompts, tmp_path):
+    model, tokenizer = load_policy()
+    frozen = copy.deepcopy(model)
+    engine = SGLangRolloutEngine(model, tokenizer, server_url, str(tmp_path / "shared"), logprobs_mode="server",
+                                 logprob_tolerance=TOLERANCE, **ENGINE)
+    prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, prompts, 256, "cpu")
+    for temperature in (1.0, 0.7):
+        gap, _ = server_vs_trainer(engine, model, prompt_ids, attention_mask, temperature)
+        assert gap <= TOLERANCE, (temperature, gap)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for update in range(3):
+        result = engine.rollout(prompt_ids, attention_mask, 2, 16, 1.0)
+        model.train()
+        logps = compute_per_token_logps(model, result.output_ids, result.completion_ids.size(1),
+                                        result.attention_mask)  # [N, R]
+        loss = -(logps * result.completion_mask).sum() / result.completion_mask.sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        model.eval()
+        engine.update_policy(model)
+        for temperature in (1.0, 0.7):
+            gap, result = server_vs_trainer(engine, model, prompt_ids, attention_mask, temperature)
+            assert gap <= TOLERANCE, (update, temperature, gap)
+    with torch.no_grad():  # the updates took effect: the server's numbers are no longer the starting policy's
+        old = compute_per_token_logps(frozen, result.output_ids, result.completion_ids.size(1),
+                                      result.attention_mask, 0.7)
+    assert (result.per_token_logps - old)[result.completion_mask.bool()].abs().max().item() > 100 * TOLERANCE
+
+
+def test_a_server_holding_other_weights_is_caught_by_weight_version(server_url, prompts, tmp_path):
+    model, tokenizer = load_policy()
+    engine = SGLangRolloutEngine(model, tokenizer, server_url, str(tmp_path / "a"), **ENGINE)
+    prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, prompts[:2], 256, "cpu")
+    assert engine.rollout(prompt_ids, attention_mask, 2, 8).metrics["logprob_gap"] <= TOLERANCE
+
+    # a restarted server labels its answers "default" (its --weight-version) again
+    reload = requests.post(server_url + "/update_weights_from_disk",
+                           json={"model_path": engine.synced_folder, "weight_version": "default"}, timeout=120)
+    assert reload.json()["success"] is True
+    with pytest.raises(RuntimeError, match=rf"came from weights 'default', but the trainer synced "
+                                           rf"'{engine.server_weight_version}'"):
+        engine.rollout(prompt_ids, attention_mask, 2, 8)
+
+    # a second trainer on the same server loads its own weights
+    engine.update_policy(model)
+    assert engine.rollout(prompt_ids, attention_mask, 2, 8).metrics["logprob_gap"] <= TOLERANCE
+    other = SGLangRolloutEngine(copy.deepcopy(model), tokenizer, server_url, str(tmp_path / "b"), **ENGINE)
+    assert other.version_label != engine.version_label
+    with pytest.raises(RuntimeError, match=rf"came from weights '{other.server_weight_version}'"):
+        engine.rollout(prompt_ids, attention_mask, 2, 8)
+
+
+def test_requests_that_would_crash_the_server_are_refused_and_it_keeps_serving(server_url, prompts, tmp_path,
+                                                                                monkeypatch):
+    model, tokenizer = load_policy()
+    engine = SGLangRolloutEngine(model, tokenizer, server_url, str(tmp_path / "shared"), **ENGINE)
+    prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, prompts[:2], 256, "cpu")
+    empty_mask = attention_mask.clone()
+    empty_mask[1] = 0
+    with pytest.raises(ValueError, match=r"prompt rows \[1\] have no token"):
+        engine.rollout(prompt_ids, empty_mask, 2, 8)
+    outside = prompt_ids.clone()
+    outside[0, -1] = model.config.vocab_size
+    with pytest.raises(ValueError, match=rf"outside the vocabulary \[0, {model.config.vocab_size}\)"):
+        engine.rollout(outside, attention_mask, 2, 8)
+
+    # a sampling parameter the server does not know: an HTTP error that names the keys sent, not a crash
+    known = rollout_module.sglang_sampling_params
+    monkeypatch.setattr(rollout_module, "sglang_sampling_params",
+                        lambda *args: dict(known(*args), not_a_sampling_param=1))
+    with pytest.raises(RuntimeError, match=r"answered HTTP [45]\d\d.*'not_a_sampling_param'"):
+        engine.rollout(prompt_ids, attention_mask, 2, 8)
+    monkeypatch.setattr(rollout_module, "sglang_sampling_params", known)
+
+    assert requests.get(server_url + "/health", timeout=30).status_code == 200
+    assert engine.rollout(prompt_ids, attention_mask, 2, 8).metrics["logprob_gap"] <= TOLERANCE
+
+
+def generate(url, ids, **params):
+    """One raw /generate request for one prompt, greedy unless told; returns the answer dict."""
+    sampling = dict({"temperature": 0.0, "max_new_tokens": 16, "skip_special_tokens": False}, **params)
+    answer = requests.post(url + "/generate", json={"input_ids": ids, "sampling_params": sampling,
+                                                    "return_logprob": True}, timeout=120)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def test_the_servers_answer_format_that_the_engine_relies_on(server_url, prompts, tmp_path):
+    model, tokenizer = load_policy()
+    engine = SGLangRolloutEngine(model, tokenizer, server_url, str(tmp_path / "shared"), **ENGINE)
+    ids = tokenizer(prompts[0], add_special_tokens=False)["input_ids"]
+
+    free = generate(server_url, ids, max_new_tokens=12)["output_ids"]
+    stop = free[4]
+    stopped = generate(server_url, ids, max_new_tokens=12, stop_token_ids=[stop])
+    first = free.index(stop)
+    assert stopped["output_ids"] == free[:first + 1]  # output_ids end with the stop token ...
+    assert stopped["text"] == tokenizer.decode(free[:first])  # ... the text leaves it out
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert stopped["meta_info"]["weight_version"] == engine.server_weight_version
+
+    nothing = generate(server_url, ids, max_new_tokens=0)
+    assert nothing["output_ids"] == [] and nothing["meta_info"]["completion_tokens"] == 0
+
+    # a failed update answers 400 and leaves the server on the weights it had
+    failed = requests.post(server_url + "/update_weights_from_disk",
+                           json={"model_path": str(tmp_path / "missing"), "weight_version": "never"}, timeout=120)
+    assert failed.status_code == 400 and failed.json()["success"] is False
+    with pytest.raises(RuntimeError, match=r"update_weights_from_disk failed .*HTTP 400"):
+        engine.push_weights(model, folder=str(tmp_path / "missing"))
+    prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, prompts[:2], 256, "cpu")
+    assert engine.rollout(prompt_ids, attention_mask, 2, 8, 0.7).metrics["logprob_gap"] <= TOLERANCE
+
+
+@pytest.mark.parametrize("script", ["grpo", "ppo"])
+def test_three_training_steps_against_the_server(script, server_url, tmp_path):
+    run_dir = tmp_path / "run"
+    argv = ["--max_steps", "3", "--save_dir", str(tmp_path), "--from_weight", BUNDLED, "--batch_size", "2",
+            "--max_gen_len", "16", "--run_dir", str(run_dir), "--rollout_engine", "sglang", "--sglang_url",
+            server_url, "--sglang_shared_path", str(tmp_path / "shared"), "--temperature", "0.8",
+            "--eval_interval", "0", "--hidden_size", str(HIDDEN), "--num_hidden_layers", str(LAYERS)]
+    if script == "grpo":
+        grpo_main(argv + ["--num_generations", "2"])
+    else:
+        ppo_main(argv + ["--mini_batch_size", "1"])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    assert all(row["logprob_gap"] <= TOLERANCE for row in rows)  # the server sampled from the trainer's weights
+    assert os.listdir(tmp_path / "shared") == ["policy_v3"]  # start-up push + one per step, older ones removed
+    assert os.path.isfile(tmp_path / f"{script}_{HIDDEN}.pth")
+
+
+def test_a_server_killed_mid_run_stops_the_run_with_a_clear_error(prompts, tmp_path):
+    if not SGLANG_PYTHON:
+        pytest.skip("the server-killing test launches its own server: it needs SGLANG_PYTHON")
+    model, tokenizer = load_policy()
+    folder = save_qwen3_folder(model.state_dict(), model.config, str(tmp_path / "launch"), tokenizer=tokenizer)
+    url, pid = launch_server(folder, str(tmp_path))
+    run_dir, save_dir = tmp_path / "run", tmp_path / "save"
+    command = [sys.executable, os.path.join(ROOT, "trainer", "train_grpo.py"), "--max_steps", "500",
+               "--save_interval", "1", "--save_dir", str(save_dir), "--from_weight", BUNDLED, "--batch_size", "2",
+               "--num_generations", "2", "--max_gen_len", "16", "--run_dir", str(run_dir), "--eval_interval", "0",
+               "--rollout_engine", "sglang", "--sglang_url", url, "--sglang_shared_path", str(tmp_path / "shared")]
+    trainer = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 300
+        metrics = run_dir / "metrics.jsonl"
+        while time.time() < deadline and trainer.poll() is None:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.2)
+        assert trainer.poll() is None, trainer.stdout.read()[-3000:]
+        os.killpg(pid, signal.SIGKILL)  # the whole server: launcher, scheduler, detokenizer
+        output, _ = trainer.communicate(timeout=300)
+    finally:
+        stop_server(pid)
+        if trainer.poll() is None:
+            trainer.kill()
+    assert trainer.returncode != 0
+    assert f"SGLang server {url}" in output and "Start the server again, then resume the run" in output
+    assert "--from_resume 1" in output
+
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]  # every line complete
+    steps = [row["step"] for row in rows]
+    assert steps == list(range(1, len(rows) + 1)) and len(rows) >= 2
+    leftovers = [os.path.join(d, f) for d, dirs, files in os.walk(tmp_path) for f in dirs + files if ".tmp" in f]
+    assert leftovers == []
+    resume = torch.load(save_dir / f"grpo_{HIDDEN}_resume.pth", map_location="cpu", weights_only=False)
+    assert resume["progress"]["step"] >= steps[-1] - 1  # whole, and at most one step behind the log
+    weights = torch.load(save_dir / f"grpo_{HIDDEN}.pth", map_location="cpu")
+    assert set(weights) == set(model.state_dict())
+    for name in os.listdir(tmp_path / "shared"):  # synced folders are whole (written, then renamed)
+        assert {"config.json", "model.safetensors"} <= set(os.listdir(tmp_path / "shared" / name))
