@@ -206,7 +206,7 @@ def test_calculate_rewards_adds_reward_model_scores(remote_code_reward_model):
     responses = ["t" * 25 + "</think>The answer is 2.", "short 1"]
     parts = calculate_rewards([prompt, prompt], responses, ["2", "2"], reward_model, answer_reward_weight=2.0)
     assert parts["reward_model_scores"].tolist() == [2.0, 1.0]
-    assert parts["rule_rewards"].tolist() == pytest.approx([1.75, -0.5])  # as in test_rewards.py
+    assert parts["rule_rewards"].tolist() == pytest.approx([1.75, -0.5])  # as in test_trainer_utils.py
     assert parts["rewards"].tolist() == pytest.approx([1.75 + 2.0 + 2.0, -0.5 + 1.0])
     assert reward_model.model.conversations[0] == [{"role": "user", "content": "What is 1 + 1?"},
                                                    {"role": "assistant", "content": "The answer is 2."}]
