@@ -360,3 +360,16 @@ def test_bad_data_line_is_reported_before_missing_weights(script, tmp_path):
     assert result.returncode != 0
     assert "rl.jsonl:2" in result.stderr
     assert "weights not found" not in result.stderr
+
+
+def test_the_load_log_names_other_sizes_of_the_same_weight_only(tiny_weights, capsys):
+    # an upstream user's full_sft_768.pth beside the run's full_sft_256.pth: the log says the flags choose; a
+    # critic's file or a resume file of the same prefix is not another size
+    save_dir, name = tiny_weights
+    for other in (f"{name}_768.pth", f"{name}_critic_64.pth", f"{name}_64_resume.pth"):
+        with open(os.path.join(save_dir, other), "wb") as f:
+            f.write(b"not read")
+    checkpoints.init_model(checkpoints.build_config(64, 2, 0), name, save_dir)
+    out = capsys.readouterr().out
+    assert f"loaded weights {os.path.join(save_dir, name + '_64.pth')} (hidden_size 64, 2 layers, dense" in out
+    assert f"note: {name}_768.pth in {save_dir} too" in out and "critic" not in out and "resume" not in out

@@ -5,6 +5,7 @@ Infrastructure, not RL: a learner can skip this file.
 import errno
 import glob
 import os
+import re
 
 import torch
 from transformers import AutoTokenizer
@@ -125,8 +126,9 @@ def init_model(lm_config, from_weight="none", save_dir=DEFAULT_SAVE_DIR, tokeniz
         path = weight_path(from_weight, save_dir, lm_config.hidden_size, lm_config.use_moe)
         load_weights(model, path)
         Logger(f"loaded weights {path} ({describe_dims(minimind_dims(model.state_dict()))})")
-        others = sorted(set(glob.glob(os.path.join(glob.escape(save_dir), f"{glob.escape(from_weight)}_*.pth")))
-                        - set(glob.glob(os.path.join(glob.escape(save_dir), "*_resume.pth"))) - {path})
+        sizes = re.compile(rf"{re.escape(from_weight)}_\d+(_moe)?\.pth")  # other sizes of this weight, not ppo_critic
+        others = sorted(p for p in glob.glob(os.path.join(glob.escape(save_dir), f"{glob.escape(from_weight)}_*.pth"))
+                        if sizes.fullmatch(os.path.basename(p)) and os.path.abspath(p) != os.path.abspath(path))
         if others and not os.path.isfile(from_weight):  # e.g. upstream's full_sft_768.pth beside the bundled one
             Logger(f"note: {', '.join(map(os.path.basename, others))} in {save_dir} too: --hidden_size, "
                    f"--num_hidden_layers and --use_moe choose which {from_weight} a run starts from")
