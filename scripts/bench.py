@@ -59,6 +59,7 @@ sys.path.insert(0, ROOT)
 
 import torch
 
+from scripts.sglang_cpu.server import launch_cpu_server, stop_server
 from trainer.dtypes import has_bf16_units
 
 SIZES = {  # name -> (hidden_size, num_hidden_layers, starting weights)
@@ -422,41 +423,6 @@ def run_sglang_rollouts(spec, tokenizer, timer):
     return phases, totals, NUM_PROMPTS * NUM_GENERATIONS * spec["gen_len"], config
 
 
-def launch_sglang(folder, work_dir, sglang_python):
-    """scripts/launch_sglang.sh on ``folder`` at a free port; returns (url, process-group id of the server).
-    Raises RuntimeError when it cannot start (the script prints why)."""
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    pid_file = os.path.join(work_dir, f"sglang-{port}.pid")
-    env = dict(os.environ, SGLANG_PID_FILE=pid_file, SGLANG_LOG=os.path.join(work_dir, f"sglang-{port}.log"))
-    if sglang_python:
-        env["SGLANG_PYTHON"] = sglang_python
-    done = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_sglang.sh"), folder, str(port)],
-                          env=env, stdout=subprocess.PIPE, text=True)
-    if done.returncode != 0:
-        raise RuntimeError("scripts/launch_sglang.sh could not start a server (its messages are above)")
-    with open(pid_file) as f:
-        return done.stdout.strip().splitlines()[-1], int(f.read())
-
-
-def stop_sglang(pgid):
-    """SIGTERM the server's process group and wait until it is gone (SIGKILL after 60 s)."""
-    import signal
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    for _ in range(120):
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.5)
-    os.killpg(pgid, signal.SIGKILL)
-
-
 def without_flag(flags, name):
     """``flags`` (a list of words) without ``name`` and the value that follows it."""
     kept, skip = [], False
@@ -777,11 +743,11 @@ def main(argv=None):
                 if reason:
                     result = {"skipped": reason}
                 elif contestant == SGLANG_CONTESTANT:  # a server of its own, up only during this run
-                    url, server = launch_sglang(folder, work_dir, args.sglang_python)
+                    url, server = launch_cpu_server(folder, work_dir, args.sglang_python)
                     try:
                         result = run_worker(dict(spec, url=url), args.timeout)
                     finally:
-                        stop_sglang(server)
+                        stop_server(server)
                 else:
                     result = run_worker(spec, args.timeout)
                 runs[contestant].append(result)

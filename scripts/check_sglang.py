@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ import torch
 
 from dataset.lm_dataset import RLAIFDataset
 from model.hf_qwen3 import save_qwen3_folder
+from scripts.sglang_cpu.server import launch_cpu_server, stop_server
 from trainer.rollout_engine import SGLangRolloutEngine, TorchRolloutEngine, tokenize_prompts
 from trainer.checkpoints import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, init_model, weight_path
 
@@ -51,20 +51,10 @@ def launch_server(folder, port, args, work_dir):
     env = {k: v for k, v in os.environ.items() if k != "SGLANG_RETURN_ORIGINAL_LOGPROB"}
     url = f"http://127.0.0.1:{port}"
     if args.server_device == "cpu":
-        pid_file = os.path.join(work_dir, "sglang.pid")
-        env.update(SGLANG_PID_FILE=pid_file, SGLANG_LOG=os.path.join(work_dir, "sglang.log"),
-                   SGLANG_LAUNCH_TIMEOUT=str(args.launch_timeout))
-        if args.sglang_python:
-            env["SGLANG_PYTHON"] = args.sglang_python
-        command = ["bash", os.path.join(ROOT, "scripts", "launch_sglang.sh"), folder, str(port)]
-        command += shlex.split(args.server_args)
-        print("launching:", " ".join(command), flush=True)
-        done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"scripts/launch_sglang.sh could not start a server (exit {done.returncode}; its "
-                               f"messages are above): {' '.join(command)}")
-        with open(pid_file) as f:
-            return int(f.read()), url
+        print(f"launching scripts/launch_sglang.sh {folder} {port} {args.server_args}", flush=True)
+        _, pgid = launch_cpu_server(folder, work_dir, args.sglang_python, port, shlex.split(args.server_args), env,
+                                    args.launch_timeout)
+        return pgid, url
     command = [args.sglang_python or sys.executable, "-m", "sglang.launch_server", "--model-path", folder,
                "--port", str(port), "--host", "127.0.0.1"] + shlex.split(args.server_args)
     print("launching:", " ".join(command), flush=True)
@@ -81,27 +71,6 @@ def launch_server(folder, port, args, work_dir):
         time.sleep(5)
     stop_server(process.pid)
     raise RuntimeError(f"the SGLang server did not answer {url}/health within {args.launch_timeout} s")
-
-
-def stop_server(pgid, timeout_s=120):
-    """SIGTERM to the server's process group (the launcher, its scheduler and detokenizer), SIGKILL after
-    ``timeout_s`` seconds."""
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        try:
-            os.waitpid(pgid, os.WNOHANG)  # reaps the launcher when it is this process's child
-        except ChildProcessError:
-            pass
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.5)
-    os.killpg(pgid, signal.SIGKILL)
 
 
 def timed_rollout(engine, prompt_ids, attention_mask, args):

@@ -14,7 +14,6 @@ import copy
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import torch
 
 from conftest import ROOT
 from model.hf_qwen3 import save_qwen3_folder
+from scripts.sglang_cpu.server import launch_cpu_server, stop_server
 from trainer import rollout_engine as rollout_module
 from trainer.rollout_engine import SGLangRolloutEngine, compute_per_token_logps, tokenize_prompts
 from trainer.train_grpo import main as grpo_main
@@ -43,39 +43,6 @@ ENGINE = dict(backoff_s=0.2, health_retries=3, max_retries=2)
 TOLERANCE = 1e-4  # |server - trainer| per token, float32 on both sides
 
 
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def launch_server(model_dir, work_dir):
-    """scripts/launch_sglang.sh on ``model_dir`` with SGLANG_PYTHON; returns (url, pid of the process group).
-    The PID file goes to SGLANG_PID_DIR when set (.ci/run stops every server listed there on exit)."""
-    port = free_port()
-    pid_file = os.path.join(os.environ.get("SGLANG_PID_DIR") or work_dir, f"sglang-{port}.pid")
-    env = dict(os.environ, SGLANG_PYTHON=SGLANG_PYTHON, SGLANG_PID_FILE=pid_file,
-               SGLANG_LOG=os.path.join(work_dir, f"sglang-{port}.log"))
-    done = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_sglang.sh"), model_dir, str(port)],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"launch_sglang.sh failed:\n{done.stderr[-3000:]}"
-    return done.stdout.strip().splitlines()[-1], int(open(pid_file).read())
-
-
-def stop_server(pid):
-    try:
-        os.killpg(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    for _ in range(60):
-        try:
-            os.killpg(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.5)
-    os.killpg(pid, signal.SIGKILL)
-
-
 def load_policy():
     """The bundled SFT policy in float32 (the server's dtype), eval mode."""
     model, tokenizer = init_model(build_config(HIDDEN, LAYERS, 0), BUNDLED)
@@ -92,7 +59,7 @@ def server_url(tmp_path_factory):
     work_dir = tmp_path_factory.mktemp("sglang_server")
     model, tokenizer = load_policy()
     folder = save_qwen3_folder(model.state_dict(), model.config, str(work_dir / "launch"), tokenizer=tokenizer)
-    url, pid = launch_server(folder, str(work_dir))
+    url, pid = launch_cpu_server(folder, str(work_dir), SGLANG_PYTHON)
     yield url
     stop_server(pid)
 
@@ -257,7 +224,7 @@ def test_a_server_killed_mid_run_stops_the_run_with_a_clear_error(prompts, tmp_p
         pytest.skip("the server-killing test launches its own server: it needs SGLANG_PYTHON")
     model, tokenizer = load_policy()
     folder = save_qwen3_folder(model.state_dict(), model.config, str(tmp_path / "launch"), tokenizer=tokenizer)
-    url, pid = launch_server(folder, str(tmp_path))
+    url, pid = launch_cpu_server(folder, str(tmp_path), SGLANG_PYTHON)
     run_dir, save_dir = tmp_path / "run", tmp_path / "save"
     command = [sys.executable, os.path.join(ROOT, "trainer", "train_grpo.py"), "--max_steps", "500",
                "--save_interval", "1", "--save_dir", str(save_dir), "--from_weight", BUNDLED, "--batch_size", "2",
