@@ -55,3 +55,13 @@ def test_a_run_on_other_data_says_it_does_not_evaluate(tiny_weights, small_data,
     assert "held-out evaluation off: --data_path" in result.stdout and "--eval_data_path" in result.stdout
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1] and not any(key.startswith("eval/") for key in rows[0])
+
+
+@pytest.mark.parametrize("script", ["grpo", "ppo"])
+def test_ignore_eos_reaches_the_torch_engine_and_is_refused_for_sglang(script, capsys):
+    from trainer.flags import rollout_engine_kwargs
+    assert rollout_engine_kwargs(parse(script, []))["ignore_eos"] is False
+    assert rollout_engine_kwargs(parse(script, ["--ignore_eos"]))["ignore_eos"] is True
+    with pytest.raises(SystemExit):
+        parse(script, ["--ignore_eos", "1", "--rollout_engine", "sglang"])
+    assert "--ignore_eos 1 needs --rollout_engine torch" in capsys.readouterr().err

@@ -68,6 +68,9 @@ def add_common_rl_args(parser):
                         help="DataLoader worker processes that read the prompts (0 = in the training process)")
     parser.add_argument("--torch_logprobs", default="sampler", choices=TORCH_LOGPROB_MODES,
                         help="old log-probs of --rollout_engine torch: recorded while sampling, or one more forward")
+    add_bool_flag(parser, "--ignore_eos",
+                  help="1: --rollout_engine torch samples --max_gen_len tokens past EOS (timing full-length work, "
+                       "scripts/bench_process.py); the completion mask still ends at the first EOS")
     parser.add_argument("--thinking_ratio", type=float, default=0.9, help="share of prompts that open <think>")
     parser.add_argument("--reward_model_path", default=DEFAULT_REWARD_MODEL_PATH,
                         help="reward model folder (sequence classification, or get_score remote code), or none")
@@ -142,6 +145,8 @@ def check_common_rl_args(parser, args):
         parser.error("--sglang_model_path is upstream MiniMind's tokenizer folder for SGLang; here the engine "
                      "tokenizes with --tokenizer_path and the server loads what the trainer writes to "
                      "--sglang_shared_path: drop --sglang_model_path (and see docs/sglang.md)")
+    if args.ignore_eos and args.rollout_engine != "torch":
+        parser.error(f"--ignore_eos 1 needs --rollout_engine torch, got --rollout_engine {args.rollout_engine}")
     if args.learning_rate <= 0:
         parser.error(f"--learning_rate must be > 0, got {args.learning_rate}")
     if args.final_norm_learning_rate < 0:
@@ -196,7 +201,7 @@ def rollout_engine_kwargs(args):
     """Constructor arguments of the ``--rollout_engine`` chosen (chapter 8.2)."""
     kwargs = dict(top_p=args.top_p, top_k=args.top_k)
     if args.rollout_engine == "torch":
-        kwargs.update(logprobs_mode=args.torch_logprobs)
+        kwargs.update(logprobs_mode=args.torch_logprobs, ignore_eos=bool(args.ignore_eos))
     if args.rollout_engine == "sglang":
         kwargs.update(
             url=args.sglang_url, shared_path=args.sglang_shared_path or os.path.join(args.save_dir, "sglang_policy"),
