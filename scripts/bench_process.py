@@ -78,8 +78,9 @@ bf16 matrix units (a CUDA GPU, or a CPU listing ``amx_bf16`` or ``avx512_bf16``)
 Run (on a quiet machine: every figure is a difference of two wall-clock times):
     pip install -r requirements-bench.txt      # TRL (benchmark only)
     python scripts/bench_process.py            # default + minimind3 sizes, 64 tokens, steps 2 and 10, 3 repeats
-                                               # (scripts/bench.py's step times in docs/performance.md put it at
-                                               # about 45 minutes on a 2-core CPU with bf16 units, 25 without)
+                                               # (about 65 minutes on a 2-core AMD EPYC with bf16 units: the
+                                               # default size took 13 minutes for 3 repeats, the MiniMind-3
+                                               # size 34 minutes for 2)
     python scripts/bench_process.py --tiny     # under a minute: a 2-layer model, 8 tokens, steps 1 and 2, one run
                                                # of each, float32 (what the test runs; its figures are noise)
     python scripts/bench_process.py --sizes default --dtype float32 --short_steps 1 --long_steps 2 --repeats 1
