@@ -215,6 +215,40 @@ class RLAIFDataset(torch.utils.data.Dataset):
         )
         return {"prompt": prompt, "answer": answer, "index": index}
 
+    def count_longer_than(self, max_seq_len):
+        """How many prompts are longer than ``max_seq_len`` tokens (a run cuts them from the left)."""
+        prompts = [self[i]["prompt"] for i in range(len(self))]
+        lengths = [len(ids) for ids in self.tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+        return sum(length > max_seq_len for length in lengths)
+
+
+class ResumableBatchSampler(torch.utils.data.Sampler):
+    """Batches of one epoch's prompt indices for this rank, skipping the batches a resumed run already saw.
+
+    The order of epoch ``e`` is DistributedSampler's (a permutation seeded by ``seed + e``, split over ranks;
+    world size 1 when not distributed), so it does not depend on whether or where the run was interrupted.
+    ``set_epoch(e, skip_batches)`` picks the epoch; the last partial batch is dropped.
+    """
+
+    def __init__(self, dataset, batch_size, world_size, rank, seed):
+        self.sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=world_size, rank=rank,
+                                                           shuffle=True, seed=seed, drop_last=True)
+        self.batch_size = batch_size
+        self.skip_batches = 0
+
+    def set_epoch(self, epoch, skip_batches=0):
+        self.sampler.set_epoch(epoch)
+        self.skip_batches = skip_batches
+
+    def __iter__(self):
+        indices = list(self.sampler)
+        full = len(indices) // self.batch_size * self.batch_size
+        for start in range(self.skip_batches * self.batch_size, full, self.batch_size):
+            yield indices[start:start + self.batch_size]
+
+    def __len__(self):
+        return len(self.sampler) // self.batch_size - self.skip_batches
+
 
 HH_TURN_PATTERN = re.compile(r"\n\n(Human|Assistant):")
 HH_ROLES = {"Human": "user", "Assistant": "assistant"}

@@ -285,8 +285,10 @@ def run_ours_grpo(spec, tokenizer, timer):
     from trainer.optimizer import project_scale_only_gradients
     from trainer.rollout_engine import TorchRolloutEngine
     from trainer.optimizer import build_cosine_scheduler, build_policy_optimizer
+    from trainer.dtypes import autocast_context
     args = grpo_args(spec)
     device = spec["device"]
+    autocast = autocast_context(device, args.dtype)
     model, config = load_minimind(spec)
     ref_model, _ = load_minimind(spec)
     ref_model.eval().requires_grad_(False)
@@ -302,7 +304,8 @@ def run_ours_grpo(spec, tokenizer, timer):
     batch = {"prompt": spec["prompts"], "answer": spec["answers"]}
 
     def step():
-        loss, _, _ = grpo.grpo_step(batch, model, ref_model, engine, reward_fn, None, tokenizer, args, device)
+        loss, _, _ = grpo.grpo_step(batch, model, ref_model, engine, reward_fn, None, tokenizer, args, device,
+                                    autocast)
         with timer.phase("policy_backward"):
             loss.backward()
         with timer.phase("optimizer"):
@@ -469,12 +472,14 @@ def run_ours_ppo(spec, tokenizer, timer):
     answers = [spec["answers"][i % NUM_PROMPTS] for i in range(rows)]
     batch = {"prompt": prompts, "answer": answers}
     generator = torch.Generator().manual_seed(0)
+    from trainer.dtypes import autocast_context
+    autocast = autocast_context(spec["device"], args.dtype)
 
     def step():
         rollout_batch = ppo.ppo_rollout(batch, ref_model, critic, engine, reward_fn, None, tokenizer, args,
-                                        spec["device"])
+                                        spec["device"], autocast)
         ppo.ppo_update(rollout_batch, model, critic, actor_optimizer, critic_optimizer, actor_scheduler,
-                       critic_scheduler, args, spec["device"], generator)
+                       critic_scheduler, args, spec["device"], generator, autocast)
 
     phases, totals = time_steps(step, spec, timer)
     return phases, totals, rows * spec["gen_len"], config

@@ -500,7 +500,7 @@ def main(argv=None):
 
     from scripts import bench
     from trainer.dtypes import has_bf16_units
-    from trainer.tokenizer_check import write_tokenizer_record
+    from trainer.checkpoints import write_tokenizer_record
     assert (bench.NUM_PROMPTS, bench.NUM_GENERATIONS) == (NUM_PROMPTS, NUM_GENERATIONS)
     machine = machine_info(args.device)
     print(describe_machine(machine), flush=True)

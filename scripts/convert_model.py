@@ -25,7 +25,7 @@ from trainer.checkpoints import (
     DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, atomic_save, build_config, init_model, weight_path,
 )
 from trainer.flags import add_bool_flag
-from trainer.tokenizer_check import write_tokenizer_record
+from trainer.checkpoints import write_tokenizer_record
 
 
 def to_hf(args):

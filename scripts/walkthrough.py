@@ -30,6 +30,7 @@ from trainer import train_grpo, train_ppo
 from trainer.rollout_engine import TorchRolloutEngine, compute_per_token_logps, tokenize_prompts
 from trainer.checkpoints import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, init_model
 from trainer.distributed import setup_seed
+from trainer.dtypes import autocast_context
 from trainer.optimizer import adamw, build_cosine_scheduler, build_policy_optimizer, project_scale_only_gradients
 from trainer.trainer_utils import calculate_rewards, k3_kl, masked_mean
 
@@ -320,7 +321,7 @@ def ppo_walkthrough(batch, ppo_args, actor, ref_model, critic, tokenizer, seed, 
     critic.train()
     engine = TorchRolloutEngine(actor, tokenizer, generator=torch.Generator().manual_seed(seed))
     rollout_batch = train_ppo.ppo_rollout(batch, ref_model, critic, engine, calculate_rewards, None, tokenizer,
-                                          ppo_args, "cpu")
+                                          ppo_args, "cpu", autocast_context("cpu", ppo_args.dtype))
     mask = rollout_batch.completion_mask  # [B, R]
     R = mask.size(1)
     lines += [f"### {stages[0]}", ""]
@@ -392,7 +393,8 @@ def ppo_walkthrough(batch, ppo_args, actor, ref_model, critic, tokenizer, seed, 
     actor_scheduler = build_cosine_scheduler(actor_optimizer, ppo_args.max_steps)
     critic_scheduler = build_cosine_scheduler(critic_optimizer, ppo_args.max_steps)
     update = train_ppo.ppo_update(rollout_batch, actor, critic, actor_optimizer, critic_optimizer, actor_scheduler,
-                                  critic_scheduler, ppo_args, "cpu", torch.Generator().manual_seed(seed))
+                                  critic_scheduler, ppo_args, "cpu", torch.Generator().manual_seed(seed),
+                                  autocast_context("cpu", ppo_args.dtype))
     lines += [f"### {stages[4]}", ""]
     lines += ["`ppo_update` (chapters 8.4.3–8.4.4) reuses this one rollout for several optimizer steps: each "
               "epoch shuffles the batch into minibatches; each minibatch adds the clipped surrogate + "
@@ -490,7 +492,7 @@ def main(argv=None):
     grpo_lines, grpo_summary = grpo_walkthrough(batch, grpo_args, model, ref_model, tokenizer, args.seed)
     lines += grpo_lines
     actor, ref_model, tokenizer, lm_config = load_policy_and_reference(args, args.seed)
-    critic = train_ppo.build_critic(lm_config, ppo_args, "cpu")
+    critic = train_ppo.build_critic(lm_config, actor, ppo_args.from_weight != "none", "cpu")
     ppo_lines, ppo_summary = ppo_walkthrough(batch, ppo_args, actor, ref_model, critic, tokenizer, args.seed)
     lines += ppo_lines
     lines += ppo_vs_grpo_table(grpo_summary, ppo_summary)

@@ -42,7 +42,7 @@ def tiny_weights(tmp_path):
     (MiniMind naming) with the record of the bundled tokenizer beside it (tiny_64.tokenizer.json), as the scripts
     save weights; returns (save_dir, name)."""
     from model.model_minimind import MiniMindForCausalLM
-    from trainer.tokenizer_check import write_tokenizer_record
+    from trainer.checkpoints import write_tokenizer_record
     from trainer.checkpoints import build_config
     torch.manual_seed(0)
     model = MiniMindForCausalLM(build_config(hidden_size=64, num_hidden_layers=2, use_moe=0))

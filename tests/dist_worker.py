@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from trainer.rollout_engine import compute_per_token_logps
 from trainer.distributed import wrap_ddp
+from trainer.dtypes import autocast_context
 from trainer.train_ppo import PPORolloutBatch, ppo_update
 from trainer.checkpoints import build_config
 from trainer.distributed import init_distributed_mode
@@ -65,7 +66,8 @@ def ppo_one_rank_kl(local_rank, device, early_stop_kl):
                               minibatch_accumulation_steps=1, kl_placement="loss", grad_clip=1.0, dtype="float32")
     result = ppo_update(data, ddp_actor, ddp_critic, actor_optimizer, critic_optimizer,
                         build_cosine_scheduler(actor_optimizer, 10), build_cosine_scheduler(critic_optimizer, 10),
-                        args, device, torch.Generator().manual_seed(0))
+                        args, device, torch.Generator().manual_seed(0),
+                        autocast_context(device, args.dtype))
     return {"early_stop": result["early_stop"], "optimizer_steps": result["optimizer_steps"]}
 
 

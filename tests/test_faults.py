@@ -16,7 +16,7 @@ from run_patched import text_rewards
 from dataset.lm_dataset import RLAIFDataset, SFTDataset
 from model.model_minimind import MiniMindForCausalLM
 from trainer import checkpoints, train_grpo, train_ppo
-from trainer.resume import save_checkpoint
+from trainer.checkpoints import save_checkpoint
 from trainer.rl_harness import RLRun
 from trainer.train_grpo import grpo_loss
 from trainer.train_ppo import compute_gae, place_sequence_rewards, ppo_policy_loss, ppo_value_loss

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from model.model_minimind import MiniMindForCausalLM
-from trainer.optimizer import adamw, build_policy_optimizer, load_optimizer_state
+from trainer.checkpoints import load_optimizer_state
+from trainer.optimizer import adamw, build_policy_optimizer
 
 
 def loss_of(model, step):

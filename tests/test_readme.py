@@ -71,8 +71,7 @@ def test_mapped_functions_cite_their_section():
 
 
 INFRASTRUCTURE = ("trainer/rl_harness.py", "trainer/flags.py", "trainer/optimizer.py", "trainer/checkpoints.py",
-                  "trainer/resume.py", "trainer/distributed.py", "trainer/dtypes.py", "trainer/metrics.py",
-                  "trainer/tokenizer_check.py")
+                  "trainer/distributed.py", "trainer/dtypes.py", "trainer/metrics.py")
 
 
 def test_no_chapter_row_points_into_the_infrastructure():

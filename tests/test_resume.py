@@ -14,8 +14,8 @@ import torch
 
 from conftest import ROOT
 
-from trainer.resume import get_rng_state, load_resume, resume_progress, set_rng_state
-from trainer.rl_harness import ResumableBatchSampler
+from trainer.checkpoints import get_rng_state, load_resume, resume_progress, set_rng_state
+from dataset.lm_dataset import ResumableBatchSampler
 
 TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--from_weight", "tiny", "--max_gen_len", "8",
         "--eval_interval", "0"]  # the held-out evaluation has its own tests (test_evaluation.py)
@@ -217,7 +217,7 @@ def test_resume_refuses_when_from_weight_is_the_saved_policy(tmp_path, tiny_weig
 
 
 def test_resume_command_quotes_arguments():
-    from trainer.resume import resume_command
+    from trainer.checkpoints import resume_command
     command = resume_command(os.path.join(ROOT, "trainer", "train_grpo.py"),
                              ["--run_dir", "my runs/a", "--from_resume", "0"], world_size=2)
     assert command.startswith("torchrun --nproc_per_node 2 ")
@@ -238,7 +238,7 @@ def test_world_size_change_moves_the_learning_rate_schedule_with_the_step(tmp_pa
     # not step 40's 0.6890576 (what rescaling the step alone would give).
     import types
 
-    from trainer.resume import restore_from_checkpoint, training_states
+    from trainer.checkpoints import restore_from_checkpoint, training_states
     from trainer.train_grpo import parse_args
     from trainer.optimizer import build_cosine_scheduler
     model = torch.nn.Linear(2, 1)
@@ -258,7 +258,7 @@ def test_world_size_change_moves_the_learning_rate_schedule_with_the_step(tmp_pa
                "scheduler": build_cosine_scheduler(fresh_optimizer, 100)}
     progress = {}
     run = types.SimpleNamespace(world_size=2, rank=0)
-    restore_from_checkpoint(args, run, objects, 1000, str(tmp_path / "x_resume.pth"), checkpoint, progress)
+    progress = restore_from_checkpoint(args, run, objects, 1000, str(tmp_path / "x_resume.pth"), checkpoint, progress)
     assert progress["step"] == 20
     assert objects["scheduler"].last_epoch == 20
     assert fresh_optimizer.param_groups[0]["lr"] == pytest.approx(0.9140576, abs=1e-6)
@@ -271,7 +271,7 @@ def test_world_size_change_moves_the_learning_rate_schedule_with_the_step(tmp_pa
     ["--max_steps", "5", "--from_resume", "0"],
 ])
 def test_resume_command_replaces_every_form_of_from_resume(argv):
-    from trainer.resume import resume_command
+    from trainer.checkpoints import resume_command
     expected = "python trainer/train_grpo.py --max_steps 5 --from_resume 1"
     assert resume_command("trainer/train_grpo.py", argv, 1) == expected
 
@@ -282,5 +282,5 @@ def test_sglang_engine_resumes_from_a_torch_engine_state():
 
     from trainer.rollout_engine import SGLangRolloutEngine
     engine = types.SimpleNamespace(num_update_calls=0, weight_version=1)
-    SGLangRolloutEngine.load_state_dict(engine, {})
+    SGLangRolloutEngine.load_resume_state(engine, {})
     assert (engine.num_update_calls, engine.weight_version) == (0, 1)

@@ -154,7 +154,7 @@ MINIMIND_TOKENIZER = os.path.join(os.path.dirname(ROOT), "shared", "compat", "mi
     ("trainer/train_ppo.py", ["--mini_batch_size", "1"]),
 ])
 def test_rl_scripts_with_upstream_minimind_tokenizer(tiny_weights, tmp_path, script, extra):
-    from trainer.tokenizer_check import write_tokenizer_record
+    from trainer.checkpoints import write_tokenizer_record
     save_dir, name = tiny_weights
     write_tokenizer_record(os.path.join(save_dir, f"{name}_64.pth"), MINIMIND_TOKENIZER)  # trained with that one
     result = run_script([script, "--max_steps", "1", "--save_dir", save_dir, "--from_weight", name,

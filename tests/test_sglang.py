@@ -137,15 +137,15 @@ def test_sync_cadence_survives_a_resume(start_standin, tokenizer, tmp_path):
     engine = SGLangRolloutEngine(policy, tokenizer, server.url, str(tmp_path / "shared"), sync_interval=3, **FAST)
     for _ in range(2):
         engine.update_policy(policy)
-    state = engine.state_dict()
+    state = engine.resume_state()
     assert state == {"num_update_calls": 2, "weight_version": 1}
     resumed = SGLangRolloutEngine(policy, tokenizer, server.url, str(tmp_path / "shared2"), sync_interval=3, **FAST)
-    resumed.load_state_dict(state)
+    resumed.load_resume_state(state)
     pushes_before = len(server.loaded_paths)
     resumed.update_policy(policy)
     assert len(server.loaded_paths) == pushes_before + 1  # the 3rd call pushes, as in the uninterrupted run
     assert os.path.basename(server.loaded_paths[-1]) == "policy_v1"
-    assert resumed.state_dict() == {"num_update_calls": 3, "weight_version": 2}
+    assert resumed.resume_state() == {"num_update_calls": 3, "weight_version": 2}
 
 
 @pytest.mark.parametrize("temperature, refused", [(0.5, True), (1.0, False)])

@@ -125,8 +125,7 @@ def test_use_compile_wraps_the_same_parameters_and_0_leaves_the_module():
 # ----------------------------------------------------------------------------- where the chapter's code lives
 TRAINER_CHAPTER_MODULES = {"trainer.train_grpo", "trainer.train_ppo", "trainer.trainer_utils", "trainer.rollout_engine",
                            "trainer.evaluation"}
-LOWER_INFRASTRUCTURE = ("distributed", "dtypes", "checkpoints", "tokenizer_check", "optimizer", "resume",
-                        "metrics")
+LOWER_INFRASTRUCTURE = ("distributed", "dtypes", "checkpoints", "optimizer", "metrics")
 
 
 def function_calls(path, function_name):
@@ -162,8 +161,8 @@ def test_the_roles_of_section_8_1_are_built_in_each_main():
 
 
 def test_trainer_utils_holds_the_chapter_sections_8_3_and_8_6_only():
-    """Two section headers, 8.3 and 8.6, every definition under one of them, and no infrastructure imported but
-    the dtype of the reward model."""
+    """Two section headers, 8.3 and 8.6, every definition under one of them, and no infrastructure imported (the
+    one project import is the InternLM2 reward model of 8.3)."""
     text = open(os.path.join(ROOT, "trainer", "trainer_utils.py"), encoding="utf-8").read()
     headers = [line for line in text.splitlines() if line.startswith("# ----")]
     assert len(headers) == 2 and "chapter 8.3" in headers[0] and "chapter 8.6" in headers[1]
@@ -173,7 +172,7 @@ def test_trainer_utils_holds_the_chapter_sections_8_3_and_8_6_only():
     assert all(node.lineno > first_header_line for node in definitions)
     project_modules = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                        and node.module.split(".")[0] in ("trainer", "model")}
-    assert project_modules == {"trainer.dtypes", "trainer.internlm2_reward"}  # 8.3's reward model
+    assert project_modules == {"trainer.internlm2_reward"}  # 8.3's reward model
 
 
 @pytest.mark.parametrize("module", LOWER_INFRASTRUCTURE)
@@ -185,3 +184,39 @@ def test_infrastructure_modules_import_no_chapter_code(module):
     offenders = {name for name in imported if name.rsplit(".", 1)[0] not in allowed and name not in allowed}
     assert offenders == set()
     assert not {name.rsplit(".", 1)[0] for name in imported} & TRAINER_CHAPTER_MODULES
+
+
+def step_calls(script_path):
+    """Names called by one step of the script's loop: the body of the ``for`` loop in ``main`` and, transitively,
+    every function of the script it calls. Returns (called names, {imported name: module})."""
+    tree = ast.parse(open(os.path.join(ROOT, script_path), encoding="utf-8").read())
+    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    imported = {alias.asname or alias.name: node.module for node in tree.body
+                if isinstance(node, ast.ImportFrom) and node.module for alias in node.names}
+    loop = next(node for node in ast.walk(functions["main"]) if isinstance(node, ast.For))
+    pending, seen, called = [loop], set(), set()
+    while pending:
+        for node in ast.walk(pending.pop()):
+            if isinstance(node, ast.Call):
+                name = ast.unparse(node.func)
+                called.add(name)
+                if name in functions and name not in seen and name != "main":
+                    seen.add(name)
+                    pending.append(functions[name])
+    return called, imported
+
+
+@pytest.mark.parametrize("script", ["train_grpo", "train_ppo"])
+def test_one_step_stays_in_the_chapter_modules(script):
+    """A reader following one step of the loop meets the script, the chapter's shared modules (rollout engine,
+    trainer_utils), the optimizer and rank helpers, and the harness (``run.``) only: the dtype context is built
+    once at set-up, and no step calls into dtypes, checkpoints, metrics or flags directly."""
+    called, imported = step_calls(f"trainer/{script}.py")
+    modules = {imported[name.split(".")[0]] for name in called if name.split(".")[0] in imported}
+    project_modules = {module for module in modules if module.split(".")[0] in ("trainer", "model", "dataset")}
+    assert project_modules <= {"trainer.rollout_engine", "trainer.trainer_utils", "trainer.optimizer",
+                               "trainer.distributed", "trainer.rl_harness"}, project_modules
+    assert "autocast_context" not in called
+    harness_calls = {name for name in called if name.startswith("run.")}
+    assert harness_calls <= {"run.batches", "run.print_samples_if_due", "run.guard.record", "run.log",
+                             "run.save_if_due", "run.rollout_engine.update_policy"}, harness_calls

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from conftest import ROOT, SHARED
 from test_scripts import run_script
-from trainer.tokenizer_check import check_tokenizer_fits_checkpoint, tokenizer_record_path
+from trainer.checkpoints import check_tokenizer_fits_checkpoint, tokenizer_record_path
 
 UPSTREAM_TOKENIZER = os.path.join(SHARED, "compat", "minimind-tokenizer")
 BUNDLED_TOKENIZER = os.path.join(ROOT, "model")

@@ -48,6 +48,9 @@ def autocast_context(device, dtype_name):
     bf16 is only faster on hardware with bf16 matrix units (CUDA GPUs, CPUs with AMX / AVX512-BF16); on a
     CPU without them it is much slower (``scripts/bench.py`` measures both peaks).
 
+    The context can be entered again after each exit (the scripts build it once and reuse it for every forward),
+    but not inside itself: ``torch.autocast`` keeps the state it restores on the object.
+
     Args:
         device: a torch.device or string ("cpu", "cuda:0").
         dtype_name: one of ``DTYPE_CHOICES``.

@@ -6,7 +6,7 @@ import json
 import os
 import time
 
-from trainer.distributed import Logger, is_main_process
+from trainer.distributed import is_main_process
 
 
 def format_duration(seconds):
@@ -92,13 +92,3 @@ def open_metrics(args, progress):
     writer = MetricsWriter(run_dir, args.use_wandb, args.wandb_project, os.path.basename(run_dir), vars(args),
                            wandb_id=progress.get("wandb_id"), tracker=args.tracker)
     return run_dir, writer
-
-
-def print_debug_samples(step, prompts, completions, reward_parts, num_generations):
-    """--debug_mode: each prompt, its sampled answers and their reward parts (rank 0 only)."""
-    for i in range(0, len(completions), num_generations):
-        Logger(f"[debug] step {step} prompt:\n{prompts[i]}")
-        for j in range(i, i + num_generations):
-            Logger(f"[debug] answer {j - i}: reward {reward_parts['rewards'][j]:.3f} "
-                   f"(rule {reward_parts['rule_rewards'][j]:.3f}, rm {reward_parts['reward_model_scores'][j]:.3f}, "
-                   f"answer {reward_parts['answer_rewards'][j]:.0f})\n{completions[j]}")

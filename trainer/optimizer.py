@@ -45,22 +45,6 @@ def adamw(params, **kwargs):
     return torch.optim.AdamW(params, fused=True, **kwargs)
 
 
-def load_optimizer_state(optimizer, state):
-    """``optimizer.load_state_dict(state)`` that keeps this optimizer's kernel (``fused``, ``foreach``).
-
-    ``load_state_dict`` takes every group option from the saved state, so a checkpoint written with another
-    kernel (a plain ``torch.optim.AdamW``) would bring that kernel back, silently. State dicts with another number
-    of groups go to ``load_state_dict`` unchanged, which raises its ValueError.
-    """
-    saved_groups = state["param_groups"]
-    if len(saved_groups) == len(optimizer.param_groups):
-        kernel_options = [{key: group[key] for key in ("fused", "foreach") if key in group}
-                          for group in optimizer.param_groups]
-        state = dict(state, param_groups=[dict(saved, **options)
-                                          for saved, options in zip(saved_groups, kernel_options)])
-    optimizer.load_state_dict(state)
-
-
 def project_scale_only_gradients(optimizer):
     """For every parameter of a ``scale_only`` group (``build_policy_optimizer``): grad <- (grad . w / w . w) w,
     the gradient of the loss with respect to a common factor c of w = c * w_now, put back along w.

@@ -13,8 +13,8 @@ share. Infrastructure, not RL: a learner can skip this file.
         run.save_if_due(step)                           # atomic checkpoints, resume file, stop
     run.close()
 
-Beside it, the pieces ``RLRun`` is made of: the data order that survives a resume (``ResumableBatchSampler``),
-stop requests (``StopSignal``) and skipped updates (``nonfinite_parts``, ``BadStepGuard``).
+Beside it, the pieces ``RLRun`` is made of: stop requests (``StopSignal``) and skipped updates (``nonfinite_parts``,
+``BadStepGuard``); the data order that survives a resume is ``dataset.lm_dataset.ResumableBatchSampler``.
 """
 import argparse
 import signal
@@ -28,16 +28,16 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 from transformers import AutoTokenizer
 
-from dataset.lm_dataset import RLAIFDataset
-from trainer.checkpoints import build_config, weight_path
+from dataset.lm_dataset import RLAIFDataset, ResumableBatchSampler
+from trainer.checkpoints import (
+    build_config, check_tokenizer_fits_checkpoint, resume_command, save_checkpoint, start_or_resume, weight_path,
+)
 from trainer.distributed import Logger, any_rank, init_distributed_mode, mean_over_ranks, setup_seed
-from trainer.dtypes import resolve_train_dtype
+from trainer.dtypes import autocast_context, resolve_dtype, resolve_train_dtype, reward_model_dtype
 from trainer.evaluation import HeldOutEvaluator
 from trainer.flags import rollout_engine_kwargs
 from trainer.metrics import MetricsWriter, StepTimer, open_metrics
-from trainer.resume import resume_command, save_checkpoint, start_or_resume
 from trainer.rollout_engine import create_rollout_engine
-from trainer.tokenizer_check import check_tokenizer_fits_checkpoint
 
 
 class StopSignal:
@@ -111,41 +111,6 @@ class BadStepGuard:
                              f"checkpoint holds no NaN. Lower --learning_rate or check the reward function.")
 
 
-class ResumableBatchSampler(torch.utils.data.Sampler):
-    """Batches of one epoch's prompt indices for this rank, skipping the batches a resumed run already saw.
-
-    The order of epoch ``e`` is DistributedSampler's (a permutation seeded by ``seed + e``, split over ranks;
-    world size 1 when not distributed), so it does not depend on whether or where the run was interrupted.
-    ``set_epoch(e, skip_batches)`` picks the epoch; the last partial batch is dropped.
-    """
-
-    def __init__(self, dataset, batch_size, world_size, rank, seed):
-        self.sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=world_size, rank=rank,
-                                                           shuffle=True, seed=seed, drop_last=True)
-        self.batch_size = batch_size
-        self.skip_batches = 0
-
-    def set_epoch(self, epoch, skip_batches=0):
-        self.sampler.set_epoch(epoch)
-        self.skip_batches = skip_batches
-
-    def __iter__(self):
-        indices = list(self.sampler)
-        full = len(indices) // self.batch_size * self.batch_size
-        for start in range(self.skip_batches * self.batch_size, full, self.batch_size):
-            yield indices[start:start + self.batch_size]
-
-    def __len__(self):
-        return len(self.sampler) // self.batch_size - self.skip_batches
-
-
-def count_long_prompts(dataset, tokenizer, max_seq_len):
-    """How many prompts of ``dataset`` are longer than ``max_seq_len`` tokens (they will be cut from the left)."""
-    prompts = [dataset[i]["prompt"] for i in range(len(dataset))]
-    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
-    return sum(length > max_seq_len for length in lengths)
-
-
 def count_total_steps(max_steps, epochs, steps_per_epoch):
     """Steps of the run: ``max_steps`` when set (capped by the data), else ``epochs`` full passes."""
     return min(max_steps, epochs * steps_per_epoch) if max_steps else epochs * steps_per_epoch
@@ -187,6 +152,8 @@ class RLRun:
     loader: DataLoader
     evaluator: Optional[HeldOutEvaluator]  # None with --eval_interval 0
     total_steps: int
+    autocast: Any  # the training forwards' context under --dtype (autocast_context), reused by every forward
+    reward_dtype: torch.dtype  # the reward model's weights (--reward_dtype resolved)
     # set by start():
     model: Optional[torch.nn.Module] = None  # the policy, fp32 weights
     objects: dict = field(default_factory=dict)  # name -> model / optimizer / schedule / generator, resumable
@@ -221,6 +188,9 @@ class RLRun:
         rank = dist.get_rank() if dist.is_initialized() else 0
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         args.dtype = resolve_train_dtype(args.dtype, device)  # "auto" -> what this device runs
+        autocast = autocast_context(device, args.dtype)  # every training forward's context, entered one at a time
+        # the frozen reward model's dtype: --reward_dtype, else half precision on a GPU, the weights' fp32 on a CPU
+        reward_dtype = resolve_dtype(args.reward_dtype, reward_model_dtype(args.reward_device or device, torch.float32))
         lm_config = build_config(args.hidden_size, args.num_hidden_layers, args.use_moe)
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
         check_tokenizer_fits_checkpoint(tokenizer, args.tokenizer_path, None if args.from_weight == "none" else
@@ -230,15 +200,7 @@ class RLRun:
         if len(dataset) < needed:
             raise ValueError(f"--data_path {args.data_path}: found {len(dataset)} prompts, need at least {needed} "
                              f"(--batch_size {args.batch_size} x {world_size} processes) for one full batch")
-        evaluator = None
-        if args.eval_interval and not args.eval_data_path:
-            Logger(f"held-out evaluation off: --data_path {args.data_path} is not the bundled training data, whose "
-                   f"validation prompts the evaluation would use; pass --eval_data_path FILE to evaluate")
-        elif args.eval_interval:
-            eval_dataset = RLAIFDataset(args.eval_data_path, tokenizer, thinking_ratio=1.0, seed=args.seed)
-            evaluator = HeldOutEvaluator(eval_dataset, tokenizer, args.eval_num_prompts, args.temperature,
-                                         args.max_gen_len, args.max_seq_len, device)
-        long_prompts = count_long_prompts(dataset, tokenizer, args.max_seq_len)
+        long_prompts = dataset.count_longer_than(args.max_seq_len)
         if long_prompts:
             Logger(f"warning: {long_prompts} of {len(dataset)} prompts are longer than --max_seq_len "
                    f"{args.max_seq_len} tokens; they are cut from the left so the generation prompt survives")
@@ -247,14 +209,22 @@ class RLRun:
         loader = DataLoader(dataset, batch_sampler=batch_sampler, num_workers=args.num_workers,
                             generator=torch.Generator().manual_seed(args.seed))
         total_steps = count_total_steps(args.max_steps, args.epochs, len(loader))
+        evaluator = None
+        if args.eval_interval and not args.eval_data_path:
+            Logger(f"held-out evaluation off: --data_path {args.data_path} is not the bundled training data, whose "
+                   f"validation prompts the evaluation would use; pass --eval_data_path FILE to evaluate")
+        elif args.eval_interval:
+            eval_dataset = RLAIFDataset(args.eval_data_path, tokenizer, thinking_ratio=1.0, seed=args.seed)
+            evaluator = HeldOutEvaluator(eval_dataset, tokenizer, args.eval_num_prompts, args.temperature,
+                                         args.max_gen_len, args.max_seq_len, device)
         return cls(args=args, script=script, script_path=script_path, argv=argv, device=device, rank=rank,
                    world_size=world_size, local_rank=local_rank, lm_config=lm_config, tokenizer=tokenizer,
                    dataset=dataset, batch_sampler=batch_sampler, loader=loader, evaluator=evaluator,
-                   total_steps=total_steps)
+                   total_steps=total_steps, autocast=autocast, reward_dtype=reward_dtype)
 
     def start(self, model, objects, weights, summary, log_line):
-        """Resume (``--from_resume 1``) or start at step 0, make the rollout engine for the policy ``model``, open
-        the metrics, and evaluate the starting policy on the held-out prompts (step 0).
+        """Resume (``--from_resume 1``) or start at step 0, evaluate the starting policy on the held-out prompts
+        (step 0), make the rollout engine for the policy ``model``, and open the metrics.
 
         Args:
             model: the policy (PPO's actor), not wrapped: the rollout engine samples from it, the evaluation
@@ -269,18 +239,20 @@ class RLRun:
         Logger(f"{self.script.upper()}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
                f"{len(self.dataset)} prompts, world size {self.world_size}, device {self.device}, dtype {args.dtype}")
         self.progress = start_or_resume(args, self.script, self, objects, len(self.loader))
+        self.guard = BadStepGuard(args.max_bad_steps, self.progress["bad_steps_in_a_row"])
+        eval_metrics = {}  # the starting policy on the held-out prompts (step 0; a resumed run has its own)
+        if self.progress["step"] == 0 and self.evaluator is not None:
+            eval_metrics = evaluate_if_due(self.evaluator, self.model, 0, self.total_steps, args.eval_interval)
         # made after the restore: the SGLang engine pushes the (restored) policy to its server at start-up
         self.rollout_engine = create_rollout_engine(args.rollout_engine, self.model, self.tokenizer,
                                                     **rollout_engine_kwargs(args))
         if self.rollout_engine_state is not None:
-            self.rollout_engine.load_state_dict(self.rollout_engine_state)
+            self.rollout_engine.load_resume_state(self.rollout_engine_state)
         self.run_dir, self.writer = open_metrics(args, self.progress)
         Logger(f"{summary}, metrics in {self.run_dir}")
-        self.stop_signal = StopSignal()
-        self.guard = BadStepGuard(args.max_bad_steps, self.progress["bad_steps_in_a_row"])
-        if self.progress["step"] == 0 and self.evaluator is not None:
-            eval_metrics = evaluate_if_due(self.evaluator, self.model, 0, self.total_steps, args.eval_interval)
+        if eval_metrics:
             self.writer.log({"step": 0, **eval_metrics})
+        self.stop_signal = StopSignal()
         self.timer = StepTimer(self.total_steps, start_step=self.progress["step"])  # after the step-0 evaluation
 
     def batches(self):
@@ -303,9 +275,17 @@ class RLRun:
                 if self.stop or step >= self.total_steps:
                     return
 
-    def debug_due(self, step):
-        """True when ``--debug_mode`` prints this step's samples."""
-        return bool(self.args.debug_mode) and step % self.args.debug_interval == 0
+    def print_samples_if_due(self, step, prompts, completions, reward_parts, num_generations):
+        """``--debug_mode``: every ``--debug_interval`` steps, each prompt, its sampled answers and their reward
+        parts (rank 0 only)."""
+        if not self.args.debug_mode or step % self.args.debug_interval:
+            return
+        for i in range(0, len(completions), num_generations):
+            Logger(f"[debug] step {step} prompt:\n{prompts[i]}")
+            for j in range(i, i + num_generations):
+                Logger(f"[debug] answer {j - i}: reward {reward_parts['rewards'][j]:.3f} "
+                       f"(rule {reward_parts['rule_rewards'][j]:.3f}, rm {reward_parts['reward_model_scores'][j]:.3f}, "
+                       f"answer {reward_parts['answer_rewards'][j]:.0f})\n{completions[j]}")
 
     def log(self, step, metrics, learning_rates):
         """Average ``metrics`` over ranks, add the final norm gain and the held-out evaluation when due, and

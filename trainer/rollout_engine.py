@@ -227,12 +227,12 @@ class RolloutEngine(ABC):
     def update_policy(self, model):
         """Make later rollouts sample from ``model``'s current weights."""
 
-    def state_dict(self):
+    def resume_state(self):
         """What a resumed run needs to continue this engine's bookkeeping (a dict; empty when there is none)."""
         return {}
 
-    def load_state_dict(self, state):
-        """Restore ``state_dict()``'s result (resume)."""
+    def load_resume_state(self, state):
+        """Restore ``resume_state()``'s result (resume)."""
 
 
 TORCH_LOGPROB_MODES = ("sampler", "recompute")
@@ -689,13 +689,13 @@ class SGLangRolloutEngine(RolloutEngine):
         self.server_weight_version = version
         self.weight_version += 1
 
-    def state_dict(self):
+    def resume_state(self):
         """The sync cadence and the folder counter: without them a resume with ``sync_interval`` > 1 would push
         on other steps than the run it continues."""
         return {"num_update_calls": self.num_update_calls, "weight_version": self.weight_version}
 
-    def load_state_dict(self, state):
-        """Continue the cadence of ``state_dict()``: the next push happens on the call the saved run would have
+    def load_resume_state(self, state):
+        """Continue the cadence of ``resume_state()``: the next push happens on the call the saved run would have
         made it (the start-up push of the restored policy already happened). An empty state (a resume file of
         ``--rollout_engine torch``) starts the cadence afresh."""
         self.num_update_calls = int(state.get("num_update_calls", 0))

@@ -33,7 +33,7 @@ from trainer.optimizer import build_cosine_scheduler
 from trainer.distributed import any_rank
 from trainer.optimizer import project_scale_only_gradients
 from trainer.rl_harness import BadStepGuard, nonfinite_parts
-from trainer.tokenizer_check import write_tokenizer_record
+from trainer.checkpoints import write_tokenizer_record
 
 
 def parse_args(argv=None):

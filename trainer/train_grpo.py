@@ -37,9 +37,7 @@ import torch
 
 from trainer.checkpoints import load_policy
 from trainer.distributed import any_rank, compile_for_training, setup_seed, shutdown_distributed, wrap_ddp
-from trainer.dtypes import autocast_context
 from trainer.flags import add_bool_flag, add_common_rl_args, check_common_rl_args
-from trainer.metrics import print_debug_samples
 from trainer.optimizer import (
     accumulation_window_size, build_cosine_scheduler, build_policy_optimizer, project_scale_only_gradients,
 )
@@ -183,19 +181,20 @@ def rollout_per_token_logps(model, rollout, args, return_aux_loss=False):
                                    args.temperature, return_aux_loss)
 
 
-def grpo_step(batch, model, ref_model, rollout_engine, reward_fn, reward_model, tokenizer, args, device):
+def grpo_step(batch, model, ref_model, rollout_engine, reward_fn, reward_model, tokenizer, args, device, autocast):
     """One turn of the RLHF loop (chapter 8.1) with GRPO (chapter 8.5): rollout, rewards, group advantages,
     loss. Returns (loss to backpropagate, metrics dict, debug dict); the loop divides the loss by the size of
     its gradient-accumulation window (``accumulation_window_size``).
 
     ``model`` is what the gradient flows through (the DDP wrapper when distributed); ``reward_fn`` is
-    ``calculate_rewards`` (chapter 8.3) or a replacement with the same arguments and result.
+    ``calculate_rewards`` (chapter 8.3) or a replacement with the same arguments and result; ``autocast`` is the
+    forwards' context under ``--dtype`` (``autocast_context``).
     """
     prompts, answers = batch["prompt"], batch["answer"]  # list[str] of length B
     prompt_ids, attention_mask, truncated = tokenize_prompts(tokenizer, prompts, args.max_seq_len, device)
 
     # 1. rollout: B*G completions and their old log-probs (8.2)
-    with autocast_context(device, args.dtype):
+    with autocast:
         rollout = rollout_engine.rollout(prompt_ids, attention_mask, args.num_generations, args.max_gen_len,
                                          args.temperature)
     completion_mask = rollout.completion_mask  # [B*G, R]
@@ -212,9 +211,9 @@ def grpo_step(batch, model, ref_model, rollout_engine, reward_fn, reward_model, 
     advantages = grpo_advantages(rewards, args.num_generations)  # [B*G]
 
     # 4. reference and current log-probs (fp32 whatever --dtype is)
-    with torch.no_grad(), autocast_context(device, args.dtype):
+    with torch.no_grad(), autocast:
         ref_per_token_logps = rollout_per_token_logps(ref_model, rollout, args)  # [B*G, R]
-    with autocast_context(device, args.dtype):
+    with autocast:
         per_token_logps, aux_loss = rollout_per_token_logps(model, rollout, args, return_aux_loss=True)  # [B*G, R]
 
     # 5. CISPO / GRPO loss with the k3 KL penalty (8.5.2, 8.6)
@@ -260,7 +259,7 @@ def main(argv=None, reward_fn=calculate_rewards, run_class=RLRun):
     # the roles (chapter 8.1): the policy is trained, the reference and the reward model stay frozen
     model = load_policy(run.lm_config, args, run.tokenizer, run.device)  # pi_theta, from --from_weight
     ref_model = copy.deepcopy(model).eval().requires_grad_(False)  # pi_ref: the starting policy
-    reward_model = load_reward_model(args, run.device, model.dtype)  # None with --reward_model_path none
+    reward_model = load_reward_model(args, run.device, run.reward_dtype)  # None with --reward_model_path none
     setup_seed(args.seed + run.rank)  # from here on every rank samples its own answers
     optimizer = build_policy_optimizer(model, args.learning_rate, args.weight_decay, args.final_norm_learning_rate)
     num_updates = -(-run.total_steps // args.accumulation_steps)  # ceil: the last window may be shorter
@@ -274,7 +273,9 @@ def main(argv=None, reward_fn=calculate_rewards, run_class=RLRun):
     for step, batch in run.batches():
         learning_rate = optimizer.param_groups[0]["lr"]  # the rate this step's update uses (read before stepping)
         loss, metrics, debug = grpo_step(batch, ddp_model, ref_model, run.rollout_engine, reward_fn, reward_model,
-                                         run.tokenizer, args, run.device)
+                                         run.tokenizer, args, run.device, run.autocast)
+        run.print_samples_if_due(step, debug["prompts"], debug["completions"], debug["reward_parts"],
+                                 args.num_generations)
         problems += nonfinite_parts(rewards=debug["reward_parts"]["rewards"], loss=loss)
         (loss / accumulation_window_size(step, run.total_steps, args.accumulation_steps)).backward()
         if step % args.accumulation_steps == 0 or step == run.total_steps:  # the update
@@ -290,9 +291,6 @@ def main(argv=None, reward_fn=calculate_rewards, run_class=RLRun):
             run.guard.record(step, skipped, problems)
             problems = []
             run.rollout_engine.update_policy(model)
-        if run.debug_due(step):
-            print_debug_samples(step, debug["prompts"], debug["completions"], debug["reward_parts"],
-                                args.num_generations)
         run.log(step, metrics, {"learning_rate": learning_rate})
         run.save_if_due(step)
     run.close()

@@ -42,19 +42,19 @@ sys.path.insert(0, ROOT)  # `python trainer/x.py` from any folder imports this c
 import torch
 
 from model.model_minimind import CriticModel
-from trainer.checkpoints import load_policy, weight_path
+from trainer.checkpoints import load_policy
 from trainer.distributed import (
     all_ranks_mean, any_rank, compile_for_training, setup_seed, shutdown_distributed, wrap_ddp,
 )
-from trainer.dtypes import autocast_context
 from trainer.flags import add_bool_flag, add_common_rl_args, check_common_rl_args
-from trainer.metrics import print_debug_samples
 from trainer.optimizer import (
     accumulation_window_size, adamw, build_cosine_scheduler, build_policy_optimizer, project_scale_only_gradients,
 )
 from trainer.rl_harness import RLRun, nonfinite_parts
 from trainer.rollout_engine import compute_per_token_logps, tokenize_prompts
-from trainer.trainer_utils import calculate_rewards, k3_kl, load_reward_model, masked_mean
+from trainer.trainer_utils import (
+    calculate_rewards, explained_variance, k3_kl, load_reward_model, masked_mean, masked_std,
+)
 
 
 KL_PLACEMENTS = ("loss", "reward")
@@ -187,25 +187,6 @@ def ppo_value_loss(values, old_values, returns, mask, cliprange_value=0.2):
     return value_loss, value_clipfrac
 
 
-def masked_std(values, mask):
-    """Population standard deviation of ``values`` over positions where mask == 1 (a scalar tensor; 0 if none)."""
-    return masked_mean((values - masked_mean(values, mask)) ** 2, mask).sqrt()
-
-
-def explained_variance(values, returns, mask):
-    """1 - Var[returns - values] / Var[returns] over real tokens (1 = perfect critic, <= 0 = no better than a constant).
-
-    NaN when the returns do not vary (e.g. every answer got the same reward): the ratio is undefined then, and a
-    clamped denominator would report 1.0 or a huge negative number. Plots and README means skip NaN.
-    """
-    var_returns = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
-    if var_returns.item() <= 1e-12:
-        return float("nan")
-    residual = returns - values
-    var_residual = masked_mean((residual - masked_mean(residual, mask)) ** 2, mask)
-    return (1.0 - var_residual / var_returns).item()
-
-
 # ----------------------------------------------------------------------------- flags and the critic
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="MiniMind PPO (Proximal Policy Optimization)")
@@ -252,14 +233,13 @@ def parse_args(argv=None):
     return args
 
 
-def build_critic(lm_config, args, device):
-    """CriticModel initialised from the actor's SFT weights (strict except value_head.*; chapter 8.4.1)."""
+def build_critic(lm_config, actor, from_sft, device):
+    """CriticModel initialised from the actor's SFT weights (strict except value_head.*; chapter 8.4.1), fp32 on
+    ``device``: ``actor`` is the policy as loaded from ``--from_weight``, before any update. With ``from_sft``
+    False (``--from_weight none``) the critic keeps its own random weights."""
     critic = CriticModel(lm_config)
-    if args.from_weight == "none":
-        return critic.to(device)
-    path = weight_path(args.from_weight, args.save_dir, lm_config.hidden_size, lm_config.use_moe)
-    state_dict = torch.load(path, map_location="cpu", weights_only=True)
-    critic.load_actor_state_dict({k: v.float() for k, v in state_dict.items()})
+    if from_sft:
+        critic.load_actor_state_dict({k: v.detach().float().cpu() for k, v in actor.state_dict().items()})
     return critic.to(device)
 
 
@@ -287,16 +267,17 @@ class PPORolloutBatch:
 
 
 @torch.no_grad()
-def ppo_rollout(batch, ref_model, critic, rollout_engine, reward_fn, reward_model, tokenizer, args, device):
+def ppo_rollout(batch, ref_model, critic, rollout_engine, reward_fn, reward_model, tokenizer, args, device, autocast):
     """Steps 1-4 of a PPO step (chapter 8.4): rollout, rewards, reference log-probs, old values, GAE.
 
     The rollout engine samples from the actor; ``critic`` is the plain module (not a DDP wrapper: these forwards
     have no backward). ``reward_fn`` is ``calculate_rewards`` (chapter 8.3) or a replacement with the same
-    arguments and result. Returns a ``PPORolloutBatch`` of B rows.
+    arguments and result; ``autocast`` is the forwards' context under ``--dtype`` (``autocast_context``). Returns a
+    ``PPORolloutBatch`` of B rows.
     """
     prompts, answers = batch["prompt"], batch["answer"]  # list[str] of length B
     prompt_ids, attention_mask, truncated = tokenize_prompts(tokenizer, prompts, args.max_seq_len, device)
-    with autocast_context(device, args.dtype):
+    with autocast:
         rollout = rollout_engine.rollout(prompt_ids, attention_mask, 1, args.max_gen_len, args.temperature)
     output_ids = rollout.output_ids  # [B, P+R]
     full_mask = rollout.attention_mask  # [B, P+R]
@@ -306,7 +287,7 @@ def ppo_rollout(batch, ref_model, critic, rollout_engine, reward_fn, reward_mode
     reward_parts = reward_fn(prompts, rollout.completions, answers, reward_model, args.answer_reward_weight)
     rewards = reward_parts["rewards"].to(device)  # [B]
     critic.eval()
-    with autocast_context(device, args.dtype):
+    with autocast:
         ref_per_token_logps = compute_per_token_logps(ref_model, output_ids, gen_len, full_mask,
                                                       args.temperature)  # [B, R]
         old_resp_values = critic(output_ids, attention_mask=full_mask)[:, -gen_len - 1:-1]  # [B, R], V(s_t)
@@ -333,8 +314,6 @@ def clip_and_step(models, optimizers, grad_clip, device):
     ``grad_clip``, then step every optimizer -- or none, on every rank, when a gradient norm is NaN or inf on any
     rank (the weights stay as they were). The gradients are cleared either way. Returns True when the optimizers
     stepped."""
-    for optimizer in optimizers:
-        project_scale_only_gradients(optimizer)  # the actor's final norm gain learns one number (its own group)
     grad_norms = [float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)) for model in models]
     skipped = any_rank(not all(math.isfinite(norm) for norm in grad_norms), device)  # a NaN on any rank: no update
     if not skipped:
@@ -346,7 +325,7 @@ def clip_and_step(models, optimizers, grad_clip, device):
 
 
 def ppo_update(rollout_batch, actor, critic, actor_optimizer, critic_optimizer, actor_scheduler, critic_scheduler,
-               args, device, generator):
+               args, device, generator, autocast):
     """Step 5: ``ppo_update_iters`` epochs over shuffled minibatches (chapter 8.4.3-8.4.4).
 
     Every rank draws the same permutation, and the approx-KL early stop uses the mean over ranks, so all
@@ -356,7 +335,8 @@ def ppo_update(rollout_batch, actor, critic, actor_optimizer, critic_optimizer, 
     window it interrupts. The schedules step once per rollout that made at least one optimizer step.
 
     Args:
-        rollout_batch: ``PPORolloutBatch``; generator: ``torch.Generator`` of the minibatch permutations.
+        rollout_batch: ``PPORolloutBatch``; generator: ``torch.Generator`` of the minibatch permutations;
+        autocast: the forwards' context under ``--dtype`` (``autocast_context``).
     Returns a dict of stats averaged over minibatches, early_stop (0/1), optimizer_steps, skipped_steps.
     """
     batch_size = rollout_batch.output_ids.size(0)
@@ -370,7 +350,7 @@ def ppo_update(rollout_batch, actor, critic, actor_optimizer, critic_optimizer, 
         for start in range(0, batch_size, args.mini_batch_size):
             inds = permutation[start:start + args.mini_batch_size].to(device)
             mask = rollout_batch.completion_mask[inds]  # [mb, R]
-            with autocast_context(device, args.dtype):
+            with autocast:
                 per_token_logps, aux_loss = compute_per_token_logps(
                     actor, rollout_batch.output_ids[inds], gen_len, rollout_batch.full_mask[inds], args.temperature,
                     return_aux_loss=True)  # [mb, R], the chapter's mb_resp_logp
@@ -381,7 +361,7 @@ def ppo_update(rollout_batch, actor, critic, actor_optimizer, critic_optimizer, 
             if approx_kl > args.early_stop_kl:
                 stop_ppo = True  # this minibatch and the rest of the epochs are skipped
                 break
-            with autocast_context(device, args.dtype):
+            with autocast:
                 mb_values, critic_aux_loss = critic(rollout_batch.output_ids[inds],
                                                     attention_mask=rollout_batch.full_mask[inds],
                                                     return_aux_loss=True)  # [mb, P+R]
@@ -394,6 +374,7 @@ def ppo_update(rollout_batch, actor, critic, actor_optimizer, critic_optimizer, 
             micro += 1
             (loss / accumulation_window_size(micro, total_micro, accumulation)).backward()
             if micro % accumulation == 0 or micro == total_micro:  # the update
+                project_scale_only_gradients(actor_optimizer)  # the final norm gain learns one number (own group)
                 stepped = clip_and_step([actor, critic], [actor_optimizer, critic_optimizer], args.grad_clip, device)
                 optimizer_steps += int(stepped)
                 skipped_steps += int(not stepped)
@@ -453,9 +434,9 @@ def main(argv=None, reward_fn=calculate_rewards, run_class=RLRun):
     # the roles (chapter 8.1): actor and critic are trained, the reference and the reward model stay frozen
     actor = load_policy(run.lm_config, args, run.tokenizer, device)  # pi_theta, from --from_weight
     ref_model = copy.deepcopy(actor).eval().requires_grad_(False)  # pi_ref: the starting policy
-    reward_model = load_reward_model(args, device, actor.dtype)  # None with --reward_model_path none
+    reward_model = load_reward_model(args, device, run.reward_dtype)  # None with --reward_model_path none
     setup_seed(args.seed + run.rank)  # from here on every rank draws its own samples
-    critic = build_critic(run.lm_config, args, device)  # V(s_t): the actor's weights and a new value head
+    critic = build_critic(run.lm_config, actor, args.from_weight != "none", device)  # V(s_t): actor weights + new head
     actor_optimizer = build_policy_optimizer(actor, args.learning_rate, args.weight_decay,
                                              args.final_norm_learning_rate)
     critic_optimizer = adamw(critic.parameters(), lr=args.critic_learning_rate, weight_decay=args.weight_decay)
@@ -477,21 +458,21 @@ def main(argv=None, reward_fn=calculate_rewards, run_class=RLRun):
         learning_rates = {"learning_rate": actor_optimizer.param_groups[0]["lr"],
                           "critic_learning_rate": critic_optimizer.param_groups[0]["lr"]}
         rollout_batch = ppo_rollout(batch, ref_model, critic, run.rollout_engine, reward_fn, reward_model,
-                                    run.tokenizer, args, device)
+                                    run.tokenizer, args, device, run.autocast)
+        run.print_samples_if_due(step, rollout_batch.prompts, rollout_batch.completions, rollout_batch.reward_parts, 1)
         problems = nonfinite_parts(rewards=rollout_batch.rewards)
         skipped = any_rank(bool(problems), device)  # a NaN reward on any rank: GAE would spread it, no update
         if skipped:
             update = {"optimizer_steps": 0.0, "skipped_steps": float(args.ppo_update_iters)}
         else:
             update = ppo_update(rollout_batch, ddp_actor, ddp_critic, actor_optimizer, critic_optimizer,
-                                actor_scheduler, critic_scheduler, args, device, minibatch_generator)
+                                actor_scheduler, critic_scheduler, args, device, minibatch_generator, run.autocast)
             skipped = bool(update["skipped_steps"])
             problems = ["gradients"] if skipped else []
-        run.guard.record(step, skipped, problems)
         run.rollout_engine.update_policy(actor)
-        if run.debug_due(step):
-            print_debug_samples(step, rollout_batch.prompts, rollout_batch.completions, rollout_batch.reward_parts, 1)
-        run.log(step, ppo_metrics(rollout_batch, update, skipped), learning_rates)
+        metrics = ppo_metrics(rollout_batch, update, skipped)
+        run.guard.record(step, skipped, problems)
+        run.log(step, metrics, learning_rates)
         run.save_if_due(step)
     run.close()
     del ddp_actor, ddp_critic  # free the DDP wrappers while the process group is alive (see shutdown_distributed)

@@ -1,6 +1,6 @@
 """What both RL scripts share from the chapter, in its order: the rewards of 8.3 (rule reward, repetition penalty,
 answer reward, the external reward model and its conversation, ``calculate_rewards``) and the KL and masks of 8.6
-(the completion mask, masked means, the k3 estimator).
+(the completion mask, masked means and the statistics PPO logs from them, the k3 estimator).
 
 Everything that is not in the chapter (processes, flags, weights on disk, resume, dtypes, the optimizer, metrics)
 lives in modules named for it, which a learner can skip. Nothing here reads a global: every function takes what
@@ -13,7 +13,6 @@ import re
 import torch
 from transformers import AutoTokenizer
 
-from trainer.dtypes import resolve_dtype, reward_model_dtype
 from trainer.internlm2_reward import (
     InternLM2RewardModel, InternLM2RewardTokenizer, is_internlm2_reward, require_sentencepiece,
 )
@@ -299,19 +298,17 @@ class LMForRewardModel:
         return self.get_scores([messages], [response])[0]
 
 
-def load_reward_model(args, device, policy_dtype):
+def load_reward_model(args, device, dtype):
     """The reward model of ``--reward_model_path`` (chapter 8.3, ``LMForRewardModel``), or None for 'none'.
 
-    Placed on ``--reward_device`` (default ``device``) in ``--reward_dtype`` (default ``reward_model_dtype``: half
-    precision on a GPU, as upstream MiniMind loads it; ``policy_dtype`` on the CPU), scoring
+    Placed on ``--reward_device`` (default ``device``) in the torch dtype ``dtype`` (the harness resolves
+    ``--reward_dtype``: half precision on a GPU, as upstream MiniMind loads it, fp32 on the CPU), scoring
     ``--reward_batch_size`` answers per forward; ``--trust_remote_code 1`` allows a model with its own code.
     Raises what ``LMForRewardModel`` raises (a missing folder, remote code not allowed, more than one label).
     """
     if args.reward_model_path == "none":
         return None
-    reward_device = args.reward_device or device
-    dtype = resolve_dtype(args.reward_dtype, reward_model_dtype(reward_device, policy_dtype))
-    return LMForRewardModel(args.reward_model_path, device=reward_device, dtype=dtype,
+    return LMForRewardModel(args.reward_model_path, device=args.reward_device or device, dtype=dtype,
                             batch_size=args.reward_batch_size, trust_remote_code=args.trust_remote_code)
 
 
@@ -380,3 +377,24 @@ def k3_kl(ref_per_token_logps, per_token_logps, mask=None):
     if mask is not None:
         log_ratio = torch.where(mask.bool(), log_ratio, torch.zeros_like(log_ratio))
     return torch.exp(log_ratio) - log_ratio - 1
+
+
+def masked_std(values, mask):
+    """Population standard deviation of ``values`` over positions where mask == 1 (a scalar tensor; 0 if none):
+    the spread of PPO's whitened advantages (chapter 8.4.2) over real tokens, as the loop logs it."""
+    return masked_mean((values - masked_mean(values, mask)) ** 2, mask).sqrt()
+
+
+def explained_variance(values, returns, mask):
+    """1 - Var[returns - values] / Var[returns] over real tokens (1 = perfect critic, <= 0 = no better than a constant):
+    how much of the returns PPO's critic (chapter 8.4.4) predicts. values, returns: fp32 [B, R]; mask: [B, R] 0/1.
+
+    NaN when the returns do not vary (e.g. every answer got the same reward): the ratio is undefined then, and a
+    clamped denominator would report 1.0 or a huge negative number. Plots and README means skip NaN.
+    """
+    var_returns = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+    if var_returns.item() <= 1e-12:
+        return float("nan")
+    residual = returns - values
+    var_residual = masked_mean((residual - masked_mean(residual, mask)) ** 2, mask)
+    return (1.0 - var_residual / var_returns).item()
