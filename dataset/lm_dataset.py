@@ -3,7 +3,7 @@
 SFT and RL lines are ``{"conversations": [{"role": "user" | "assistant" | "system", "content": str}, ...]}``
 (MiniMind's format); preference pairs are described in ``read_preference_pairs``.
 Files are parsed line by line (so a bad line is reported with its file and line number) and held in a
-``datasets.Dataset``.
+``datasets.Dataset``. ``ResumableBatchSampler`` gives the RL scripts a data order that a resumed run continues.
 """
 import gzip
 import json

@@ -5,7 +5,7 @@ share. Infrastructure, not RL: a learner can skip this file.
 
     run = RLRun.build(args, "grpo", __file__, argv)      # processes, seed, tokenizer, prompts, held-out evaluator
     ...the script builds the roles of chapter 8.1 (policy, reference, reward model; PPO's critic) and optimizers...
-    run.start(model, objects, weights, summary, log_line)  # resume, rollout engine, metrics, step-0 evaluation
+    run.start(model, objects, weights, summary, log_line)  # resume, step-0 evaluation, rollout engine, metrics
     for step, batch in run.batches():                   # epochs, data position, stop requests
         ...the algorithm: rollout -> reward -> advantage -> loss -> backward -> clip -> step...
         run.guard.record(step, skipped, problems)       # updates skipped for a NaN or inf; stops after too many
@@ -153,7 +153,7 @@ class RLRun:
     evaluator: Optional[HeldOutEvaluator]  # None with --eval_interval 0
     total_steps: int
     autocast: Any  # the training forwards' context under --dtype (autocast_context), reused by every forward
-    reward_dtype: torch.dtype  # the reward model's weights (--reward_dtype resolved)
+    reward_dtype: Optional[torch.dtype]  # the reward model's weights (--reward_dtype resolved; None without one)
     # set by start():
     model: Optional[torch.nn.Module] = None  # the policy, fp32 weights
     objects: dict = field(default_factory=dict)  # name -> model / optimizer / schedule / generator, resumable
@@ -190,7 +190,8 @@ class RLRun:
         args.dtype = resolve_train_dtype(args.dtype, device)  # "auto" -> what this device runs
         autocast = autocast_context(device, args.dtype)  # every training forward's context, entered one at a time
         # the frozen reward model's dtype: --reward_dtype, else half precision on a GPU, the weights' fp32 on a CPU
-        reward_dtype = resolve_dtype(args.reward_dtype, reward_model_dtype(args.reward_device or device, torch.float32))
+        reward_dtype = None if args.reward_model_path == "none" else resolve_dtype(
+            args.reward_dtype, reward_model_dtype(args.reward_device or device, torch.float32))
         lm_config = build_config(args.hidden_size, args.num_hidden_layers, args.use_moe)
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
         check_tokenizer_fits_checkpoint(tokenizer, args.tokenizer_path, None if args.from_weight == "none" else
@@ -240,6 +241,7 @@ class RLRun:
                f"{len(self.dataset)} prompts, world size {self.world_size}, device {self.device}, dtype {args.dtype}")
         self.progress = start_or_resume(args, self.script, self, objects, len(self.loader))
         self.guard = BadStepGuard(args.max_bad_steps, self.progress["bad_steps_in_a_row"])
+        self.stop_signal = StopSignal()  # from here on Ctrl-C / SIGTERM wait for the end of a step
         eval_metrics = {}  # the starting policy on the held-out prompts (step 0; a resumed run has its own)
         if self.progress["step"] == 0 and self.evaluator is not None:
             eval_metrics = evaluate_if_due(self.evaluator, self.model, 0, self.total_steps, args.eval_interval)
@@ -252,7 +254,6 @@ class RLRun:
         Logger(f"{summary}, metrics in {self.run_dir}")
         if eval_metrics:
             self.writer.log({"step": 0, **eval_metrics})
-        self.stop_signal = StopSignal()
         self.timer = StepTimer(self.total_steps, start_step=self.progress["step"])  # after the step-0 evaluation
 
     def batches(self):

@@ -469,9 +469,9 @@ def main(argv=None, reward_fn=calculate_rewards, run_class=RLRun):
                                 actor_scheduler, critic_scheduler, args, device, minibatch_generator, run.autocast)
             skipped = bool(update["skipped_steps"])
             problems = ["gradients"] if skipped else []
-        run.rollout_engine.update_policy(actor)
         metrics = ppo_metrics(rollout_batch, update, skipped)
         run.guard.record(step, skipped, problems)
+        run.rollout_engine.update_policy(actor)
         run.log(step, metrics, learning_rates)
         run.save_if_due(step)
     run.close()

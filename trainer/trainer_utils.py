@@ -2,8 +2,8 @@
 answer reward, the external reward model and its conversation, ``calculate_rewards``) and the KL and masks of 8.6
 (the completion mask, masked means and the statistics PPO logs from them, the k3 estimator).
 
-Everything that is not in the chapter (processes, flags, weights on disk, resume, dtypes, the optimizer, metrics)
-lives in modules named for it, which a learner can skip. Nothing here reads a global: every function takes what
+Everything that is not in the chapter (processes, flags, weights and checkpoints on disk, dtypes, the optimizer,
+metrics) lives in modules named for it, which a learner can skip. Nothing here reads a global: every function takes what
 it needs as arguments.
 """
 import json
