@@ -38,6 +38,8 @@ def iter_jsonl(path):
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rb") as f:
         for line_no, raw in enumerate(read_lines(f, path), start=1):
+            if line_no == 1:
+                raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark (Notepad writes one)
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
@@ -102,11 +104,17 @@ def escape_special_tokens(text, special_tokens):
     return text, count
 
 
+THINK_TOKENS = ("<think>", "</think>")  # the chat template's thinking markers: single tokens of a MiniMind tokenizer
+
+
 def escape_conversations(conversations, special_tokens):
-    """``escape_special_tokens`` on every turn's content; returns (new turns, occurrences escaped)."""
+    """``escape_special_tokens`` on every turn's content, and on user and system turns the thinking markers
+    ``THINK_TOKENS`` too (an assistant turn's own thinking keeps them: SFT teaches that format); returns (new turns,
+    occurrences escaped)."""
     escaped, total = [], 0
     for turn in conversations:
-        content, count = escape_special_tokens(turn["content"], special_tokens)
+        tokens = special_tokens if turn["role"] == "assistant" else [*special_tokens, *THINK_TOKENS]
+        content, count = escape_special_tokens(turn["content"], tokens)
         escaped.append({"role": turn["role"], "content": content})
         total += count
     return escaped, total
@@ -116,9 +124,9 @@ def warn_special_token_text(path, data, special_tokens):
     """One warning that counts the rows whose content holds special-token text (escaped when rendered)."""
     lines = [row["line"] for row in data if escape_conversations(row["conversations"], special_tokens)[1]]
     if lines:
-        print(f"warning: {path}: {len(lines)} rows contain special-token text ({', '.join(special_tokens)}) "
-              f"inside a message (first at line {lines[0]}); it is escaped with a zero-width space and "
-              f"stays ordinary text", file=sys.stderr, flush=True)
+        print(f"warning: {path}: {len(lines)} rows contain special-token text ({', '.join(special_tokens)}, and "
+              f"{' '.join(THINK_TOKENS)} outside assistant turns) inside a message (first at line {lines[0]}); it is "
+              f"escaped with a zero-width space and stays ordinary text", file=sys.stderr, flush=True)
     return len(lines)
 
 
@@ -215,6 +223,13 @@ class RLAIFDataset(torch.utils.data.Dataset):
         )
         return {"prompt": prompt, "answer": answer, "index": index}
 
+    def lines_without_answer(self):
+        """Line numbers of the rows whose last turn is not an assistant turn with text: no reference answer, so
+        their answer reward is 0 for every answer."""
+        return [row["line"] for row in self.data
+                if not (len(row["conversations"]) > 1 and row["conversations"][-1]["role"] == "assistant"
+                        and row["conversations"][-1]["content"].strip())]
+
     def count_longer_than(self, max_seq_len):
         """How many prompts are longer than ``max_seq_len`` tokens (a run cuts them from the left)."""
         prompts = [self[i]["prompt"] for i in range(len(self))]
@@ -248,6 +263,61 @@ class ResumableBatchSampler(torch.utils.data.Sampler):
 
     def __len__(self):
         return len(self.sampler) // self.batch_size - self.skip_batches
+
+
+def check_prompt_count(dataset, path, batch_size, world_size, max_seq_len, answer_reward_weight):
+    """Refuse prompt data too small for one batch of every process; warn about prompts longer than ``max_seq_len``
+    tokens (a run cuts them from the left so that the generation prompt survives) and, when the answer reward counts
+    (``answer_reward_weight`` > 0), about rows without a reference answer (their answer reward is 0 for every
+    answer, naming the first lines and the fix).
+
+    Raises:
+        ValueError: naming ``path``, how many prompts it has and how many one step of every process needs.
+    """
+    if len(dataset) < batch_size * world_size:
+        raise ValueError(f"--data_path {path}: found {len(dataset)} prompts, need at least {batch_size * world_size} "
+                         f"(--batch_size {batch_size} x {world_size} processes) for one full batch")
+    missing = dataset.lines_without_answer() if answer_reward_weight else []
+    if missing and len(missing) == len(dataset):
+        print(f"note: {path} has no reference answers (no final assistant turn with text): the answer reward is 0 "
+              f"for every answer, so only the rule rewards and the reward model train (as upstream MiniMind's "
+              f"RLAIF data does)", flush=True)
+    elif missing:
+        print(f"warning: {path}: {len(missing)} of {len(dataset)} rows have no reference answer (lines "
+              f"{', '.join(map(str, missing[:5]))}{', ...' if len(missing) > 5 else ''}): their answer reward is 0 "
+              f"for every answer while the others can earn {answer_reward_weight:g}. Give each row its answer as a "
+              f"final assistant turn, or pass --answer_reward_weight 0", flush=True)
+    long_prompts = dataset.count_longer_than(max_seq_len)
+    if long_prompts:
+        print(f"warning: {long_prompts} of {len(dataset)} prompts are longer than --max_seq_len {max_seq_len} "
+              f"tokens; they are cut from the left so the generation prompt survives", flush=True)
+
+
+def count_total_steps(max_steps, epochs, steps_per_epoch):
+    """Steps of the run: ``max_steps`` when set (capped by the data), else ``epochs`` full passes."""
+    return min(max_steps, epochs * steps_per_epoch) if max_steps else epochs * steps_per_epoch
+
+
+def resumable_batches(loader, batch_sampler, start, epochs, total_steps):
+    """Yield (step, position, batch) from a run's start (or resumed position) to ``total_steps``, epoch after epoch.
+
+    Args:
+        loader: the DataLoader over ``batch_sampler`` (a ``ResumableBatchSampler``).
+        start: {"step", "epoch", "batch_in_epoch"}: steps done, the epoch they end in and its batches done.
+    Yields:
+        step (1-based), position {"epoch", "batch_in_epoch"} after this batch (what a checkpoint saves), and the
+        batch: a dict of lists "prompt", "answer" (str) and "index" (a tensor of dataset indices).
+    """
+    step = start["step"]
+    for epoch in range(start["epoch"], epochs):
+        if step >= total_steps:
+            return
+        batch_sampler.set_epoch(epoch, start["batch_in_epoch"] if epoch == start["epoch"] else 0)
+        for batch_in_epoch, batch in enumerate(loader, start=batch_sampler.skip_batches + 1):
+            step += 1
+            yield step, {"epoch": epoch, "batch_in_epoch": batch_in_epoch}, batch
+            if step >= total_steps:
+                return
 
 
 HH_TURN_PATTERN = re.compile(r"\n\n(Human|Assistant):")

@@ -11,19 +11,19 @@ unchanged. Two things differ:
   * the config: ``MiniMindConfig`` fields become ``Qwen3Config`` fields (``qwen3_config_from_minimind``).
 The MoE variant (``use_moe``) has no ``Qwen3ForCausalLM`` counterpart and is refused.
 
-Folders are written atomically: into a temporary sibling folder, files fsynced, then renamed into place.
+Folders are written with the project's one atomic write (``trainer/files.py``): into a temporary sibling folder,
+files fsynced, then renamed into place.
 """
 import glob
 import json
 import os
-import shutil
-import uuid
 
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
 from model.model_minimind import MiniMindConfig
+from trainer.files import atomic_write
 
 TIED_LM_HEAD_KEY = "lm_head.weight"
 EMBED_KEY = "model.embed_tokens.weight"
@@ -96,44 +96,6 @@ def minimind_state_dict(qwen3_tensors, tie_word_embeddings):
     return state_dict
 
 
-def _fsync_folder_files(folder):
-    for name in os.listdir(folder):
-        with open(os.path.join(folder, name), "rb") as f:
-            os.fsync(f.fileno())
-
-
-def write_folder_atomically(path, write_fn):
-    """Call ``write_fn(tmp_folder)``, fsync its files, then move the folder to ``path`` (replacing an old one).
-
-    The folder at ``path`` is either the old complete one or the new complete one; a failure removes the
-    temporary folder and leaves ``path`` untouched.
-    Raises:
-        OSError: naming ``path`` when the parent folder is not writable.
-    """
-    path = os.path.abspath(path)
-    parent = os.path.dirname(path)
-    tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        os.makedirs(parent, exist_ok=True)
-        os.makedirs(tmp)
-        write_fn(tmp)
-        _fsync_folder_files(tmp)
-        if os.path.exists(path):
-            old = f"{path}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(path, old)
-            os.rename(tmp, path)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, path)
-    except OSError as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise OSError(err.errno, f"could not write model folder {path}: {err.strerror}") from err
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
-
-
 def save_qwen3_folder(state_dict, config, path, tokenizer=None, dtype=torch.float32):
     """Write a transformers ``Qwen3ForCausalLM`` folder (config.json, model.safetensors[, tokenizer]) atomically.
 
@@ -146,13 +108,14 @@ def save_qwen3_folder(state_dict, config, path, tokenizer=None, dtype=torch.floa
     Returns:
         the absolute folder path.
     Raises:
-        ValueError: for a MoE config; OSError: see ``write_folder_atomically``.
+        ValueError: for a MoE config; OSError: see ``atomic_write``.
     """
     qwen_config = qwen3_config_from_minimind(config)
     qwen_config.dtype = dtype
     tensors = qwen3_state_dict(state_dict, config.tie_word_embeddings, dtype)
 
     def write(folder):
+        os.makedirs(folder)
         qwen_config.save_pretrained(folder)
         with open(os.path.join(folder, "config.json")) as f:
             config_json = json.load(f)
@@ -165,7 +128,9 @@ def save_qwen3_folder(state_dict, config, path, tokenizer=None, dtype=torch.floa
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
 
-    return write_folder_atomically(path, write)
+    path = os.path.abspath(path)
+    atomic_write({path: write})
+    return path
 
 
 def load_qwen3_folder(path):

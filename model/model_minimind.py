@@ -15,8 +15,12 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from dataclasses import dataclass
+from typing import Optional
+
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+from transformers.utils import ModelOutput
 
 
 class MiniMindConfig(PretrainedConfig):
@@ -507,10 +511,18 @@ def sample_next_token(logits, do_sample, temperature, top_p, top_k, generator=No
     return next_token.clamp(max=logits.size(-1) - 1)
 
 
+@dataclass
+class CriticOutput(ModelOutput):
+    """What ``CriticModel`` returns: ``values`` fp32 [B, T], V(s_t) at every position, and ``aux_loss``, the MoE
+    load-balancing loss of the critic's own routers (a 0 tensor for a dense model)."""
+    values: Optional[torch.Tensor] = None
+    aux_loss: Optional[torch.Tensor] = None
+
+
 class CriticModel(MiniMindPreTrainedModel):
     """PPO value model (chapter 8.4.1): the MiniMind backbone and final norm, then value_head: Linear(hidden, 1).
 
-    forward(input_ids, attention_mask) -> values fp32 [B, T], V(s_t) for every position. It is initialised
+    forward(input_ids, attention_mask) -> ``CriticOutput`` (values fp32 [B, T], aux_loss). It is initialised
     from the actor's SFT weights with ``load_actor_state_dict``, which loads strictly except for the new
     ``value_head.weight`` / ``value_head.bias`` (and ignores the LM head, which the critic does not have).
     The value head starts at zero, so the critic predicts V = 0 until it has learned something.
@@ -531,12 +543,12 @@ class CriticModel(MiniMindPreTrainedModel):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids, attention_mask=None, return_aux_loss=False, **kwargs):
-        """values fp32 [B, T]; with ``return_aux_loss``, (values, aux_loss): the MoE load-balancing loss of the
-        critic's own routers (a 0 tensor for a dense model), which PPO adds to its loss as it does the actor's."""
+    def forward(self, input_ids, attention_mask=None, **kwargs):
+        """``CriticOutput``: values fp32 [B, T] and the critic's router loss, which PPO adds to its loss as it does
+        the actor's."""
         hidden_states, aux_loss = self.model(input_ids, attention_mask)  # [B, T, hidden], already normed
         values = self.value_head(hidden_states).squeeze(-1).float()  # [B, T]
-        return (values, aux_loss) if return_aux_loss else values
+        return CriticOutput(values=values, aux_loss=aux_loss)
 
     def load_actor_state_dict(self, state_dict):
         """Load an actor (``MiniMindForCausalLM``) state dict into the backbone.

@@ -39,17 +39,21 @@ def run_metrics(checkout, script, max_steps, extra_flags, work_dir):
     return [{k: v for k, v in row.items() if k not in TIMING_KEYS} for row in rows]
 
 
-def compare_rows(expected_rows, rows):
+def compare_rows(expected_rows, rows, allow_new_keys=False):
     """Differences between two lists of metric rows, as readable strings (empty when identical).
 
     Rows must have the same keys in the same order and bit-identical values (``==`` on the JSON values, so
-    0.1 + 2e-17 differs from 0.1); a missing or extra row is a difference.
+    0.1 + 2e-17 differs from 0.1); a missing or extra row is a difference. With ``allow_new_keys`` a row may hold
+    keys the expected row does not (a new metric): every expected key must still be there, in the same order
+    relative to the others, with the same value.
     """
     differences = []
     if len(rows) != len(expected_rows):
         differences.append(f"{len(rows)} rows instead of {len(expected_rows)}")
     for index, (expected, row) in enumerate(zip(expected_rows, rows)):
         where = f"row {index} (step {expected.get('step')})"
+        if allow_new_keys:
+            row = {key: value for key, value in row.items() if key in expected}
         if list(row) != list(expected):
             differences.append(f"{where}: keys {list(row)} instead of {list(expected)}")
             continue
@@ -74,6 +78,8 @@ def main(argv=None):
     parser.add_argument("--scripts", nargs="+", default=["grpo", "ppo"], choices=["grpo", "ppo"],
                         help="which training scripts to run")
     parser.add_argument("--max_steps", type=int, default=5, help="steps of each run (step 0 is the evaluation)")
+    parser.add_argument("--allow_new_keys", action="store_true",
+                        help="rows here may hold new metrics; every metric of the revision must be identical")
     parser.add_argument("flags", nargs="*", help="more flags for both runs, after --")
     args = parser.parse_args(argv)
     failed = False
@@ -84,15 +90,17 @@ def main(argv=None):
             for script in args.scripts:
                 expected = run_metrics(base, script, args.max_steps, args.flags, os.path.join(tmp, f"{script}_base"))
                 rows = run_metrics(ROOT, script, args.max_steps, args.flags, os.path.join(tmp, f"{script}_here"))
-                differences = compare_rows(expected, rows)
+                differences = compare_rows(expected, rows, args.allow_new_keys)
                 keys = sum(len(row) for row in expected)
+                new_keys = sorted({key for row in rows for key in row} - {key for row in expected for key in row})
                 if differences:
                     failed = True
                     print(f"{script}: {len(differences)} differences against {args.against}:")
                     for line in differences[:20]:
                         print(f"  {line}")
                 else:
-                    print(f"{script}: identical to {args.against} ({len(rows)} rows, {keys} numbers and keys)")
+                    print(f"{script}: identical to {args.against} ({len(rows)} rows, {keys} numbers and keys)"
+                          + (f"; new here: {', '.join(new_keys)}" if new_keys else ""))
         finally:
             remove_worktree(base)
     return 1 if failed else 0

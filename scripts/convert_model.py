@@ -21,11 +21,10 @@ import torch
 
 from model.hf_qwen3 import DTYPES, load_qwen3_folder, save_qwen3_folder
 from model.model_minimind import MiniMindForCausalLM
-from trainer.checkpoints import (
-    DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, atomic_save, build_config, init_model, weight_path,
-)
 from trainer.flags import add_bool_flag
-from trainer.checkpoints import write_tokenizer_record
+from trainer.weights import (
+    DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, init_model, save_weights, weight_path,
+)
 
 
 def to_hf(args):
@@ -53,9 +52,8 @@ def to_minimind(args):
     if missing or unexpected:
         raise ValueError(f"{args.hf_dir}: missing tensors {missing[:8]}, unexpected tensors {unexpected[:8]}")
     dtype = DTYPES[args.dtype]
-    atomic_save({k: v.to(dtype) for k, v in state_dict.items()}, args.out)
-    if os.path.isfile(os.path.join(args.hf_dir, "tokenizer_config.json")):  # the tokenizer to_hf wrote beside it
-        write_tokenizer_record(args.out, args.hf_dir)
+    has_tokenizer = os.path.isfile(os.path.join(args.hf_dir, "tokenizer_config.json"))  # written beside it by to_hf
+    save_weights({k: v.to(dtype) for k, v in state_dict.items()}, args.out, args.hf_dir if has_tokenizer else None)
     print(f"wrote {args.out} (hidden_size {lm_config.hidden_size}, num_hidden_layers {lm_config.num_hidden_layers}:"
           f" pass --hidden_size {lm_config.hidden_size} --num_hidden_layers {lm_config.num_hidden_layers} "
           f"--from_weight {args.out} to the training scripts)")

@@ -26,8 +26,12 @@ import argparse
 import json
 import os
 import random
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # `python scripts/x.py` from any folder imports this checkout's packages
+
+from trainer.files import atomic_write
 
 
 EN_ADD = [
@@ -133,11 +137,12 @@ def preference_pair(problem, rng):
 
 
 def write_jsonl(path, rows):
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    """Rows as JSON lines at ``path`` (``atomic_write``)."""
+    def write(tmp):
+        with open(tmp, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    atomic_write({path: write})
 
 
 def main():

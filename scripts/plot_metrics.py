@@ -22,6 +22,7 @@ import matplotlib.pyplot as plt
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from dataset.lm_dataset import iter_jsonl
+from trainer.files import atomic_write
 
 # (metric key, panel title); the order of the panels. The keys are those train_grpo.py / train_ppo.py log.
 CURVES = [
@@ -141,12 +142,8 @@ def plot_runs(runs, labels, keys, out_path, x_key="step", smooth=1, columns=3, t
     fig.legend(handles, legend_labels, loc="upper center", ncol=max(1, len(labels)), fontsize=10,
                title=f"runs{note}", title_fontsize=9)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / (3.2 * rows_of_panels)))
-    folder = os.path.dirname(os.path.abspath(out_path))
-    os.makedirs(folder, exist_ok=True)
-    tmp_path = f"{out_path}.tmp{os.getpid()}.png"
-    fig.savefig(tmp_path, dpi=100)
+    atomic_write({out_path: lambda tmp_path: fig.savefig(tmp_path, dpi=100, format="png")})
     plt.close(fig)
-    os.replace(tmp_path, out_path)
 
 
 def parse_args(argv=None):

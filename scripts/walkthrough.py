@@ -28,8 +28,9 @@ from dataset.lm_dataset import RLAIFDataset
 from scripts.eval_policy import question_of
 from trainer import train_grpo, train_ppo
 from trainer.rollout_engine import TorchRolloutEngine, compute_per_token_logps, tokenize_prompts
-from trainer.checkpoints import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, init_model
+from trainer.weights import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, init_model
 from trainer.distributed import setup_seed
+from trainer.files import atomic_write
 from trainer.dtypes import autocast_context
 from trainer.optimizer import adamw, build_cosine_scheduler, build_policy_optimizer, project_scale_only_gradients
 from trainer.trainer_utils import calculate_rewards, k3_kl, masked_mean
@@ -158,7 +159,7 @@ def load_policy_and_reference(args, seed):
 
 # ----------------------------------------------------------------------------- GRPO (chapter 8.5)
 def grpo_walkthrough(batch, grpo_args, model, ref_model, tokenizer, seed, stages=GRPO_STAGES):
-    """One GRPO step (chapter 8.5) in stages, as ``grpo_step`` and the main loop do it.
+    """One GRPO step (chapter 8.5) in stages, as ``grpo_rollout``, ``grpo_policy_loss`` and the main loop do it.
 
     Returns (markdown lines, summary dict for ``ppo_vs_grpo_table``).
     """
@@ -332,7 +333,7 @@ def ppo_walkthrough(batch, ppo_args, actor, ref_model, critic, tokenizer, seed, 
     block += format_tensor("completion_mask", mask, max_values=12)
     block += [f"answer lengths: {mask.sum(dim=1).tolist()}"]
     block += ["answers:"] + [f"  [{i}] {json.dumps(c, ensure_ascii=False)}"
-                             for i, c in enumerate(rollout_batch.completions)]
+                             for i, c in enumerate(rollout_batch.debug["completions"])]
     block += format_tensor("rule_rewards", rollout_batch.reward_parts["rule_rewards"], decimals=6)
     block += format_tensor("answer_rewards", rollout_batch.reward_parts["answer_rewards"], decimals=6)
     block += format_tensor("rewards", rollout_batch.rewards, decimals=6)
@@ -413,7 +414,7 @@ def ppo_walkthrough(batch, ppo_args, actor, ref_model, critic, tokenizer, seed, 
             new_per_token_logps, rollout_batch.old_per_token_logps, rollout_batch.ref_per_token_logps,
             rollout_batch.advantages, mask, ppo_args.clip_epsilon, ppo_args.kl_coef)
         new_values = critic(rollout_batch.output_ids,
-                            attention_mask=rollout_batch.full_mask)[:, -R - 1:-1]  # [B, R], as ppo_update
+                            attention_mask=rollout_batch.full_mask).values[:, -R - 1:-1]  # [B, R], as ppo_update
         value_loss, value_clipfrac = train_ppo.ppo_value_loss(new_values, rollout_batch.old_resp_values,
                                                               rollout_batch.returns, mask, ppo_args.cliprange_value)
     ratio = torch.exp(new_per_token_logps - rollout_batch.old_per_token_logps) * mask  # [B, R], for display
@@ -497,11 +498,10 @@ def main(argv=None):
     lines += ppo_lines
     lines += ppo_vs_grpo_table(grpo_summary, ppo_summary)
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    tmp_path = f"{args.out}.tmp{os.getpid()}"
-    with open(tmp_path, "w", encoding="utf-8") as f:
-        f.write("\n".join(lines).rstrip() + "\n")
-    os.replace(tmp_path, args.out)
+    def write(tmp_path):
+        with open(tmp_path, "w", encoding="utf-8") as f:
+            f.write("\n".join(lines).rstrip() + "\n")
+    atomic_write({args.out: write})
     print(f"wrote {args.out}")
 
 

@@ -20,7 +20,7 @@ from trainer.rollout_engine import compute_per_token_logps
 from trainer.distributed import wrap_ddp
 from trainer.dtypes import autocast_context
 from trainer.train_ppo import PPORolloutBatch, ppo_update
-from trainer.checkpoints import build_config
+from trainer.weights import build_config
 from trainer.distributed import init_distributed_mode
 from trainer.optimizer import build_cosine_scheduler
 from model.model_minimind import CriticModel, MiniMindForCausalLM

@@ -1,5 +1,6 @@
 """Test harness: runs train_grpo.main / train_ppo.main (also under torchrun) with instruments the tests need,
-injected through main's reward_fn and run_class arguments.
+injected through main's reward_fn argument and by wrapping the script module's ``resumable_batches`` and
+``save_checkpoint``.
 
     python tests/run_patched.py {grpo|ppo} [harness flags] -- [script flags]
 
@@ -22,10 +23,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch
+import torch.distributed as dist
 
-from trainer import train_grpo, train_ppo, trainer_utils
 from tests.weights_digest import parameter_digest
-from trainer.rl_harness import RLRun
+from trainer import train_grpo, train_ppo, trainer_utils
 
 
 def text_rewards(prompts, responses, answers, reward_model, answer_reward_weight):
@@ -50,44 +51,44 @@ def main():
         harness_argv, script_argv = harness_argv[:i], harness_argv[i + 1:]
     opts = parser.parse_args(harness_argv)
     module = train_grpo if opts.script == "grpo" else train_ppo
-    real_torch_save = torch.save
+    real_torch_save, real_batches, real_save_checkpoint = torch.save, module.resumable_batches, module.save_checkpoint
 
-    def killing_torch_save(obj, f):
-        if "_resume.pth" not in f.name:  # the weights files are written as usual
-            return real_torch_save(obj, f)
-        f.write(b"\0" * 4096)  # part of the resume file, then the process dies as if killed mid-write
-        f.flush()
+    def rank():
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    def killing_torch_save(obj, path):
+        if "_resume.pth" not in str(path):  # the weights files are written as usual
+            return real_torch_save(obj, path)
+        with open(path, "wb") as f:  # part of the resume file, then the process dies as if killed mid-write
+            f.write(b"\0" * 4096)
+            f.flush()
         os.kill(os.getpid(), signal.SIGKILL)
 
-    class InstrumentedRun(RLRun):
-        """The harness with the instruments asked for: traces, and kills at a checkpoint."""
-
-        def batches(self):
-            for step, batch in super().batches():
-                if opts.trace_dir:
-                    with open(os.path.join(opts.trace_dir, f"indices_rank{self.rank}.jsonl"), "a") as f:
-                        f.write(json.dumps(batch["index"].tolist()) + "\n")
-                yield step, batch
-
-        def save(self):
-            step = self.progress["step"]
-            if opts.kill_during_save and step == opts.kill_during_save:
-                torch.save = killing_torch_save  # torch's own function: the harness's atomic_save calls it
-            path = super().save()
-            torch.save = real_torch_save
+    def traced_batches(*args, **kwargs):
+        for step, position, batch in real_batches(*args, **kwargs):
             if opts.trace_dir:
-                digests = {name: parameter_digest(self.objects[name])
-                           for name in ("model", "critic") if name in self.objects}
-                with open(os.path.join(opts.trace_dir, f"digest_rank{self.rank}.txt"), "a") as f:
-                    f.write(json.dumps({"step": step, **digests}) + "\n")
-            if opts.kill_after_save and step == opts.kill_after_save:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return path
+                with open(os.path.join(opts.trace_dir, f"indices_rank{rank()}.jsonl"), "a") as f:
+                    f.write(json.dumps(batch["index"].tolist()) + "\n")
+            yield step, position, batch
+
+    def instrumented_save_checkpoint(args, script, lm_config, objects, progress, weights):
+        step = progress["step"]
+        if opts.kill_during_save and step == opts.kill_during_save:
+            torch.save = killing_torch_save  # torch's own function: the checkpoint's atomic write calls it
+        path = real_save_checkpoint(args, script, lm_config, objects, progress, weights)
+        torch.save = real_torch_save
+        if opts.trace_dir:
+            digests = {name: parameter_digest(objects[name]) for name in ("model", "critic") if name in objects}
+            with open(os.path.join(opts.trace_dir, f"digest_rank{rank()}.txt"), "a") as f:
+                f.write(json.dumps({"step": step, **digests}) + "\n")
+        if opts.kill_after_save and step == opts.kill_after_save:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return path
 
     if opts.trace_dir:
         os.makedirs(opts.trace_dir, exist_ok=True)
-    module.main(script_argv, reward_fn=text_rewards if opts.text_reward else trainer_utils.calculate_rewards,
-                run_class=InstrumentedRun)
+    module.resumable_batches, module.save_checkpoint = traced_batches, instrumented_save_checkpoint
+    module.main(script_argv, reward_fn=text_rewards if opts.text_reward else trainer_utils.calculate_rewards)
 
 
 if __name__ == "__main__":

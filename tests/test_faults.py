@@ -1,8 +1,10 @@
 """Bad input and faults (docs/troubleshooting.md): each row of the table fails clearly and early, or is survived."""
+import functools
 import json
 import math
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,12 +17,11 @@ from run_patched import text_rewards
 
 from dataset.lm_dataset import RLAIFDataset, SFTDataset
 from model.model_minimind import MiniMindForCausalLM
-from trainer import checkpoints, train_grpo, train_ppo
+from trainer import files, train_grpo, train_ppo, weights
 from trainer.checkpoints import save_checkpoint
-from trainer.rl_harness import RLRun
 from trainer.train_grpo import grpo_loss
 from trainer.train_ppo import compute_gae, place_sequence_rewards, ppo_policy_loss, ppo_value_loss
-from trainer.checkpoints import atomic_save
+from trainer.files import atomic_write
 from trainer.trainer_utils import calculate_rewards, completion_mask_from_ids
 from tests.weights_digest import parameter_digest
 
@@ -141,13 +142,17 @@ def test_empty_and_endless_responses_stay_finite():
 # ----------------------------------------------------------------------------- NaN / inf
 def run_in_process(module, argv, save_digests, reward_fn=calculate_rewards):
     """main(argv) in this process with ``reward_fn``, recording the policy digest at each checkpoint."""
+    real_save_checkpoint = module.save_checkpoint
 
-    class RecordingRun(RLRun):
-        def save(self):
-            save_digests[self.progress["step"]] = parameter_digest(self.objects["model"])
-            return super().save()
+    def recording_save_checkpoint(args, script, lm_config, objects, progress, weights):
+        save_digests[progress["step"]] = parameter_digest(objects["model"])
+        return real_save_checkpoint(args, script, lm_config, objects, progress, weights)
 
-    module.main(argv, reward_fn=reward_fn, run_class=RecordingRun)
+    module.save_checkpoint = recording_save_checkpoint
+    try:
+        module.main(argv, reward_fn=reward_fn)
+    finally:
+        module.save_checkpoint = real_save_checkpoint
 
 
 def nan_on_calls(function, bad_calls, key="rewards"):
@@ -222,7 +227,7 @@ def test_ppo_nan_gradient_and_nan_reward_skip_updates(tiny_weights, small_data, 
 
 
 def test_checkpoint_with_nan_is_refused_and_previous_file_kept(tiny_weights, tmp_path):
-    model = MiniMindForCausalLM(checkpoints.build_config(64, 2, 0))
+    model = MiniMindForCausalLM(weights.build_config(64, 2, 0))
     args = train_grpo.parse_args(TINY + ["--save_dir", str(tmp_path), "--save_weight", "nan_test"])
     objects = {"model": model}
     progress = {"step": 1, "epoch": 0, "batch_in_epoch": 1, "run_dir": None, "wandb_id": None,
@@ -231,7 +236,7 @@ def test_checkpoint_with_nan_is_refused_and_previous_file_kept(tiny_weights, tmp
     before = (tmp_path / "nan_test_64.pth").read_bytes(), (tmp_path / "nan_test_64_resume.pth").read_bytes()
     with torch.no_grad():
         model.model.norm.weight[3] = float("nan")
-    with pytest.raises(ValueError, match="model.norm.weight holds a NaN or inf"):
+    with pytest.raises(ValueError, match="model.norm.weight holds 1 NaN or inf values"):
         save_checkpoint(args, "grpo", model.config, objects, dict(progress, step=2), {"nan_test": model})
     after = (tmp_path / "nan_test_64.pth").read_bytes(), (tmp_path / "nan_test_64_resume.pth").read_bytes()
     assert after == before
@@ -249,20 +254,23 @@ def test_save_dir_that_is_not_a_folder_fails_at_start(script, tmp_path):
 
 def test_disk_full_while_saving_names_path_and_keeps_previous(tmp_path, monkeypatch):
     path = str(tmp_path / "ckpt.pth")
-    atomic_save({"w": torch.ones(3)}, path)
-    real_save = torch.save
+    record = str(tmp_path / "ckpt.json")
+    atomic_write({path: functools.partial(torch.save, {"w": torch.ones(3)}), record: lambda p: open(p, "w").write("1")})
 
-    def full_disk_save(obj, f):
-        f.write(b"\0" * 100)
+    def full_disk_save(obj, f):  # torch's zip writer on a full disk: part of the file, then this RuntimeError
+        with open(f, "wb") as out:
+            out.write(b"\0" * 100)
         raise RuntimeError("[enforce fail at inline_container.cc] . PytorchStreamWriter failed writing file "
                            "data/0: file write failed")
 
-    monkeypatch.setattr(checkpoints.torch, "save", full_disk_save)
-    with pytest.raises(OSError, match=r"could not save checkpoint to .*ckpt\.pth: .*file write failed"):
-        atomic_save({"w": torch.zeros(3)}, path)
-    monkeypatch.setattr(checkpoints.torch, "save", real_save)
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda folder: shutil._ntuple_diskusage(10 ** 9, 10 ** 9, 1024))
+    # the pair: the record is written first, then the weights fail; neither file is replaced
+    with pytest.raises(OSError, match=r"could not write .*ckpt\.pth: the disk is full \(0\.0 MiB free in .*"
+                                      r"file write failed"):
+        atomic_write({record: lambda p: open(p, "w").write("2"), path: functools.partial(full_disk_save, {})})
     assert torch.equal(torch.load(path, weights_only=True)["w"], torch.ones(3))
-    assert os.listdir(tmp_path) == ["ckpt.pth"]
+    assert open(record).read() == "1"
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.json", "ckpt.pth"]
 
 
 # ----------------------------------------------------------------------------- fuzz
@@ -306,32 +314,32 @@ def test_broken_gzip_data_names_the_file(tmp_path):
 def test_from_weight_name_falls_back_to_the_bundled_out_folder(tmp_path):
     # --save_dir runs/exp1 on a fresh clone: full_sft is not in the new folder, so the bundled start is used
     bundled = os.path.join(ROOT, "out", "full_sft_256.pth")
-    assert checkpoints.weight_path("full_sft", str(tmp_path), 256, 0) == bundled
+    assert weights.weight_path("full_sft", str(tmp_path), 256, 0) == bundled
     # a file of that name in --save_dir wins over the bundled one
     own = tmp_path / "full_sft_256.pth"
     own.write_bytes(b"")
-    assert checkpoints.weight_path("full_sft", str(tmp_path), 256, 0) == str(own)
+    assert weights.weight_path("full_sft", str(tmp_path), 256, 0) == str(own)
     # saves always write into --save_dir, even when only the bundled file exists
-    assert checkpoints.weight_path("grpo", str(tmp_path / "new"), 256, 0, allow_file=False) == str(
+    assert weights.weight_path("grpo", str(tmp_path / "new"), 256, 0, allow_file=False) == str(
         tmp_path / "new" / "grpo_256.pth")
     # a name found nowhere is reported in --save_dir
     with pytest.raises(FileNotFoundError, match="missing_256.pth"):
-        checkpoints.load_weights(torch.nn.Linear(1, 1), checkpoints.weight_path("missing", str(tmp_path), 256, 0))
+        weights.load_weights(torch.nn.Linear(1, 1), weights.weight_path("missing", str(tmp_path), 256, 0))
 
 
 def test_checkpoint_of_another_size_is_named_for_the_policy_and_the_reward_model(tmp_path):
     # one key/shape check serves the policy load and the reward model's backbone load
     from trainer.train_reward import build_reward_model
-    small = checkpoints.build_config(64, 1, 0)
+    small = weights.build_config(64, 1, 0)
     path = tmp_path / "full_sft_64.pth"
     torch.save(MiniMindForCausalLM(small).state_dict(), path)
-    other = MiniMindForCausalLM(checkpoints.build_config(128, 1, 0))
+    other = MiniMindForCausalLM(weights.build_config(128, 1, 0))
     with pytest.raises(ValueError, match=r"full_sft_64\.pth: parameter model\.embed_tokens\.weight has shape "
                                          r"\(6400, 64\) .* expects \(6400, 128\); change --hidden_size"):
-        checkpoints.load_weights(other, str(path))
+        weights.load_weights(other, str(path))
     with pytest.raises(ValueError, match=r"full_sft_64\.pth: parameter model\.embed_tokens\.weight has shape"):
-        build_reward_model(checkpoints.build_config(128, 1, 0), 0, str(path))
-    deeper = checkpoints.build_config(64, 2, 0)
+        build_reward_model(weights.build_config(128, 1, 0), 0, str(path))
+    deeper = weights.build_config(64, 2, 0)
     with pytest.raises(ValueError, match=r"missing keys \['model\.layers\.1\."):
         build_reward_model(deeper, 0, str(path))
     # the fresh score head is the one key the checkpoint may lack
@@ -342,12 +350,12 @@ def test_checkpoint_of_another_size_is_named_for_the_policy_and_the_reward_model
 def test_an_upstream_size_checkpoint_names_the_flags_that_load_it(tmp_path):
     # upstream MiniMind's full_sft_768.pth (fp16, hidden 768, here 2 layers) given to our defaults (256 x 4): the
     # error names what the file holds as the flags that build it
-    upstream = MiniMindForCausalLM(checkpoints.build_config(768, 2, 0))
+    upstream = MiniMindForCausalLM(weights.build_config(768, 2, 0))
     path = tmp_path / "full_sft_768.pth"
     torch.save({k: v.half() for k, v in upstream.state_dict().items()}, path)
     with pytest.raises(ValueError, match=r"holds a MiniMind of hidden_size 768, 2 layers, dense, vocab 6400: pass "
                                          r"--hidden_size 768 --num_hidden_layers 2 --use_moe 0"):
-        checkpoints.load_weights(MiniMindForCausalLM(checkpoints.build_config(256, 4, 0)), str(path))
+        weights.load_weights(MiniMindForCausalLM(weights.build_config(256, 4, 0)), str(path))
 
 
 @pytest.mark.parametrize("script", ["train_grpo.py", "train_ppo.py"])
@@ -369,7 +377,7 @@ def test_the_load_log_names_other_sizes_of_the_same_weight_only(tiny_weights, ca
     for other in (f"{name}_768.pth", f"{name}_critic_64.pth", f"{name}_64_resume.pth"):
         with open(os.path.join(save_dir, other), "wb") as f:
             f.write(b"not read")
-    checkpoints.init_model(checkpoints.build_config(64, 2, 0), name, save_dir)
+    weights.init_model(weights.build_config(64, 2, 0), name, save_dir)
     out = capsys.readouterr().out
     assert f"loaded weights {os.path.join(save_dir, name + '_64.pth')} (hidden_size 64, 2 layers, dense" in out
     assert f"note: {name}_768.pth in {save_dir} too" in out and "critic" not in out and "resume" not in out

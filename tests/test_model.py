@@ -146,13 +146,13 @@ def test_critic_loads_actor_weights(tiny_config):
     critic = CriticModel(tiny_config)
     critic.load_actor_state_dict(actor.state_dict())
     assert torch.equal(critic.model.embed_tokens.weight, actor.model.embed_tokens.weight)
-    values = critic(torch.randint(0, 6400, (2, 7)))
+    values = critic(torch.randint(0, 6400, (2, 7))).values
     assert values.shape == (2, 7) and values.dtype == torch.float32
     assert values.abs().max() == 0.0  # the value head starts at zero
     critic.value_head.weight.data.normal_()
     hidden, _ = actor.model(torch.tensor([[5, 6, 7]]))
     expected = hidden[0] @ critic.value_head.weight[0] + critic.value_head.bias[0]
-    assert torch.allclose(critic(torch.tensor([[5, 6, 7]]))[0], expected, atol=1e-5)
+    assert torch.allclose(critic(torch.tensor([[5, 6, 7]])).values[0], expected, atol=1e-5)
     bad = dict(actor.state_dict())
     bad.pop("model.norm.weight")
     with pytest.raises(RuntimeError, match="model.norm.weight"):

@@ -145,7 +145,7 @@ def make_update_inputs(tokenizer):
     from model.model_minimind import CriticModel, MiniMindForCausalLM
     from trainer.rollout_engine import TorchRolloutEngine, compute_per_token_logps
     from trainer.rollout_engine import tokenize_prompts
-    from trainer.checkpoints import build_config
+    from trainer.weights import build_config
     torch.manual_seed(0)
     config = build_config(64, 2, 0)
     actor = MiniMindForCausalLM(config)
@@ -157,7 +157,7 @@ def make_update_inputs(tokenizer):
         prompt_ids, attention_mask, 1, 6)
     gen_len = rollout.completion_ids.size(1)
     with torch.no_grad():
-        values = critic(rollout.output_ids, rollout.attention_mask)[:, -gen_len - 1:-1]
+        values = critic(rollout.output_ids, rollout.attention_mask).values[:, -gen_len - 1:-1]
         ref = compute_per_token_logps(actor, rollout.output_ids, gen_len, rollout.attention_mask)
     data = PPORolloutBatch(output_ids=rollout.output_ids, full_mask=rollout.attention_mask,
                            completion_mask=rollout.completion_mask, old_per_token_logps=rollout.per_token_logps,
@@ -238,7 +238,7 @@ def test_ppo_last_partial_accumulation_window_gets_its_own_size():
 
     from model.model_minimind import CriticModel, MiniMindForCausalLM
     from trainer.train_ppo import PPORolloutBatch, ppo_update
-    from trainer.checkpoints import build_config
+    from trainer.weights import build_config
     from trainer.optimizer import build_cosine_scheduler
     torch.manual_seed(0)
     config = build_config(64, 2, 0)
@@ -324,7 +324,7 @@ def test_moe_critic_routers_get_the_load_balancing_gradient():
 
     from model.model_minimind import CriticModel, MiniMindForCausalLM
     from trainer.train_ppo import PPORolloutBatch, ppo_update
-    from trainer.checkpoints import build_config
+    from trainer.weights import build_config
     from trainer.optimizer import build_cosine_scheduler
     torch.manual_seed(0)
     config = build_config(64, 2, 1)
@@ -347,14 +347,15 @@ def test_moe_critic_routers_get_the_load_balancing_gradient():
     router_inputs = []  # what each layer's MoE block received, [2*8, hidden]
     hooks = [layer.mlp.register_forward_hook(lambda module, args, out: router_inputs.append(args[0].reshape(-1, 64)))
              for layer in critic.model.layers]
-    values, aux_loss = critic(ids, return_aux_loss=True)
+    out = critic(ids)
+    values, aux_loss = out.values, out.aux_loss
     for hook in hooks:
         hook.remove()
     expected = sum(switch_aux_loss_loop(layer.mlp.gate.weight, x, config.num_experts_per_tok,
                                         config.router_aux_loss_coef)
                    for layer, x in zip(critic.model.layers, router_inputs))
     assert aux_loss.item() == pytest.approx(expected, rel=1e-5) and aux_loss.item() > 0
-    assert torch.equal(values, critic(ids))
+    assert torch.equal(values, critic(ids).values)
 
 
 def switch_aux_loss_loop(gate_weight, tokens, top_k, coef):

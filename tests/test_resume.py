@@ -149,13 +149,15 @@ def test_sigterm_saves_and_prints_resume_command(tmp_path, tiny_weights, small_d
 
 
 def test_resume_progress_rescales_step_for_another_world_size():
-    checkpoint = {"progress": {"step": 10, "epoch": 0, "batch_in_epoch": 10, "world_size": 2},
+    checkpoint = {"progress": {"step": 10, "epoch": 0, "batch_in_epoch": 10, "lr_schedule_step": 10, "world_size": 2},
                   "rng_states": [{"r": 0}, {"r": 1}]}
-    progress, rng_state = resume_progress(checkpoint, world_size=4, steps_per_epoch=50, rank=0)
+    progress, rng_state = resume_progress(checkpoint, world_size=4, steps_per_epoch=50, rank=0, batch_size=4)
     assert (progress["step"], progress["batch_in_epoch"], rng_state) == (5, 5, None)  # 10 * 2 / 4
-    progress, rng_state = resume_progress(checkpoint, world_size=2, steps_per_epoch=50, rank=1)
+    assert progress["lr_schedule_step"] == 5
+    progress, rng_state = resume_progress(checkpoint, world_size=2, steps_per_epoch=50, rank=1, batch_size=4)
     assert (progress["step"], rng_state) == (10, {"r": 1})
-    progress, _ = resume_progress(checkpoint, world_size=2, steps_per_epoch=10, rank=0)  # saved at an epoch's end
+    # saved at an epoch's end
+    progress, _ = resume_progress(checkpoint, world_size=2, steps_per_epoch=10, rank=0, batch_size=4)
     assert (progress["epoch"], progress["batch_in_epoch"]) == (1, 0)
 
 
@@ -225,7 +227,7 @@ def test_resume_command_quotes_arguments():
 
 
 def test_saves_never_take_the_load_shortcut(tmp_path, monkeypatch):
-    from trainer.checkpoints import weight_path
+    from trainer.weights import weight_path
     monkeypatch.chdir(tmp_path)
     (tmp_path / "grpo").write_text("a file that happens to share the weight's name")
     assert weight_path("grpo", "out", 256, 0) == "grpo"  # loading accepts a path
@@ -236,8 +238,6 @@ def test_world_size_change_moves_the_learning_rate_schedule_with_the_step(tmp_pa
     # 40 optimizer steps saved by 1 process, resumed by 2: the step becomes 40 * 1 // 2 = 20 and the cosine
     # learning rate must be the one of step 20 of 100: 0.1 + 0.9 * 0.5 * (1 + cos(0.2 * pi)) = 0.9140576 (by hand),
     # not step 40's 0.6890576 (what rescaling the step alone would give).
-    import types
-
     from trainer.checkpoints import restore_from_checkpoint, training_states
     from trainer.train_grpo import parse_args
     from trainer.optimizer import build_cosine_scheduler
@@ -249,18 +249,17 @@ def test_world_size_change_moves_the_learning_rate_schedule_with_the_step(tmp_pa
         scheduler.step()
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.6890576, abs=1e-6)  # 0.1 + 0.45 * (1 + cos(0.4 pi))
     args = parse_args(["--save_dir", str(tmp_path), "--from_weight", "none", "--reward_model_path", "none"])
-    checkpoint = {"progress": {"step": 40, "epoch": 0, "batch_in_epoch": 40, "world_size": 1},
-                  "states": training_states({"model": model, "optimizer": optimizer, "scheduler": scheduler}),
+    checkpoint = {"progress": {"step": 40, "epoch": 0, "batch_in_epoch": 40, "lr_schedule_step": scheduler.last_epoch,
+                               "world_size": 1},
+                  "states": training_states({"model": model, "optimizer": optimizer}),
                   "rng_states": [None], "args": {}}
     fresh_model = torch.nn.Linear(2, 1)
     fresh_optimizer = torch.optim.SGD(fresh_model.parameters(), lr=1.0)
-    objects = {"model": fresh_model, "optimizer": fresh_optimizer,
-               "scheduler": build_cosine_scheduler(fresh_optimizer, 100)}
-    progress = {}
-    run = types.SimpleNamespace(world_size=2, rank=0)
-    progress = restore_from_checkpoint(args, run, objects, 1000, str(tmp_path / "x_resume.pth"), checkpoint, progress)
-    assert progress["step"] == 20
-    assert objects["scheduler"].last_epoch == 20
+    objects = {"model": fresh_model, "optimizer": fresh_optimizer}
+    progress = restore_from_checkpoint(args, objects, 1000, str(tmp_path / "x_resume.pth"), checkpoint, {}, 0, 2)
+    assert progress["step"] == 20 and progress["lr_schedule_step"] == 20
+    fresh_scheduler = build_cosine_scheduler(fresh_optimizer, 100, progress["lr_schedule_step"])
+    assert fresh_scheduler.last_epoch == 20
     assert fresh_optimizer.param_groups[0]["lr"] == pytest.approx(0.9140576, abs=1e-6)
     assert "world size changed from 1 to 2" in capsys.readouterr().out
 
@@ -281,6 +280,6 @@ def test_sglang_engine_resumes_from_a_torch_engine_state():
     import types
 
     from trainer.rollout_engine import SGLangRolloutEngine
-    engine = types.SimpleNamespace(num_update_calls=0, weight_version=1)
+    engine = types.SimpleNamespace(num_update_calls=0, client=types.SimpleNamespace(weight_pushes=1))
     SGLangRolloutEngine.load_resume_state(engine, {})
-    assert (engine.num_update_calls, engine.weight_version) == (0, 1)
+    assert (engine.num_update_calls, engine.client.weight_pushes) == (0, 1)

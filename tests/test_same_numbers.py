@@ -23,6 +23,20 @@ def test_compare_rows_finds_a_one_ulp_change_a_key_order_and_a_missing_row():
     assert check_same_numbers.compare_rows(rows, rows[:1]) == ["1 rows instead of 2"]
 
 
+def test_new_keys_are_allowed_only_when_asked_and_old_keys_still_compared():
+    expected = [{"step": 1, "reward": 4.5, "loss": -0.06}]
+    with_new = [{"step": 1, "reward": 4.5, "entropy": 0.09, "loss": -0.06}]
+    assert check_same_numbers.compare_rows(expected, with_new) == [
+        "row 0 (step 1): keys ['step', 'reward', 'entropy', 'loss'] instead of ['step', 'reward', 'loss']"]
+    assert check_same_numbers.compare_rows(expected, with_new, allow_new_keys=True) == []
+    changed = [dict(with_new[0], loss=-0.07)]
+    assert check_same_numbers.compare_rows(expected, changed, allow_new_keys=True) == [
+        "row 0 (step 1) loss: -0.07 instead of -0.06"]
+    missing = [{"step": 1, "entropy": 0.09, "loss": -0.06}]
+    assert check_same_numbers.compare_rows(expected, missing, allow_new_keys=True) == [
+        "row 0 (step 1): keys ['step', 'loss'] instead of ['step', 'reward', 'loss']"]
+
+
 def test_both_scripts_give_the_same_numbers_twice(tmp_path):
     """Two runs of each script with the same seed, one thread: every logged number equal, bit for bit (what the
     comparison against a git revision relies on)."""

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import MINIMIND_TOKENIZER, ROOT
 
 
 def run_script(args, cwd=ROOT, timeout=600):
@@ -145,16 +145,12 @@ def test_ppo_bad_flags_fail_at_start(flags, message):
     assert message in result.stderr
 
 
-MINIMIND_TOKENIZER = os.path.join(os.path.dirname(ROOT), "shared", "compat", "minimind-tokenizer")
-
-
-@pytest.mark.skipif(not os.path.isdir(MINIMIND_TOKENIZER), reason="../shared/compat/minimind-tokenizer is absent")
 @pytest.mark.parametrize("script, extra", [
     ("trainer/train_grpo.py", ["--num_generations", "2"]),
     ("trainer/train_ppo.py", ["--mini_batch_size", "1"]),
 ])
 def test_rl_scripts_with_upstream_minimind_tokenizer(tiny_weights, tmp_path, script, extra):
-    from trainer.checkpoints import write_tokenizer_record
+    from trainer.weights import write_tokenizer_record
     save_dir, name = tiny_weights
     write_tokenizer_record(os.path.join(save_dir, f"{name}_64.pth"), MINIMIND_TOKENIZER)  # trained with that one
     result = run_script([script, "--max_steps", "1", "--save_dir", save_dir, "--from_weight", name,

@@ -11,11 +11,12 @@ import torch
 from model.hf_qwen3 import save_qwen3_folder
 from model.model_minimind import MiniMindForCausalLM
 from sglang_standin import SGLangStandin
-from trainer.rollout_engine import SGLangRolloutEngine, create_rollout_engine, parse_sglang_output
+from trainer.rollout_engine import SGLangRolloutEngine, create_rollout_engine
+from trainer.sglang_client import parse_sglang_output
 from trainer.train_grpo import main as grpo_main
 from trainer.rollout_engine import tokenize_prompts
 from trainer.train_ppo import main as ppo_main
-from trainer.checkpoints import build_config
+from trainer.weights import build_config
 
 PROMPTS = ["<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n<think>\n",
            "<|im_start|>user\n5 加 7 是多少？<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"]
@@ -114,8 +115,8 @@ def test_server_logps_match_after_update_policy_and_differ_before(start_standin,
     assert server_vs_trainer_gap() < 1e-3
     assert server.loaded_paths[-1] == os.path.join(str(tmp_path / "shared"), "policy_v0")
     assert server.requests[-2][1] == {"model_path": server.loaded_paths[-1], "flush_cache": True,
-                                      "weight_version": engine.server_weight_version}
-    assert engine.server_weight_version == f"{engine.version_label}-v0"
+                                      "weight_version": engine.client.server_weight_version}
+    assert engine.client.server_weight_version == f"{engine.client.version_label}-v0"
 
 
 def test_sync_interval_pushes_every_nth_update(start_standin, tokenizer, tmp_path):
@@ -378,7 +379,7 @@ def test_two_ranks_rank0_syncs_and_every_rank_learns_a_failure(start_standin, tm
     rank0 = (tmp_path / "rank0.txt").read_text()
     rank1 = (tmp_path / "rank1.txt").read_text()
     assert "update_weights_from_disk failed" in rank0 and "no config.json" in rank0
-    assert rank1.startswith("rank 0 could not sync the policy to SGLang") and "no config.json" in rank1
+    assert rank1.startswith("syncing the policy to SGLang failed on rank 0") and "no config.json" in rank1
 
 
 @pytest.mark.parametrize("flags, message", [

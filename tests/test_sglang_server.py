@@ -29,12 +29,13 @@ from trainer import rollout_engine as rollout_module
 from trainer.rollout_engine import SGLangRolloutEngine, compute_per_token_logps, tokenize_prompts
 from trainer.train_grpo import main as grpo_main
 from trainer.train_ppo import main as ppo_main
-from trainer.checkpoints import build_config, init_model
+from trainer.weights import build_config, init_model
 
 SGLANG_URL = os.environ.get("SGLANG_URL", "").rstrip("/")
 SGLANG_PYTHON = os.environ.get("SGLANG_PYTHON", "")
-NO_SERVER = ("no real SGLang server: set SGLANG_URL (a server on a 256 x 4 model) or SGLANG_PYTHON (the server "
-             "venv's python; bash scripts/setup_sglang_env.sh makes it). .ci/run does both.")
+NO_SERVER = ("needs a real SGLang server. To run: bash scripts/setup_sglang_env.sh (builds the 3 GB server venv, "
+             "prints its python), then SGLANG_PYTHON=<that python> python -m pytest -q tests/test_sglang_server.py; "
+             "or bash .ci/run, which also starts a server and sets SGLANG_URL (docs/sglang.md)")
 pytestmark = pytest.mark.skipif(not (SGLANG_URL or SGLANG_PYTHON), reason=NO_SERVER)
 
 HIDDEN, LAYERS = 256, 4  # the bundled policy out/full_sft_256.pth
@@ -130,18 +131,19 @@ def test_a_server_holding_other_weights_is_caught_by_weight_version(server_url, 
     assert engine.rollout(prompt_ids, attention_mask, 2, 8).metrics["logprob_gap"] <= TOLERANCE
 
     # a restarted server labels its answers "default" (its --weight-version) again
+    synced_folder = os.path.join(engine.shared_path, f"policy_v{engine.client.weight_pushes - 1}")
     reload = requests.post(server_url + "/update_weights_from_disk",
-                           json={"model_path": engine.synced_folder, "weight_version": "default"}, timeout=120)
+                           json={"model_path": synced_folder, "weight_version": "default"}, timeout=120)
     assert reload.json()["success"] is True
     with pytest.raises(RuntimeError, match=rf"came from weights 'default', but the trainer synced "
-                                           rf"'{engine.server_weight_version}'"):
+                                           rf"'{engine.client.server_weight_version}'"):
         engine.rollout(prompt_ids, attention_mask, 2, 8)
 
     # a second trainer on the same server loads its own weights
     engine.update_policy(model)
     assert engine.rollout(prompt_ids, attention_mask, 2, 8).metrics["logprob_gap"] <= TOLERANCE
     other = SGLangRolloutEngine(copy.deepcopy(model), tokenizer, server_url, str(tmp_path / "b"), **ENGINE)
-    assert other.version_label != engine.version_label
+    assert other.client.version_label != engine.client.version_label
     with pytest.raises(RuntimeError, match=rf"came from weights '{other.server_weight_version}'"):
         engine.rollout(prompt_ids, attention_mask, 2, 8)
 
@@ -193,7 +195,7 @@ def test_the_servers_answer_format_that_the_engine_relies_on(server_url, prompts
     assert stopped["output_ids"] == free[:first + 1]  # output_ids end with the stop token ...
     assert stopped["text"] == tokenizer.decode(free[:first])  # ... the text leaves it out
     assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
-    assert stopped["meta_info"]["weight_version"] == engine.server_weight_version
+    assert stopped["meta_info"]["weight_version"] == engine.client.server_weight_version
 
     nothing = generate(server_url, ids, max_new_tokens=0)
     assert nothing["output_ids"] == [] and nothing["meta_info"]["completion_tokens"] == 0
@@ -228,7 +230,8 @@ def test_three_training_steps_against_the_server(script, server_url, tmp_path):
 
 def test_a_server_killed_mid_run_stops_the_run_with_a_clear_error(prompts, tmp_path):
     if not SGLANG_PYTHON:
-        pytest.skip("the server-killing test launches its own server: it needs SGLANG_PYTHON")
+        pytest.skip("the server-killing test launches its own server: set SGLANG_PYTHON to the python that "
+                    "bash scripts/setup_sglang_env.sh prints (docs/sglang.md)")
     model, tokenizer = load_policy()
     folder = save_qwen3_folder(model.state_dict(), model.config, str(tmp_path / "launch"), tokenizer=tokenizer)
     url, pid = launch_cpu_server(folder, str(tmp_path), SGLANG_PYTHON)

@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from conftest import ROOT, SHARED
+from conftest import MINIMIND_TOKENIZER as UPSTREAM_TOKENIZER
+from conftest import ROOT
 from test_scripts import run_script
-from trainer.checkpoints import check_tokenizer_fits_checkpoint, tokenizer_record_path
+from trainer.weights import check_tokenizer_fits_checkpoint, tokenizer_record_path
 
-UPSTREAM_TOKENIZER = os.path.join(SHARED, "compat", "minimind-tokenizer")
 BUNDLED_TOKENIZER = os.path.join(ROOT, "model")
 UPSTREAM_DIMS = ["--hidden_size", "768", "--num_hidden_layers", "2"]
 
@@ -31,7 +31,7 @@ def tokenizer_json_size(folder):
 def upstream_run_dir(tmp_path):
     """{tmp}/full_sft_768.pth (fp16, 6400 x 768 embedding, no record) and {tmp}/rlaif.jsonl (upstream's format)."""
     from model.model_minimind import MiniMindForCausalLM
-    from trainer.checkpoints import build_config
+    from trainer.weights import build_config
     torch.manual_seed(0)
     model = MiniMindForCausalLM(build_config(hidden_size=768, num_hidden_layers=2, use_moe=0))
     torch.save({k: v.half() for k, v in model.state_dict().items()}, tmp_path / "full_sft_768.pth")
@@ -53,7 +53,6 @@ def upstream_command(script, folder, extra):
 SCRIPTS = [("trainer/train_grpo.py", ["--num_generations", "2"]), ("trainer/train_ppo.py", ["--mini_batch_size", "1"])]
 
 
-@pytest.mark.skipif(not os.path.isdir(UPSTREAM_TOKENIZER), reason="../shared/compat/minimind-tokenizer is absent")
 @pytest.mark.parametrize("script, extra", SCRIPTS)
 def test_upstream_checkpoint_trains_with_upstream_tokenizer(upstream_run_dir, script, extra):
     result = run_script(upstream_command(script, upstream_run_dir, extra + ["--tokenizer_path", UPSTREAM_TOKENIZER]))
@@ -71,8 +70,9 @@ def test_upstream_checkpoint_with_bundled_tokenizer_stops_before_any_model(upstr
     bundled = tokenizer_json_size(BUNDLED_TOKENIZER)
     assert bundled == 441
     assert (f"full_sft_768.pth has an embedding of 6400 rows (a 6400-token vocabulary) and no record of its "
-            f"tokenizer (full_sft_768.tokenizer.json), but --tokenizer_path {BUNDLED_TOKENIZER} has {bundled} tokens: "
-            f"pass --tokenizer_path with the tokenizer it was trained with") in result.stderr
+            f"tokenizer (full_sft_768.tokenizer.json beside it), but --tokenizer_path {BUNDLED_TOKENIZER} has "
+            f"{bundled} tokens. Copy the record beside the weights, or name the tokenizer they were trained with")\
+        in result.stderr
     assert "loaded weights" not in result.stdout and "parameters" not in result.stdout  # no model was built
     assert not (upstream_run_dir / "run").exists()
 
@@ -82,11 +82,10 @@ def test_bundled_checkpoint_goes_with_bundled_tokenizer_only():
     checkpoint = os.path.join(ROOT, "out", "full_sft_256.pth")
     assert torch.load(checkpoint, weights_only=True)["model.embed_tokens.weight"].shape[0] == 6400
     check_tokenizer_fits_checkpoint(AutoTokenizer.from_pretrained(BUNDLED_TOKENIZER), BUNDLED_TOKENIZER, checkpoint)
-    if os.path.isdir(UPSTREAM_TOKENIZER):
-        with pytest.raises(ValueError, match=r"full_sft_256\.pth was trained with a tokenizer of 441 tokens .* but "
-                                             r"--tokenizer_path .*minimind-tokenizer has 6400: pass --tokenizer_path"):
-            check_tokenizer_fits_checkpoint(AutoTokenizer.from_pretrained(UPSTREAM_TOKENIZER), UPSTREAM_TOKENIZER,
-                                            checkpoint)
+    with pytest.raises(ValueError, match=r"full_sft_256\.pth was trained with a tokenizer of 441 tokens .* but "
+                                         r"--tokenizer_path .*minimind-tokenizer has 6400: pass --tokenizer_path"):
+        check_tokenizer_fits_checkpoint(AutoTokenizer.from_pretrained(UPSTREAM_TOKENIZER), UPSTREAM_TOKENIZER,
+                                        checkpoint)
 
 
 def test_record_of_another_vocabulary_of_the_same_size(tmp_path):

@@ -49,6 +49,13 @@ def init_distributed_mode(device=""):
     return local_rank, "cpu"
 
 
+def rank_and_world_size():
+    """(this process's rank, number of processes): (0, 1) when not distributed."""
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
 def shutdown_distributed():
     """End a distributed run explicitly: a barrier, so that every rank has finished its collectives, then
     ``destroy_process_group``. Callers delete their DistributedDataParallel wrappers first: a wrapper freed
@@ -77,6 +84,12 @@ def wrap_ddp(model, device, local_rank):
     use_moe = bool(getattr(getattr(model, "config", None), "use_moe", False))
     return DistributedDataParallel(model, device_ids=[local_rank] if device.startswith("cuda") else None,
                                    find_unused_parameters=use_moe)
+
+
+def unwrap_model(model):
+    """The module inside a DistributedDataParallel (or torch.compile) wrapper."""
+    model = getattr(model, "module", model)
+    return getattr(model, "_orig_mod", model)
 
 
 def compile_for_training(model, use_compile):
@@ -109,3 +122,28 @@ def mean_over_ranks(metrics, device):
     dist.all_reduce(values)
     values /= dist.get_world_size()
     return dict(zip(keys, values.tolist()))
+
+
+def broadcast_from_rank0(value):
+    """``value`` as rank 0 has it, on every rank (the value itself when not distributed)."""
+    if not dist.is_initialized():
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def run_on_rank0(work, what="rank 0's work"):
+    """Call ``work()`` on rank 0 only; every rank raises when it failed there (rank 0 its own error, the other ranks
+    a RuntimeError that quotes it), so that no rank trains on while rank 0 stops. Not distributed: ``work()``."""
+    error, caught = None, None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            work()
+        except (RuntimeError, OSError, ValueError) as err:
+            error, caught = f"{type(err).__name__}: {err}", err
+    error = broadcast_from_rank0(error)
+    if caught is not None:
+        raise caught
+    if error is not None:
+        raise RuntimeError(f"{what} failed on rank 0: {error}")

@@ -25,19 +25,6 @@ def resolve_train_dtype(name, device):
     return "float32"
 
 
-def has_bf16_units(device):
-    """True where bf16 matrix products run on dedicated units: a CUDA GPU that supports bf16, or a CPU whose
-    flags (/proc/cpuinfo) list amx_bf16 or avx512_bf16. Elsewhere bf16 is emulated and slower than fp32."""
-    if torch.device(device).type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
 def autocast_context(device, dtype_name):
     """The context for the policy's (and critic's) forwards under ``--dtype``.
 
@@ -65,11 +52,16 @@ def autocast_context(device, dtype_name):
     return torch.autocast(device_type=torch.device(device).type, dtype=DTYPES[dtype_name])
 
 
-def reward_model_dtype(device, policy_dtype):
-    """The default dtype of a frozen reward model: float16 on a CUDA device, as upstream MiniMind loads its reward
-    model (half the memory of fp32; float16 keeps 3 more mantissa bits than bfloat16, and a frozen scorer needs no
-    bfloat16 range), ``policy_dtype`` elsewhere (a CPU runs half precision slower than fp32)."""
-    return torch.float16 if torch.device(device).type == "cuda" else policy_dtype
+def reward_model_dtype(name, device):
+    """The frozen reward model's torch dtype: ``--reward_dtype`` ``name`` when given, else float16 on a CUDA
+    device, as upstream MiniMind loads its reward model (half the memory of fp32; float16 keeps 3 more mantissa
+    bits than bfloat16, and a frozen scorer needs no bfloat16 range), and float32 elsewhere (a CPU runs half
+    precision slower than fp32).
+
+    Raises:
+        ValueError: for a name that is not one of ``DTYPES``.
+    """
+    return resolve_dtype(name, torch.float16 if torch.device(device).type == "cuda" else torch.float32)
 
 
 def resolve_dtype(name, default):

@@ -8,8 +8,9 @@ by the weights. It is TRL's ``eval_steps`` / verl's ``val_before_train`` for a v
 """
 import torch
 
+from dataset.lm_dataset import RLAIFDataset
+from trainer.distributed import Logger, unwrap_model
 from trainer.rollout_engine import TorchRolloutEngine, decode_completions, tokenize_prompts
-from trainer.checkpoints import unwrap_model
 from trainer.trainer_utils import calculate_rewards, completion_mask_from_ids
 
 
@@ -24,7 +25,7 @@ def distinct_n(texts, n=2):
 
 @torch.no_grad()
 def evaluate(model, tokenizer, dataset, num_prompts, batch_size, max_gen_len, temperature, greedy, seed,
-             reward_model=None, max_seq_len=256, device="cpu"):
+             reward_model=None, max_seq_len=256, device="cpu", should_stop=None):
     """Answer the first ``num_prompts`` prompts of ``dataset`` once each and score the answers.
 
     Sampling uses its own ``torch.Generator`` seeded with ``seed``, so the global random state (and with it
@@ -35,11 +36,13 @@ def evaluate(model, tokenizer, dataset, num_prompts, batch_size, max_gen_len, te
         model: a MiniMind causal LM (or its DDP wrapper).
         dataset: items {"prompt": str, "answer": str} (``RLAIFDataset``).
         temperature: sampling temperature (ignored when ``greedy``).
+        should_stop: a function of no argument, checked between batches: when it returns True the evaluation
+            ends there and returns None (a stop request does not wait for the whole evaluation).
     Returns:
         dict with accuracy (share of answers whose final number equals the reference, ``answer_reward``),
         reward (rule + reward model), rule_reward, reward_model_score, answer_reward, response_len (tokens),
         distinct_2, and "samples": one dict per prompt with prompt, completion, reference, rule_reward,
-        reward_model_score, answer_reward.
+        reward_model_score, answer_reward; None when ``should_stop`` ended it.
     Raises:
         ValueError: ``num_prompts`` or ``batch_size`` < 1.
     """
@@ -55,6 +58,9 @@ def evaluate(model, tokenizer, dataset, num_prompts, batch_size, max_gen_len, te
     samples, completions_all = [], []
     count = min(num_prompts, len(dataset))
     for start in range(0, count, batch_size):
+        if should_stop is not None and should_stop():
+            model.train(was_training)
+            return None
         rows = [dataset[i] for i in range(start, min(start + batch_size, count))]
         prompts = [r["prompt"] for r in rows]
         answers = [r["answer"] for r in rows]
@@ -111,13 +117,16 @@ class HeldOutEvaluator:
         self.batch_size = batch_size
         self.history = []
 
-    def __call__(self, model, step):
-        """Evaluate ``model`` at training step ``step``; returns the ``eval/...`` metrics (floats)."""
+    def __call__(self, model, step, should_stop=None):
+        """Evaluate ``model`` at training step ``step``; returns the ``eval/...`` metrics (floats), or {} when
+        ``should_stop`` (see ``evaluate``) ended the evaluation early (nothing is recorded then)."""
         common = dict(num_prompts=self.num_prompts, batch_size=self.batch_size, max_gen_len=self.max_gen_len,
                       temperature=self.temperature, seed=self.seed, max_seq_len=self.max_seq_len,
-                      device=self.device)
+                      device=self.device, should_stop=should_stop)
         sampled = evaluate(model, self.tokenizer, self.dataset, greedy=False, **common)
-        greedy = evaluate(model, self.tokenizer, self.dataset, greedy=True, **common)
+        greedy = evaluate(model, self.tokenizer, self.dataset, greedy=True, **common) if sampled else None
+        if sampled is None or greedy is None:
+            return {}
         metrics = {"eval/accuracy_sampled": sampled["accuracy"], "eval/accuracy_greedy": greedy["accuracy"],
                    "eval/response_len": sampled["response_len"]}
         self.history.append((step, metrics))
@@ -134,3 +143,33 @@ class HeldOutEvaluator:
                            ("eval/accuracy_greedy", "greedy")):
             lines.append(f"  {label:<22} {first[key]:>10.3f} {last[key]:>10.3f} {last[key] - first[key]:>+8.3f}")
         return lines
+
+
+def build_evaluator(args, tokenizer, device):
+    """The run's ``HeldOutEvaluator`` (``--eval_data_path``, ``--eval_num_prompts``, the rollout's temperature and
+    lengths), or None with ``--eval_interval 0`` or when ``--data_path`` is not the bundled training data and no
+    ``--eval_data_path`` was given (the log says so: the bundled validation prompts fit the bundled task only)."""
+    if args.eval_interval and not args.eval_data_path:
+        Logger(f"held-out evaluation off: --data_path {args.data_path} is not the bundled training data, whose "
+               f"validation prompts the evaluation would use; pass --eval_data_path FILE to evaluate")
+    if not (args.eval_interval and args.eval_data_path):
+        return None
+    eval_dataset = RLAIFDataset(args.eval_data_path, tokenizer, thinking_ratio=1.0, seed=args.seed)
+    return HeldOutEvaluator(eval_dataset, tokenizer, args.eval_num_prompts, args.temperature, args.max_gen_len,
+                            args.max_seq_len, device)
+
+
+def evaluate_if_due(evaluator, model, step, total_steps, eval_interval, should_stop=None):
+    """The ``eval/...`` metrics of the held-out evaluation when it is due (step 0, every ``eval_interval`` steps,
+    the last step), with one log line; {} otherwise, without an evaluator, or when ``should_stop`` ended it (a stop
+    request: the line says so)."""
+    if evaluator is None or not (step == 0 or step % eval_interval == 0 or step == total_steps):
+        return {}
+    metrics = evaluator(model, step, should_stop)
+    if not metrics:
+        Logger(f"eval step {step} | stopped by a stop request before its end; no result recorded")
+        return {}
+    Logger(f"eval step {step} | held-out accuracy sampled {metrics['eval/accuracy_sampled']:.3f} "
+           f"greedy {metrics['eval/accuracy_greedy']:.3f} | len {metrics['eval/response_len']:.1f} "
+           f"({evaluator.num_prompts} prompts)")
+    return metrics

@@ -6,11 +6,12 @@ import os
 
 import torch
 
-from trainer.checkpoints import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, ROOT, check_writable_dir
+from trainer.files import check_writable_dir
 from trainer.dtypes import DTYPE_CHOICES, DTYPES
 from trainer.metrics import TRACKERS
 from trainer.rollout_engine import ROLLOUT_ENGINES, SGLANG_LOGPROB_MODES, TORCH_LOGPROB_MODES
 from trainer.trainer_utils import read_reward_model_config
+from trainer.weights import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, ROOT
 
 DEFAULT_REWARD_MODEL_PATH = os.path.join(ROOT, "out", "reward_model_256")  # trainer/train_reward.py, committed
 BUNDLED_TRAIN_DATA = os.path.join(ROOT, "dataset", "rlaif_train.jsonl")
@@ -36,7 +37,9 @@ def add_common_rl_args(parser):
     parser.add_argument("--run_dir", default="", help="metrics folder (default: {save_dir}/runs/{save_weight}-TIME)")
     parser.add_argument("--data_path", default=BUNDLED_TRAIN_DATA,
                         help="RL prompts, MiniMind's RLAIF JSONL (the assistant turn, if any, is the reference answer)")
-    parser.add_argument("--tokenizer_path", default=DEFAULT_TOKENIZER_PATH, help="tokenizer folder")
+    parser.add_argument("--tokenizer_path", default=None,
+                        help="tokenizer folder (default: the bundled model/); one named here is trusted for starting "
+                             "weights that have no record of their tokenizer")
     parser.add_argument("--from_weight", default="full_sft", help="name in save_dir ({name}_{hidden}.pth) or a path")
     parser.add_argument("--hidden_size", type=int, default=256, help="model width (MiniMind: 512, 768)")
     parser.add_argument("--num_hidden_layers", type=int, default=4, help="model depth")
@@ -122,7 +125,10 @@ def add_common_rl_args(parser):
 
 
 def check_common_rl_args(parser, args):
-    """argparse-style errors (exit 2) for out-of-range shared flags, before any model is built."""
+    """argparse-style errors (exit 2) for out-of-range shared flags, before any model is built. Also records whether
+    ``--tokenizer_path`` was named (``args.tokenizer_path_named``) before filling in its default."""
+    args.tokenizer_path_named = int(args.tokenizer_path is not None)
+    args.tokenizer_path = args.tokenizer_path or DEFAULT_TOKENIZER_PATH
     for flag in ("batch_size", "max_gen_len", "max_seq_len", "epochs", "log_interval",
                  "save_interval", "debug_interval", "reward_batch_size", "max_bad_steps"):
         if getattr(args, flag) < 1:

@@ -6,7 +6,9 @@ import json
 import os
 import time
 
-from trainer.distributed import is_main_process
+import torch
+
+from trainer.distributed import Logger, is_main_process
 
 
 def format_duration(seconds):
@@ -92,3 +94,55 @@ def open_metrics(args, progress):
     writer = MetricsWriter(run_dir, args.use_wandb, args.wandb_project, os.path.basename(run_dir), vars(args),
                            wandb_id=progress.get("wandb_id"), tracker=args.tracker)
     return run_dir, writer
+
+
+class StepLog:
+    """The log line and the metrics.jsonl row (+ tracker) of a step: every ``log_interval`` steps, at the last step
+    and at every step the held-out evaluation ran. The line is the step, the rewards, ``log_line(metrics)`` (the
+    script's part) and the time elapsed and left; the row adds step, total_steps, epoch, the learning rates, the
+    wall time and the dataset indices of the step's prompts to ``metrics``.
+    """
+
+    def __init__(self, writer, total_steps, log_interval, log_line, start_step=0):
+        self.writer = writer
+        self.total_steps = total_steps
+        self.log_interval = log_interval
+        self.log_line = log_line
+        self.timer = StepTimer(total_steps, start_step)
+
+    def write(self, step, epoch, metrics, learning_rates, sample_indices):
+        """Log ``metrics`` (a dict of floats, averaged over ranks) of ``step`` when due; returns them as logged.
+
+        Args:
+            learning_rates: {"learning_rate": ...} (and PPO's "critic_learning_rate"), the rates the step used.
+            sample_indices: the dataset indices of this rank's prompts.
+        """
+        evaluated = any(key.startswith("eval/") for key in metrics)
+        if not (step % self.log_interval == 0 or step == self.total_steps or evaluated):
+            return metrics
+        elapsed, remaining = self.timer.eta(step)
+        metrics.update(step=step, total_steps=self.total_steps, epoch=epoch, **learning_rates,
+                       elapsed_s=time.time() - self.timer.start, sample_indices=sample_indices)
+        rewards = (f"reward {metrics['reward']:.3f} (rule {metrics['rule_reward']:.3f}, "
+                   f"rm {metrics['reward_model_score']:.3f}, answer {metrics['answer_reward']:.3f})")
+        Logger(f"step {step}/{self.total_steps} | {rewards} | {self.log_line(metrics)} | "
+               f"{elapsed} elapsed, {remaining} left")
+        self.writer.log(metrics)
+        return metrics
+
+
+def gpu_memory_metrics(device):
+    """{"gpu_peak_memory_gib": peak memory allocated on ``device``} on a CUDA device; {} elsewhere."""
+    if torch.device(device).type != "cuda":
+        return {}
+    return {"gpu_peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30}
+
+
+def print_samples(step, prompts, completions, reward_parts, num_generations):
+    """``--debug_mode``: each prompt of the step, its sampled answers and their reward parts (rank 0 prints)."""
+    for i in range(0, len(completions), num_generations):
+        Logger(f"[debug] step {step} prompt:\n{prompts[i]}")
+        for j in range(i, i + num_generations):
+            Logger(f"[debug] answer {j - i}: reward {reward_parts['rewards'][j]:.3f} "
+                   f"(rule {reward_parts['rule_rewards'][j]:.3f}, rm {reward_parts['reward_model_scores'][j]:.3f}, "
+                   f"answer {reward_parts['answer_rewards'][j]:.0f})\n{completions[j]}")

@@ -71,10 +71,14 @@ def cosine_lr(step, total_steps, learning_rate, min_lr_ratio=0.1):
     return learning_rate * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def build_cosine_scheduler(optimizer, total_steps, min_lr_ratio=0.1):
-    """LambdaLR that follows ``cosine_lr`` (state_dict-able, so a resume restores it)."""
+def build_cosine_scheduler(optimizer, total_steps, start_step=0, min_lr_ratio=0.1):
+    """LambdaLR that follows ``cosine_lr`` over ``total_steps`` optimizer steps, from each group's current rate
+    (the flags'), placed at ``start_step``: a resumed run builds its schedule at the update it resumes from, so
+    the rates are this run's flags on the saved run's position."""
+    for group in optimizer.param_groups:
+        group["initial_lr"] = group["lr"]  # the peak of this schedule
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: cosine_lr(step, total_steps, 1.0, min_lr_ratio)
+        optimizer, lambda step: cosine_lr(step, total_steps, 1.0, min_lr_ratio), last_epoch=start_step - 1
     )
 
 

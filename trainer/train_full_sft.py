@@ -24,16 +24,12 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 from dataset.lm_dataset import SFTDataset, sft_collate
-from trainer.checkpoints import (
-    DEFAULT_SAVE_DIR, atomic_save, build_config, check_writable_dir, half_state_dict, init_model, weight_path,
-)
-from trainer.distributed import Logger, init_distributed_mode, is_main_process, setup_seed
+from trainer.distributed import Logger, any_rank, init_distributed_mode, is_main_process, setup_seed
+from trainer.files import check_writable_dir
 from trainer.flags import add_bool_flag
-from trainer.optimizer import build_cosine_scheduler
-from trainer.distributed import any_rank
-from trainer.optimizer import project_scale_only_gradients
-from trainer.rl_harness import BadStepGuard, nonfinite_parts
-from trainer.checkpoints import write_tokenizer_record
+from trainer.optimizer import build_cosine_scheduler, project_scale_only_gradients
+from trainer.stopping import BadStepGuard, nonfinite_parts
+from trainer.weights import DEFAULT_SAVE_DIR, build_config, half_state_dict, init_model, save_weights, weight_path
 
 
 def parse_args(argv=None):
@@ -137,8 +133,7 @@ def main(argv=None):
                        f"elapsed {time.time() - start:.0f}s")
             if args.save_interval and step % args.save_interval == 0 and is_main_process():
                 snapshot = weight_path(f"{args.save_weight}_step{step}", args.save_dir, args.hidden_size, args.use_moe)
-                atomic_save(half_state_dict(model), snapshot)
-                write_tokenizer_record(snapshot, tokenizer.name_or_path)
+                save_weights(half_state_dict(model), snapshot, tokenizer.name_or_path)
             if step >= total_steps:
                 break
         if step >= total_steps:
@@ -146,8 +141,7 @@ def main(argv=None):
 
     if is_main_process():
         path = weight_path(args.save_weight, args.save_dir, args.hidden_size, args.use_moe)
-        atomic_save(half_state_dict(model), path)
-        write_tokenizer_record(path, tokenizer.name_or_path)  # which tokenizer these weights go with
+        save_weights(half_state_dict(model), path, tokenizer.name_or_path)  # and the tokenizer they go with
         Logger(f"saved {path}")
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -1,26 +1,12 @@
 """PPO for a MiniMind policy (chapter 8.4): actor, frozen reference, critic and reward model.
 
-One step, in chapter order:
-  1. rollout of B prompts with one answer each: completions and old_per_token_logps (8.2); reference
-     log-probs and the critic's old values under no_grad;
-  2. rewards [B] = rule reward + reward-model score + answer reward (8.3, ``calculate_rewards``);
-  3. token_rewards [B, R]: the sequence reward on the last real token (``place_sequence_rewards``, 8.4.2), plus
-     the per-token KL penalty with ``--kl_placement reward`` (``kl_penalty_rewards``);
-  4. GAE: advantages and returns = advantages + values (``compute_gae``), then masked whitening of the
-     advantages (``masked_whiten``) (8.4.2). The default lambda is 1.0, not the chapter's 0.95 (``--lam``):
-     the reward sits on the last token only, and 0.95 would decay it geometrically towards the first;
-  5. ``ppo_update_iters`` epochs over shuffled minibatches: clipped surrogate + kl_coef * k3 reference KL
-     (with the default ``--kl_placement loss``)
-     (``ppo_policy_loss``, 8.4.3) and the clipped value loss (``ppo_value_loss``, 8.4.4),
-     loss = policy_loss + vf_coef * value_loss + both MoE aux losses; the epochs stop early once the approximate KL
-     0.5 * E[(log ratio)^2] passes ``early_stop_kl``;
-  6. the update (``clip_and_step``, in ``ppo_update``): each model's gradient norm clipped, then both AdamW
-     optimizers step (the actor's final RMSNorm gain in a group of its own, ``build_policy_optimizer``), or neither
-     on a NaN; cosine schedules once per rollout; then one log line, atomic checkpoints, the held-out evaluation.
-
-``main`` builds the roles of chapter 8.1 (actor, frozen reference, reward model, critic) and runs the loop.
-
-"The learner's article" below is the walk-through of MiniMind's PPO code listed in the README's Sources.
+One step, in chapter order: ``ppo_rollout`` samples one answer per prompt with its old log-probs (8.2), scores it
+(8.3), takes the reference log-probs and the critic's old values, puts the reward on the last real token and runs
+GAE with whitened advantages (8.4.2); ``ppo_update`` runs epochs of shuffled minibatches of the clipped surrogate
++ k3 KL (8.4.3, 8.6) and the clipped value loss (8.4.4), clipping and stepping both models. GAE's lambda defaults to
+1.0, not the chapter's 0.95 (``--lam``): the reward sits on the last token, and 0.95 would decay it towards the
+first. ``main`` builds what the step uses, in numbered blocks, then runs the loop. "The learner's article" below
+is the walk-through of MiniMind's PPO code listed in the README's Sources.
 
 Run (the embedded default, CPU):
     python trainer/train_ppo.py
@@ -41,20 +27,32 @@ sys.path.insert(0, ROOT)  # `python trainer/x.py` from any folder imports this c
 
 import torch
 
-from model.model_minimind import CriticModel
-from trainer.checkpoints import load_policy
-from trainer.distributed import (
-    all_ranks_mean, any_rank, compile_for_training, setup_seed, shutdown_distributed, wrap_ddp,
+from torch.utils.data import DataLoader
+
+from dataset.lm_dataset import (
+    RLAIFDataset, ResumableBatchSampler, check_prompt_count, count_total_steps, resumable_batches,
 )
-from trainer.flags import add_bool_flag, add_common_rl_args, check_common_rl_args
+from model.model_minimind import CriticModel
+from trainer.checkpoints import claim_save_dir, resume_command, save_checkpoint, start_or_resume
+from trainer.distributed import (
+    Logger, all_ranks_mean, any_rank, compile_for_training, init_distributed_mode, mean_over_ranks,
+    rank_and_world_size, setup_seed, shutdown_distributed, wrap_ddp,
+)
+from trainer.dtypes import autocast_context, resolve_train_dtype, reward_model_dtype
+from trainer.evaluation import build_evaluator, evaluate_if_due
+from trainer.flags import add_bool_flag, add_common_rl_args, check_common_rl_args, rollout_engine_kwargs
+from trainer.metrics import StepLog, gpu_memory_metrics, open_metrics, print_samples
 from trainer.optimizer import (
     accumulation_window_size, adamw, build_cosine_scheduler, build_policy_optimizer, project_scale_only_gradients,
 )
-from trainer.rl_harness import RLRun, nonfinite_parts
-from trainer.rollout_engine import compute_per_token_logps, tokenize_prompts
+from trainer.rollout_engine import (
+    compute_per_token_logps, create_rollout_engine, policy_forward, tokenize_prompts,
+)
+from trainer.stopping import BadStepGuard, StopSignal, nonfinite_parts
 from trainer.trainer_utils import (
     calculate_rewards, explained_variance, k3_kl, load_reward_model, masked_mean, masked_std,
 )
+from trainer.weights import build_config, load_policy, load_tokenizer, weight_path
 
 
 KL_PLACEMENTS = ("loss", "reward")
@@ -260,10 +258,8 @@ class PPORolloutBatch:
     returns: torch.Tensor  # [B, R] fp32, GAE returns = advantages + values (before whitening)
     rewards: Optional[torch.Tensor] = None  # [B] fp32, the sequence rewards (8.3)
     reward_parts: dict = field(default_factory=dict)  # the reward function's parts, each [B]
-    completions: list = field(default_factory=list)  # B decoded answers
-    prompts: list = field(default_factory=list)  # B prompts
-    truncated: int = 0  # prompts cut to --max_seq_len
-    rollout_metrics: dict = field(default_factory=dict)  # the rollout engine's own metrics
+    debug: dict = field(default_factory=dict)  # "prompts", "completions": B strings each, for --debug_mode
+    rollout_metrics: dict = field(default_factory=dict)  # prompts cut to --max_seq_len, the engine's own metrics
 
 
 @torch.no_grad()
@@ -272,7 +268,7 @@ def ppo_rollout(batch, ref_model, critic, rollout_engine, reward_fn, reward_mode
 
     The rollout engine samples from the actor; ``critic`` is the plain module (not a DDP wrapper: these forwards
     have no backward). ``reward_fn`` is ``calculate_rewards`` (chapter 8.3) or a replacement with the same
-    arguments and result; ``autocast`` is the forwards' context under ``--dtype`` (``autocast_context``). Returns a
+    arguments and result; ``autocast`` is the forwards' context under ``--dtype``. Returns a
     ``PPORolloutBatch`` of B rows.
     """
     prompts, answers = batch["prompt"], batch["answer"]  # list[str] of length B
@@ -290,7 +286,7 @@ def ppo_rollout(batch, ref_model, critic, rollout_engine, reward_fn, reward_mode
     with autocast:
         ref_per_token_logps = compute_per_token_logps(ref_model, output_ids, gen_len, full_mask,
                                                       args.temperature)  # [B, R]
-        old_resp_values = critic(output_ids, attention_mask=full_mask)[:, -gen_len - 1:-1]  # [B, R], V(s_t)
+        old_resp_values = critic(output_ids, attention_mask=full_mask).values[:, -gen_len - 1:-1]  # [B, R], V(s_t)
     critic.train()
 
     scores = normalize_rewards(rewards) if args.reward_norm else rewards  # [B]
@@ -304,8 +300,8 @@ def ppo_rollout(batch, ref_model, critic, rollout_engine, reward_fn, reward_mode
         output_ids=output_ids, full_mask=full_mask, completion_mask=completion_mask,
         old_per_token_logps=rollout.per_token_logps, ref_per_token_logps=ref_per_token_logps,
         old_resp_values=old_resp_values * completion_mask, advantages=advantages, returns=returns,
-        rewards=rewards, reward_parts=reward_parts, completions=rollout.completions, prompts=prompts,
-        truncated=truncated, rollout_metrics=rollout.metrics,
+        rewards=rewards, reward_parts=reward_parts, debug={"prompts": prompts, "completions": rollout.completions},
+        rollout_metrics={"truncated_prompts": truncated, **rollout.metrics},
     )
 
 
@@ -336,7 +332,7 @@ def ppo_update(rollout_batch, actor, critic, actor_optimizer, critic_optimizer, 
 
     Args:
         rollout_batch: ``PPORolloutBatch``; generator: ``torch.Generator`` of the minibatch permutations;
-        autocast: the forwards' context under ``--dtype`` (``autocast_context``).
+        autocast: the forwards' context under ``--dtype``.
     Returns a dict of stats averaged over minibatches, early_stop (0/1), optimizer_steps, skipped_steps.
     """
     batch_size = rollout_batch.output_ids.size(0)
@@ -351,9 +347,9 @@ def ppo_update(rollout_batch, actor, critic, actor_optimizer, critic_optimizer, 
             inds = permutation[start:start + args.mini_batch_size].to(device)
             mask = rollout_batch.completion_mask[inds]  # [mb, R]
             with autocast:
-                per_token_logps, aux_loss = compute_per_token_logps(
-                    actor, rollout_batch.output_ids[inds], gen_len, rollout_batch.full_mask[inds], args.temperature,
-                    return_aux_loss=True)  # [mb, R], the chapter's mb_resp_logp
+                per_token_logps, aux_loss, _ = policy_forward(
+                    actor, rollout_batch.output_ids[inds], gen_len, rollout_batch.full_mask[inds],
+                    args.temperature)  # [mb, R], the chapter's mb_resp_logp; the MoE router loss
             policy_loss, stats = ppo_policy_loss(
                 per_token_logps, rollout_batch.old_per_token_logps[inds], rollout_batch.ref_per_token_logps[inds],
                 rollout_batch.advantages[inds], mask, args.clip_epsilon, kl_coef)
@@ -362,15 +358,13 @@ def ppo_update(rollout_batch, actor, critic, actor_optimizer, critic_optimizer, 
                 stop_ppo = True  # this minibatch and the rest of the epochs are skipped
                 break
             with autocast:
-                mb_values, critic_aux_loss = critic(rollout_batch.output_ids[inds],
-                                                    attention_mask=rollout_batch.full_mask[inds],
-                                                    return_aux_loss=True)  # [mb, P+R]
-            mb_resp_values = mb_values[:, -gen_len - 1:-1]  # [mb, R], V(s_t) before each answer token
+                critic_out = critic(rollout_batch.output_ids[inds], attention_mask=rollout_batch.full_mask[inds])
+            mb_resp_values = critic_out.values[:, -gen_len - 1:-1]  # [mb, R], V(s_t) before each answer token
             value_loss, value_clipfrac = ppo_value_loss(
                 mb_resp_values, rollout_batch.old_resp_values[inds], rollout_batch.returns[inds], mask,
                 args.cliprange_value)
             # both MoE load-balancing losses (0 for dense models): the actor's and the critic's own routers
-            loss = policy_loss + args.vf_coef * value_loss + aux_loss + critic_aux_loss
+            loss = policy_loss + args.vf_coef * value_loss + aux_loss + critic_out.aux_loss
             micro += 1
             (loss / accumulation_window_size(micro, total_micro, accumulation)).backward()
             if micro % accumulation == 0 or micro == total_micro:  # the update
@@ -409,9 +403,8 @@ def ppo_metrics(rollout_batch, update, skipped):
         "advantages_std": masked_std(rollout_batch.advantages, mask).item(),
         "explained_variance": explained_variance(rollout_batch.old_resp_values, rollout_batch.returns, mask),
         "response_len": mask.sum(dim=1).float().mean().item(),
-        "truncated_prompts": rollout_batch.truncated,
+        **rollout_batch.rollout_metrics,  # truncated_prompts first
         "skipped_update": float(skipped),
-        **rollout_batch.rollout_metrics,
         **update,
     }
 
@@ -424,57 +417,127 @@ def ppo_log_line(metrics):
             f"lr {metrics['learning_rate']:.2e}/{metrics['critic_learning_rate']:.2e}")
 
 
-def main(argv=None, reward_fn=calculate_rewards, run_class=RLRun):
+def main(argv=None, reward_fn=calculate_rewards):
     """Train with PPO: the four roles of chapter 8.1, then rollout -> reward -> GAE -> minibatch updates of actor
-    and critic, step after step (8.4). ``reward_fn`` replaces the chapter's rewards and ``run_class`` the harness
-    (tests)."""
+    and critic, step after step (8.4). ``reward_fn`` replaces the chapter's rewards (tests)."""
     args = parse_args(argv)
-    run = run_class.build(args, "ppo", __file__, argv)  # processes, seed, tokenizer, prompts, evaluator
-    device = run.device
-    # the roles (chapter 8.1): actor and critic are trained, the reference and the reward model stay frozen
-    actor = load_policy(run.lm_config, args, run.tokenizer, device)  # pi_theta, from --from_weight
+
+    # 1. processes, seed and dtype
+    local_rank, device = init_distributed_mode(args.device)
+    rank, world_size = rank_and_world_size()
+    setup_seed(args.seed)  # identical initial weights on every rank
+    args.dtype = resolve_train_dtype(args.dtype, device)  # "auto": bfloat16 on a GPU that has it, else float32
+    autocast = autocast_context(device, args.dtype)  # the context of every training forward
+
+    # 2. tokenizer, prompts and their loader
+    start_weight = None if args.from_weight == "none" else weight_path(args.from_weight, args.save_dir,
+                                                                        args.hidden_size, args.use_moe)
+    tokenizer = load_tokenizer(args.tokenizer_path, start_weight, args.tokenizer_path_named)  # checked against them
+    train_ds = RLAIFDataset(args.data_path, tokenizer, thinking_ratio=args.thinking_ratio, seed=args.seed)
+    check_prompt_count(train_ds, args.data_path, args.batch_size, world_size, args.max_seq_len,
+                       args.answer_reward_weight)
+    batch_sampler = ResumableBatchSampler(train_ds, args.batch_size, world_size, rank, args.seed)
+    loader = DataLoader(train_ds, batch_sampler=batch_sampler, num_workers=args.num_workers,
+                        generator=torch.Generator().manual_seed(args.seed))  # its own generator: exact resume
+    total_steps = count_total_steps(args.max_steps, args.epochs, len(loader))
+    run_lock = claim_save_dir(args, "ppo", total_steps)  # one run per checkpoint files; an unfinished one kept
+
+    # 3. the roles (8.1): actor and critic are trained; the reference and the reward model stay frozen
+    lm_config = build_config(args.hidden_size, args.num_hidden_layers, args.use_moe)
+    actor = load_policy(lm_config, args.from_weight, args.save_dir, tokenizer, device)  # pi_theta
     ref_model = copy.deepcopy(actor).eval().requires_grad_(False)  # pi_ref: the starting policy
-    reward_model = load_reward_model(args, device, run.reward_dtype)  # None with --reward_model_path none
-    setup_seed(args.seed + run.rank)  # from here on every rank draws its own samples
-    critic = build_critic(run.lm_config, actor, args.from_weight != "none", device)  # V(s_t): actor weights + new head
+    reward_model = load_reward_model(args, device, reward_model_dtype(args.reward_dtype, args.reward_device or device))
+    setup_seed(args.seed + rank)  # from here on every rank draws its own samples
+    critic = build_critic(lm_config, actor, args.from_weight != "none", device)  # V(s_t): actor weights + new head
+    Logger(f"PPO: {sum(p.numel() for p in actor.parameters()) / 1e6:.2f}M parameters, {len(train_ds)} prompts, "
+           f"world size {world_size}, device {device}, dtype {args.dtype}")
+
+    # 4. optimizers
     actor_optimizer = build_policy_optimizer(actor, args.learning_rate, args.weight_decay,
                                              args.final_norm_learning_rate)
     critic_optimizer = adamw(critic.parameters(), lr=args.critic_learning_rate, weight_decay=args.weight_decay)
-    actor_scheduler = build_cosine_scheduler(actor_optimizer, run.total_steps)  # one schedule step per rollout
-    critic_scheduler = build_cosine_scheduler(critic_optimizer, run.total_steps)
-    ddp_actor = compile_for_training(wrap_ddp(actor, device, run.local_rank), args.use_compile)
-    ddp_critic = compile_for_training(wrap_ddp(critic, device, run.local_rank), args.use_compile)
-    minibatch_generator = torch.Generator().manual_seed(args.seed)  # the same on every rank
-    objects = {"model": actor, "optimizer": actor_optimizer, "scheduler": actor_scheduler, "critic": critic,
-               "critic_optimizer": critic_optimizer, "critic_scheduler": critic_scheduler,
+    ddp_actor = compile_for_training(wrap_ddp(actor, device, local_rank), args.use_compile)
+    ddp_critic = compile_for_training(wrap_ddp(critic, device, local_rank), args.use_compile)
+    minibatch_generator = torch.Generator().manual_seed(args.seed)  # the minibatch order, the same on every rank
+
+    # 5. resume (--from_resume 1): weights, optimizer states, data position, random states; then both schedules
+    #    at the resumed rollout (one schedule step per rollout)
+    trained = {"model": actor, "optimizer": actor_optimizer, "critic": critic, "critic_optimizer": critic_optimizer,
                "minibatch_generator": minibatch_generator}
-    run.start(actor, objects, {args.save_weight: actor, f"{args.save_weight}_critic": critic},
-              f"PPO: {run.total_steps} steps, {args.batch_size} prompts per step, {args.ppo_update_iters} epochs "
-              f"of minibatches of {args.mini_batch_size}", ppo_log_line)
+    progress, engine_state = start_or_resume(args, "ppo", trained, len(loader), device, rank, world_size)
+    actor_scheduler = build_cosine_scheduler(actor_optimizer, total_steps, progress["lr_schedule_step"])
+    critic_scheduler = build_cosine_scheduler(critic_optimizer, total_steps, progress["lr_schedule_step"])
+
+    # 6. the rollout engine (8.2), made after the resume: the SGLang engine pushes the policy to its server
+    rollout_engine = create_rollout_engine(args.rollout_engine, actor, tokenizer, **rollout_engine_kwargs(args))
+    rollout_engine.load_resume_state(engine_state)
+
+    # 7. the held-out evaluation (step 0, every --eval_interval steps, the end), the stop requests, the NaN guard
+    evaluator = build_evaluator(args, tokenizer, device)  # None with --eval_interval 0 or a user's data
+    stop_signal = StopSignal()  # from here on Ctrl-C / SIGTERM wait for a safe point
+    guard = BadStepGuard(args.max_bad_steps, progress["bad_steps_in_a_row"])
+    start_metrics = {} if progress["step"] else evaluate_if_due(evaluator, actor, 0, total_steps, args.eval_interval,
+                                                                 lambda: stop_signal.received)
+
+    # 8. metrics: metrics.jsonl (+ wandb) and the log line
+    run_dir, writer = open_metrics(args, progress)
+    Logger(f"PPO: {total_steps} steps, {args.batch_size} prompts per step, {args.ppo_update_iters} epochs of "
+           f"minibatches of {args.mini_batch_size}, metrics in {run_dir}")
+    if start_metrics:
+        writer.log({"step": 0, **start_metrics})
+    step_log = StepLog(writer, total_steps, args.log_interval, ppo_log_line, start_step=progress["step"])
+
+    # 9. the loop (a stop requested during the set-up or the step-0 evaluation ends the run before its first step)
     ddp_actor.train()
     ddp_critic.train()
-    for step, batch in run.batches():
+    step, stop = progress["step"], stop_signal.requested(device)
+    batches = [] if stop else resumable_batches(loader, batch_sampler, progress, args.epochs, total_steps)
+    for step, position, batch in batches:
         # the rates this step's updates use (the schedules step at the end of ppo_update)
         learning_rates = {"learning_rate": actor_optimizer.param_groups[0]["lr"],
                           "critic_learning_rate": critic_optimizer.param_groups[0]["lr"]}
-        rollout_batch = ppo_rollout(batch, ref_model, critic, run.rollout_engine, reward_fn, reward_model,
-                                    run.tokenizer, args, device, run.autocast)
-        run.print_samples_if_due(step, rollout_batch.prompts, rollout_batch.completions, rollout_batch.reward_parts, 1)
+        rollout_batch = ppo_rollout(batch, ref_model, critic, rollout_engine, reward_fn, reward_model, tokenizer,
+                                    args, device, autocast)
+        if args.debug_mode and step % args.debug_interval == 0:
+            print_samples(step, rollout_batch.debug["prompts"], rollout_batch.debug["completions"],
+                          rollout_batch.reward_parts, 1)
         problems = nonfinite_parts(rewards=rollout_batch.rewards)
         skipped = any_rank(bool(problems), device)  # a NaN reward on any rank: GAE would spread it, no update
         if skipped:
             update = {"optimizer_steps": 0.0, "skipped_steps": float(args.ppo_update_iters)}
         else:
             update = ppo_update(rollout_batch, ddp_actor, ddp_critic, actor_optimizer, critic_optimizer,
-                                actor_scheduler, critic_scheduler, args, device, minibatch_generator, run.autocast)
+                                actor_scheduler, critic_scheduler, args, device, minibatch_generator, autocast)
             skipped = bool(update["skipped_steps"])
             problems = ["gradients"] if skipped else []
         metrics = ppo_metrics(rollout_batch, update, skipped)
-        run.guard.record(step, skipped, problems)
-        run.rollout_engine.update_policy(actor)
-        run.log(step, metrics, learning_rates)
-        run.save_if_due(step)
-    run.close()
+        guard.record(step, skipped, problems)  # stops the run after --max_bad_steps skipped in a row
+        rollout_engine.update_policy(actor)
+
+        metrics = mean_over_ranks(metrics, device)
+        metrics["final_norm_gain"] = actor.model.norm.weight.mean().item()  # the output's sharpness
+        metrics.update(gpu_memory_metrics(device))
+        metrics.update(evaluate_if_due(evaluator, actor, step, total_steps, args.eval_interval,
+                                       lambda: stop_signal.received))
+        step_log.write(step, position["epoch"], metrics, learning_rates, batch["index"].tolist())
+        stop = stop_signal.requested(device)  # agreed by every rank
+        if step % args.save_interval == 0 or step == total_steps or stop:
+            checkpoint_progress = {"step": step, "total_steps": total_steps, **position,
+                                   "lr_schedule_step": actor_scheduler.last_epoch, "run_dir": run_dir,
+                                   "wandb_id": writer.wandb_id, "bad_steps_in_a_row": guard.in_a_row}
+            save_checkpoint(args, "ppo", lm_config, dict(trained, rollout_engine=rollout_engine), checkpoint_progress,
+                            {args.save_weight: actor, f"{args.save_weight}_critic": critic})
+        if stop:
+            break
+
+    if stop:
+        Logger(stop_signal.stopped_message(step, resume_command(__file__, argv, world_size)))
+    for line in evaluator.summary_lines() if evaluator is not None else []:
+        Logger(line)
+    writer.close()
+    stop_signal.restore()
+    if run_lock is not None:
+        run_lock.close()  # another run may use these checkpoint files now
     del ddp_actor, ddp_critic  # free the DDP wrappers while the process group is alive (see shutdown_distributed)
     shutdown_distributed()
 

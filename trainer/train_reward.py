@@ -35,11 +35,12 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer, Qwen3ForSequenceClassification
 
 from dataset.lm_dataset import read_preference_pairs
-from model.hf_qwen3 import qwen3_config_from_minimind, write_folder_atomically
-from trainer.checkpoints import (
+from model.hf_qwen3 import qwen3_config_from_minimind
+from trainer.weights import (
     DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, check_state_dict_fits, weight_path,
 )
 from trainer.distributed import Logger, setup_seed
+from trainer.files import atomic_write
 from trainer.dtypes import DTYPES, resolve_dtype
 from trainer.flags import DEFAULT_REWARD_MODEL_PATH, add_bool_flag
 from trainer.optimizer import build_cosine_scheduler
@@ -104,8 +105,8 @@ def build_reward_model(lm_config, pad_token_id, weights_path=None):
 
 
 def save_reward_model(model, tokenizer, path, dtype):
-    """Write a transformers folder (config.json, model.safetensors, tokenizer files) atomically
-    (``write_folder_atomically``): a crash leaves the previous folder (or none) in place.
+    """Write a transformers folder (config.json, model.safetensors, tokenizer files) with ``atomic_write``: a
+    crash leaves the previous folder (or none) in place.
 
     The weights are saved in ``dtype`` (a copy; ``model`` is unchanged). Returns ``path``.
     Raises:
@@ -115,7 +116,8 @@ def save_reward_model(model, tokenizer, path, dtype):
         copy.deepcopy(model).to(dtype).save_pretrained(folder)
         tokenizer.save_pretrained(folder)
 
-    return write_folder_atomically(path, write)
+    atomic_write({path: write})
+    return path
 
 
 # ----------------------------------------------------------------------------- data

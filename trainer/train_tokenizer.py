@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from dataset.lm_dataset import read_conversations_jsonl
-from trainer.checkpoints import check_writable_dir
+from trainer.files import atomic_write, check_writable_dir
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 THINK_TOKENS = ["<think>", "</think>"]
@@ -78,9 +78,6 @@ def train_tokenizer(paths, out_dir, vocab_size=6400):
     for i, token in enumerate(SPECIAL_TOKENS):
         assert tokenizer.token_to_id(token) == i, f"{token} must have id {i}"
     check_writable_dir(out_dir)
-    tmp_json = os.path.join(out_dir, f"tokenizer.json.tmp{os.getpid()}")
-    tokenizer.save(tmp_json)
-    os.replace(tmp_json, os.path.join(out_dir, "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "add_bos_token": False,
@@ -94,10 +91,12 @@ def train_tokenizer(paths, out_dir, vocab_size=6400):
         "model_max_length": 32768,
         "chat_template": CHAT_TEMPLATE,
     }
-    tmp_config = os.path.join(out_dir, f"tokenizer_config.json.tmp{os.getpid()}")
-    with open(tmp_config, "w", encoding="utf-8") as f:
-        json.dump(config, f, ensure_ascii=False, indent=2)
-    os.replace(tmp_config, os.path.join(out_dir, "tokenizer_config.json"))
+
+    def write_config(path):
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(config, f, ensure_ascii=False, indent=2)
+    atomic_write({os.path.join(out_dir, "tokenizer.json"): tokenizer.save,
+                  os.path.join(out_dir, "tokenizer_config.json"): write_config})
     return tokenizer
 
 
