@@ -38,13 +38,13 @@ The contestants, on the same work:
   projected) beside the other weights' 2e-5, TRL has one group at 5e-5.
 
 The prompts: ``scripts/bench.py``'s ``bench_prompts`` (two user turns of the bundled questions, at most 48
-tokens with the chat header), written to a temporary JSONL in the format ``--data_path`` reads (the user turn and
-its reference answer). ``RLAIFDataset`` opens ``<think>`` for a share ``--thinking_ratio`` of the prompts (0.9 by
-default), drawn per prompt from the seed: which of the two opens would depend on ``--seed``. Ours runs with
-``--thinking_ratio 1``, so both prompts end in ``<think>\\n``, every step, and the prompt strings TRL and
-``scripts/bench.py``'s step get are read back from ``RLAIFDataset`` itself: the three see the same text, token
-for token. With ``--batch_size 2`` and ``--epochs`` = ``--max_steps`` = steps, each of ours' steps (one epoch of
-one batch) takes both prompts.
+tokens with the chat header), written by its ``write_prompt_file`` to a temporary JSONL in the format
+``--data_path`` reads (the user turn and its reference answer). ``RLAIFDataset`` opens ``<think>`` for a share
+``--thinking_ratio`` of the prompts (0.9 by default), drawn per prompt from the seed: which of the two opens would
+depend on ``--seed``. Ours runs with ``--thinking_ratio 1``, so both prompts end in ``<think>\\n``, every step, and
+the prompt strings TRL and ``scripts/bench.py``'s other contestants get are read back from ``RLAIFDataset`` itself
+(``loader_prompts``): all see the same text, token for token. With ``--batch_size 2`` and ``--epochs`` =
+``--max_steps`` = steps, each of ours' steps (one epoch of one batch) takes both prompts.
 
 What each does at the end of its run (in both the short and the long run, so it cancels out of the per-step
 figure, and it is in every whole-process time):
@@ -57,15 +57,15 @@ figure, and it is in every whole-process time):
   * TRL: ``save_strategy="no"`` saves no checkpoint and no model (the JSON lists what its output folder holds
     after the run: nothing); ``train()`` prints a dict of metrics per step and a summary at the end.
 
-Also measured, per repeat: the loop-overhead figure. ``scripts/bench.py``'s ``ours_grpo`` worker (our step as
-``train_grpo.py``'s functions run it, timed inside one process: the median of ``--bench_steps`` steps after
-``--bench_warmup``) on the same weights, prompts, lengths, EOS ignored, ``--torch_logprobs sampler`` and flags;
-``loop overhead`` = ours' whole-process per-step time / that step time. What the loop adds to the step: the data
-loader (the chat template of both prompts, a new epoch per step here), the metrics' reduction and log line,
-metrics.jsonl, the non-finite checks and the stop-signal check.
-The goal is <= 1.2.
+Also measured, per repeat: ``scripts/bench.py``'s ``ours_grpo`` worker on the same weights, prompts, lengths, EOS
+ignored, ``--torch_logprobs sampler`` and flags: the same ``train_grpo.py`` loop run in-process for
+``--bench_warmup`` + ``--bench_steps`` steps, its step the median difference of consecutive ``elapsed_s`` values of
+its metrics.jsonl (the loop's own clock) after the warm-up. ``command / in-process`` = ours' whole-process per-step
+time / that step time: 1 when the loop's own clock holds every per-step cost of the command, more when the command
+pays per step for something the loop's clock does not see.
 
-Figures: a markdown table (size, dtype, ours s/step, TRL s/step, ours/TRL, bench step s, loop overhead), the
+Figures: a markdown table (size, dtype, ours s/step, TRL s/step, ours/TRL, in-process step s, command /
+in-process), the
 machine (CPU model, cores, torch, AMX and AVX512-BF16), and a JSON file (``--json``, default
 out/bench/process.json) with every raw time, each run's command, its own account of its steps (ours:
 metrics.jsonl's ``elapsed_s`` at the last step; TRL: ``train_runtime`` and its per-step ``step_time``) and the
@@ -104,7 +104,6 @@ NUM_PROMPTS = 2  # scripts/bench.py's NUM_PROMPTS and NUM_GENERATIONS (checked i
 NUM_GENERATIONS = 6
 TRL_LEARNING_RATE = 5e-5  # scripts/bench.py's trl_grpo
 RESULT_PREFIX = "TRL_WORKER_RESULT "
-SEED = 42  # ours' --seed (train_grpo.py's default)
 
 
 # ----------------------------------------------------------------------------- the machine
@@ -117,19 +116,6 @@ def cpu_flags():
         return set()
 
 
-def cpu_model():
-    """The CPU's model name from /proc/cpuinfo, else ``platform.processor()``, else "unknown CPU"."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        name = ""
-    if not name:
-        import platform
-        name = platform.processor()
-    return name or "unknown CPU"
-
-
 def machine_info(device):
     """What the figures were measured on: CPU model, cores, torch / transformers / TRL versions, AMX and
     AVX512-BF16 flags, whether ``has_bf16_units(device)``, and the GPU's name on a CUDA device."""
@@ -138,7 +124,7 @@ def machine_info(device):
     import torch
     import transformers
 
-    from trainer.dtypes import has_bf16_units
+    from scripts.bench import cpu_model, has_bf16_units
     flags = cpu_flags()
     try:
         trl_version = importlib.metadata.version("trl")
@@ -163,47 +149,13 @@ def describe_machine(info):
     return text + (f"; GPU {info['gpu']}" if "gpu" in info else "")
 
 
-# ----------------------------------------------------------------------------- the same prompts for everyone
-def write_prompt_file(path, bench_prompts, answers):
-    """Write ``scripts/bench.py``'s chat prompts as RLAIF JSONL (``--data_path``'s format): one row per prompt,
-    its user turn and the reference answer as the assistant turn.
-
-    Raises:
-        ValueError: if a prompt is not one user turn followed by the assistant header.
-    """
-    head, tail = "<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"
-    with open(path, "w", encoding="utf-8") as f:
-        for prompt, answer in zip(bench_prompts, answers):
-            if not (prompt.startswith(head) and prompt.endswith(tail)):
-                raise ValueError(f"not one user turn and the assistant header: {prompt!r}")
-            user = prompt[len(head):-len(tail)]
-            row = {"conversations": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-
-
-def loader_prompts(path, tokenizer, thinking_ratio=1.0, seed=SEED):
-    """(prompts, answers) exactly as ``train_grpo.py``'s data loader yields them for ``path`` with
-    ``--thinking_ratio`` and ``--seed`` (``RLAIFDataset``)."""
-    from dataset.lm_dataset import RLAIFDataset
-    dataset = RLAIFDataset(path, tokenizer, thinking_ratio=thinking_ratio, seed=seed)
-    rows = [dataset[i] for i in range(len(dataset))]
-    return [row["prompt"] for row in rows], [row["answer"] for row in rows]
-
-
 # ----------------------------------------------------------------------------- one timed run
 def ours_command(workload, steps, data_path, save_dir, run_dir):
-    """The command line of our contestant: ``train_grpo.py`` on ``workload`` for ``steps`` steps."""
+    """The command line of our contestant: ``train_grpo.py`` on ``workload`` for ``steps`` steps, with the flags
+    ``scripts/bench.py`` gives its ``ours_grpo`` (``ours_argv``)."""
+    from scripts.bench import ours_argv
     return [sys.executable, os.path.join(ROOT, "trainer", "train_grpo.py"),
-            "--data_path", data_path, "--thinking_ratio", "1", "--seed", str(SEED), "--from_weight", workload["pth"],
-            "--hidden_size", str(workload["hidden_size"]), "--num_hidden_layers", str(workload["num_hidden_layers"]),
-            "--batch_size", str(NUM_PROMPTS), "--num_generations", str(NUM_GENERATIONS),
-            "--max_gen_len", str(workload["gen_len"]), "--max_seq_len", "512", "--ignore_eos", "1",
-            "--max_steps", str(steps), "--epochs", str(steps), "--beta", "0.1", "--loss_type", "cispo",
-            "--epsilon_high", "5.0", "--temperature", "1.0", "--top_k", "0", "--top_p", "1.0",
-            "--reward_model_path", "none", "--dtype", workload["dtype"], "--device", workload["device"],
-            "--torch_logprobs", "sampler", "--eval_interval", "0", "--save_interval", str(steps + 1),
-            "--log_interval", "1", "--use_compile", "0", "--use_wandb", "0",
-            "--save_dir", save_dir, "--run_dir", run_dir]
+            *ours_argv(dict(workload, torch_logprobs="sampler"), "grpo", steps, data_path, save_dir, run_dir)]
 
 
 def trl_spec(workload, steps, output_dir):
@@ -354,13 +306,13 @@ def divide(a, b):
 
 def summarize_workload(repeats):
     """Median and min-max over the repeats: each contestant's per-step time, the ratio ours / TRL (repeat by
-    repeat), the bench step and the loop overhead (repeat by repeat)."""
+    repeat), the in-process step and command / in-process (repeat by repeat)."""
     return {
         "ours_s_per_step": spread([r["per_step_s"].get("ours") for r in repeats]),
         "trl_s_per_step": spread([r["per_step_s"].get("trl") for r in repeats]),
         "ratio_ours_trl": spread([r["ratio_ours_trl"] for r in repeats]),
         "bench_step_s": spread([r["bench"].get("step_s_median") for r in repeats]),
-        "loop_overhead": spread([r["loop_overhead"] for r in repeats]),
+        "command_over_in_process": spread([r["command_over_in_process"] for r in repeats]),
     }
 
 
@@ -379,9 +331,9 @@ def format_table(workloads, machine, args):
     lines = [describe_machine(machine), "",
              f"{args.gen_len} tokens x {NUM_PROMPTS} prompts x {NUM_GENERATIONS} answers, EOS ignored; per step = "
              f"(T{args.long_steps} - T{args.short_steps}) / {args.long_steps - args.short_steps}, each T the faster "
-             f"of {args.runs} whole-process runs; median [min-max] over {args.repeats} repeats; loop overhead = ours "
-             "per step / bench step", "",
-             "| size | dtype | ours s/step | TRL s/step | ours/TRL | bench step s | loop overhead |",
+             f"of {args.runs} whole-process runs; median [min-max] over {args.repeats} repeats; in-process step: "
+             "scripts/bench.py's ours_grpo (the loop's own clock); command / in-process = ours per step / that step",
+             "", "| size | dtype | ours s/step | TRL s/step | ours/TRL | in-process step s | command / in-process |",
              "|---|---|---|---|---|---|---|"]
     for w in workloads:
         s = w["summary"]
@@ -390,7 +342,7 @@ def format_table(workloads, machine, args):
                      f"{format_spread(s['ours_s_per_step'], 3, 'failed')} | "
                      f"{format_spread(s['trl_s_per_step'], 3, trl)} | "
                      f"{format_spread(s['ratio_ours_trl'], 2)} | {format_spread(s['bench_step_s'], 3)} | "
-                     f"{format_spread(s['loop_overhead'], 2)} |")
+                     f"{format_spread(s['command_over_in_process'], 2)} |")
     return "\n".join(lines)
 
 
@@ -409,7 +361,7 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=3, help="the whole measurement, this many times")
     parser.add_argument("--contestants", default=",".join(CONTESTANTS), help=f"comma list of {', '.join(CONTESTANTS)}")
     parser.add_argument("--bench_steps", type=int, default=3,
-                        help="timed steps of scripts/bench.py's ours_grpo per repeat (0: no loop-overhead figure)")
+                        help="timed steps of scripts/bench.py's ours_grpo per repeat (0: no in-process figure)")
     parser.add_argument("--bench_warmup", type=int, default=1, help="untimed steps of it first")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per run")
     parser.add_argument("--json", default=os.path.join(ROOT, "out", "bench", "process.json"))
@@ -443,8 +395,8 @@ def parse_args(argv=None):
 
 
 def bench_step(workload, args, peaks, work_dir, name):
-    """``scripts/bench.py``'s ``ours_grpo`` worker on ``workload`` (its result dict: step_s_median, phases_s, ...),
-    or {} with ``--bench_steps 0``."""
+    """``scripts/bench.py``'s ``ours_grpo`` worker on ``workload`` (its result dict: step_s_median, phases_s, ...;
+    its metrics.jsonl stays in ``{work_dir}/{name}/run``), or {} with ``--bench_steps 0``."""
     if not args.bench_steps:
         return {}
     import torch
@@ -453,9 +405,9 @@ def bench_step(workload, args, peaks, work_dir, name):
     spec = dict(contestant="ours_grpo", hidden_size=workload["hidden_size"],
                 num_hidden_layers=workload["num_hidden_layers"], pth=workload["pth"],
                 qwen3_folder=workload["qwen3_folder"], gen_len=workload["gen_len"], prompts=workload["prompts"],
-                answers=workload["answers"], prompt_len=workload["prompt_len"], steps=args.bench_steps,
-                warmup=args.bench_warmup, dtype=workload["dtype"], torch_logprobs="sampler",
-                threads=torch.get_num_threads(), peaks=peaks, device=workload["device"],
+                answers=workload["answers"], data_path=workload["data_path"], prompt_len=workload["prompt_len"],
+                steps=args.bench_steps, warmup=args.bench_warmup, dtype=workload["dtype"], torch_logprobs="sampler",
+                threads=torch.get_num_threads(), peaks=peaks, device=workload["device"], phases=True,
                 tmp_dir=os.path.join(work_dir, name), trl_ppo_path="", ours_flags=[], natural_eos=False)
     return bench.run_worker(spec, args.timeout)
 
@@ -479,13 +431,13 @@ def measure(workloads, args, peaks, work_dir, contestants):
             per_step = {c: per_step_time(runs, c, args.short_steps, args.long_steps) for c in contestants}
             bench_result = bench_step(w, args, peaks, work_dir, f"{tag}_r{repeat + 1}_bench")
             if bench_result:
-                print(f"{tag} repeat {repeat + 1} | bench step: " + (
+                print(f"{tag} repeat {repeat + 1} | in-process step: " + (
                     f"{bench_result['step_s_median']:.3f} s" if "step_s_median" in bench_result
                     else str(bench_result)), flush=True)
             w["repeats"].append({
                 "repeat": repeat + 1, "runs": runs, "per_step_s": per_step, "bench": bench_result,
                 "ratio_ours_trl": divide(per_step.get("ours"), per_step.get("trl")),
-                "loop_overhead": divide(per_step.get("ours"), bench_result.get("step_s_median")),
+                "command_over_in_process": divide(per_step.get("ours"), bench_result.get("step_s_median")),
             })
         w["summary"] = summarize_workload(w["repeats"])
 
@@ -499,8 +451,7 @@ def main(argv=None):
     from transformers import AutoTokenizer
 
     from scripts import bench
-    from trainer.dtypes import has_bf16_units
-    from trainer.checkpoints import write_tokenizer_record
+    from trainer.files import atomic_write
     assert (bench.NUM_PROMPTS, bench.NUM_GENERATIONS) == (NUM_PROMPTS, NUM_GENERATIONS)
     machine = machine_info(args.device)
     print(describe_machine(machine), flush=True)
@@ -510,9 +461,8 @@ def main(argv=None):
         print(f"TRL: {trl_skipped}", flush=True)
         trl_skipped = "not installed"
         contestants.remove("trl")
-    dtypes = [args.dtype] if args.dtype != "auto" else ["float32"] + ["bfloat16"] * has_bf16_units(args.device)
-    tokenizer_path = os.path.join(ROOT, "model")
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    dtypes = [args.dtype] if args.dtype != "auto" else ["float32"] + ["bfloat16"] * bench.has_bf16_units(args.device)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
     peaks = {"float32": bench.measure_matmul_peak(torch.float32, device=args.device),
              "bfloat16": bench.measure_matmul_peak(torch.bfloat16, 512, 1, device=args.device)}
     with tempfile.TemporaryDirectory() as temporary:
@@ -520,15 +470,14 @@ def main(argv=None):
         os.makedirs(work_dir, exist_ok=True)
         data_path = os.path.join(work_dir, "prompts.jsonl")
         chat_prompts, answers = bench.bench_prompts(tokenizer, os.path.join(ROOT, "dataset", "rlaif_train.jsonl"))
-        write_prompt_file(data_path, chat_prompts, answers)
-        prompts, loaded_answers = loader_prompts(data_path, tokenizer)
+        bench.write_prompt_file(data_path, chat_prompts, answers)
+        prompts, loaded_answers = bench.loader_prompts(data_path, tokenizer)
         assert loaded_answers == answers and all(p.startswith(c) for p, c in zip(prompts, chat_prompts))
         prompt_len = max(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts)
         print(f"prompts of {prompt_len} tokens (as the data loader renders them), {', '.join(dtypes)}", flush=True)
         workloads = []
         for size in args.sizes.split(","):
-            pth, folder = bench.prepare_weights(size, work_dir, tokenizer)
-            write_tokenizer_record(pth, tokenizer_path)  # train_grpo.py checks which tokenizer the weights go with
+            pth, folder = bench.prepare_weights(size, work_dir, tokenizer)  # and the tokenizer record
             hidden, layers, source = bench.SIZES[size]
             for dtype in dtypes:
                 workloads.append(dict(size=size, hidden_size=hidden, num_hidden_layers=layers, weights=source,
@@ -544,11 +493,7 @@ def main(argv=None):
               "num_prompts": NUM_PROMPTS, "num_generations": NUM_GENERATIONS, "prompt_tokens": prompt_len,
               "prompts": prompts, "answers": answers, "matmul_peak_gflops": peaks, "workloads": workloads,
               "table": table}
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    tmp = args.json + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1, ensure_ascii=False)
-    os.replace(tmp, args.json)
+    atomic_write({args.json: lambda tmp: bench.write_json(report, tmp)})
     print(f"wrote {args.json}")
 
 

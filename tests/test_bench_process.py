@@ -1,7 +1,6 @@
 """scripts/bench_process.py --tiny end to end: its per-step figures against its raw times, each run's wall time
 against the run's own record of its steps, the prompts against the data loader, the table's rows (no timing
 asserted)."""
-import importlib.util
 import json
 import os
 import shlex
@@ -10,14 +9,13 @@ import sys
 
 import pytest
 
-from conftest import ROOT
-
-HAS_TRL = importlib.util.find_spec("trl") is not None
+from conftest import ROOT, require_trl
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    """One ``--tiny`` run (float32; TRL too where it is installed): (report, stdout, work_dir)."""
+    """One ``--tiny`` run (float32, ours and TRL): (report, stdout, work_dir)."""
+    require_trl()
     folder = tmp_path_factory.mktemp("bench_process")
     out, work_dir = folder / "process.json", folder / "runs"
     result = subprocess.run([sys.executable, "scripts/bench_process.py", "--tiny", "--work_dir", str(work_dir),
@@ -43,7 +41,7 @@ def test_per_step_times_are_the_difference_of_the_fastest_runs(tiny_run):
     report, _, _ = tiny_run
     args = report["args"]
     assert (args["short_steps"], args["long_steps"], args["runs"], args["repeats"]) == (1, 2, 1, 1)
-    contestants = ["ours", "trl"] if HAS_TRL else ["ours"]
+    contestants = ["ours", "trl"]
     for workload in report["workloads"]:
         for repeat in workload["repeats"]:
             assert [(r["contestant"], r["steps"]) for r in repeat["runs"]] == [
@@ -58,12 +56,14 @@ def test_per_step_times_are_the_difference_of_the_fastest_runs(tiny_run):
                 assert repeat["per_step_s"][contestant] == pytest.approx(expected, rel=1e-12, abs=1e-12)
             ours = repeat["per_step_s"]["ours"]
             bench_step = repeat["bench"]["step_s_median"]
-            assert bench_step > 0
+            # the in-process step is the median difference of the bench run's own elapsed_s (its metrics.jsonl)
+            with open(os.path.join(repeat["bench"]["run_dir"], "metrics.jsonl"), encoding="utf-8") as f:
+                elapsed = [json.loads(line)["elapsed_s"] for line in f if line.strip()]
+            assert len(elapsed) == 2 and bench_step == elapsed[1] - elapsed[0] > 0  # --tiny: 1 warm-up, 1 timed
             # a per-step time <= 0 (start-up noise larger than a tiny step) gives no ratio
-            assert repeat["loop_overhead"] == (pytest.approx(ours / bench_step) if ours > 0 else None)
-            if HAS_TRL:
-                trl = repeat["per_step_s"]["trl"]
-                assert repeat["ratio_ours_trl"] == (pytest.approx(ours / trl) if ours > 0 and trl > 0 else None)
+            assert repeat["command_over_in_process"] == (pytest.approx(ours / bench_step) if ours > 0 else None)
+            trl = repeat["per_step_s"]["trl"]
+            assert repeat["ratio_ours_trl"] == (pytest.approx(ours / trl) if ours > 0 and trl > 0 else None)
             assert workload["summary"]["ours_s_per_step"]["values"] == [ours]
 
 
@@ -91,8 +91,6 @@ def test_ours_wall_time_covers_its_own_metrics_and_the_final_save(tiny_run):
 
 
 def test_trl_wall_time_covers_its_own_log(tiny_run):
-    if not HAS_TRL:
-        pytest.skip("trl not installed (pip install -r requirements-bench.txt): only our contestant ran")
     report, _, _ = tiny_run
     runs = contestant_runs(report, "trl")
     assert runs
@@ -121,7 +119,9 @@ def test_every_contestant_gets_the_prompts_the_data_loader_renders(tiny_run, tok
         assert flag_value(run["command"], "--data_path") == data_path
         assert flag_value(run["command"], "--thinking_ratio") == "1"
         assert int(flag_value(run["command"], "--seed")) == seed
-    for run in contestant_runs(report, "trl"):
+    trl_runs = contestant_runs(report, "trl")
+    assert trl_runs
+    for run in trl_runs:
         with open(flag_value(run["command"], "--trl_worker"), encoding="utf-8") as f:
             assert json.load(f)["prompts"] == rendered
 
@@ -131,6 +131,4 @@ def test_table_names_every_size_and_dtype(tiny_run):
     assert [(w["size"], w["dtype"]) for w in report["workloads"]] == [("tiny", "float32")]
     rows = [line for line in stdout.splitlines() if line.startswith("| tiny (h64 x2) | float32 |")]
     assert len(rows) == 1 and rows[0] in report["table"]
-    if not HAS_TRL:
-        assert rows[0].split("|")[4].strip() == "not installed"
     assert f"{os.cpu_count()} cores" in report["table"] and report["machine"]["cores"] == os.cpu_count()
