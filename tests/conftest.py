@@ -9,6 +9,19 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 SHARED = os.path.join(os.path.dirname(ROOT), "shared")
+# Third-party files the tests read, each with its licence beside it (tests/fixtures/README.md).
+FIXTURES = os.path.join(ROOT, "tests", "fixtures")
+MINIMIND_TOKENIZER = os.path.join(FIXTURES, "minimind-tokenizer")
+TEST_REQUIREMENTS = "pip install -r requirements-test.txt"
+
+
+def require_trl():
+    """The ``trl`` module (TRL, the tests' independent reference); a clear error where it is not installed."""
+    try:
+        import trl
+    except ImportError as error:
+        raise ImportError(f"these tests compare against TRL, which is not installed: {TEST_REQUIREMENTS}") from error
+    return trl
 
 
 @pytest.fixture
@@ -23,7 +36,7 @@ def policy():
     """A random dense MiniMind of hidden 64 x 2 layers (the scripts' build_config), init std 0.1 so that its
     log-probs differ visibly between tokens; seed 0."""
     from model.model_minimind import MiniMindForCausalLM
-    from trainer.checkpoints import build_config
+    from trainer.weights import build_config
     torch.manual_seed(0)
     config = build_config(hidden_size=64, num_hidden_layers=2, use_moe=0)
     config.initializer_range = 0.1
@@ -42,8 +55,8 @@ def tiny_weights(tmp_path):
     (MiniMind naming) with the record of the bundled tokenizer beside it (tiny_64.tokenizer.json), as the scripts
     save weights; returns (save_dir, name)."""
     from model.model_minimind import MiniMindForCausalLM
-    from trainer.checkpoints import write_tokenizer_record
-    from trainer.checkpoints import build_config
+    from trainer.weights import write_tokenizer_record
+    from trainer.weights import build_config
     torch.manual_seed(0)
     model = MiniMindForCausalLM(build_config(hidden_size=64, num_hidden_layers=2, use_moe=0))
     torch.save({k: v.half() for k, v in model.state_dict().items()}, tmp_path / "tiny_64.pth")

@@ -5,10 +5,8 @@ import re
 
 import pytest
 
-from conftest import ROOT, SHARED
+from conftest import MINIMIND_TOKENIZER, ROOT
 from dataset.lm_dataset import DataFormatError, RLAIFDataset, SFTDataset, read_conversations_jsonl, sft_collate
-
-MINIMIND_TOKENIZER = os.path.join(SHARED, "compat", "minimind-tokenizer")
 
 
 def write_lines(path, lines):
@@ -90,7 +88,6 @@ def test_bundled_data_is_consistent():
         assert int(answer) in (numbers[0] + numbers[1], numbers[0] - numbers[1])
 
 
-@pytest.mark.skipif(not os.path.isdir(MINIMIND_TOKENIZER), reason="../shared/compat/minimind-tokenizer is absent")
 def test_upstream_minimind_tokenizer_works_with_datasets(tmp_path):
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(MINIMIND_TOKENIZER)

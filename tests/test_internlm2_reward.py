@@ -26,8 +26,11 @@ with open(os.path.join(ROOT, "tests", "reference_internlm2_reward.json"), encodi
 PROMPTS_PER_ANSWER = [p for p in REFERENCE["prompts"] for _ in range(REFERENCE["num_generations"])]
 TOLERANCE = 1e-4  # fp32 on both sides (the requirement is 1e-3)
 
-pytestmark = pytest.mark.skipif(not os.path.isdir(SOURCE),
-                                reason="../shared/compat/internlm2-1_8b-reward (the published files) is absent")
+pytestmark = pytest.mark.skipif(
+    not os.path.isdir(SOURCE),
+    reason="needs ../shared/compat/internlm2-1_8b-reward beside the repository: the published code and tokenizer files "
+           "of internlm/internlm2-1_8b-reward (no weights), kept outside the repository because the model release's "
+           "licence is not Apache-2.0 (docs/reward_model.md)")
 
 
 @pytest.fixture(scope="module")

@@ -231,6 +231,19 @@ def printed_vector(text, name):
     return values
 
 
+def printed_rows(text, name):
+    """{row: first values} printed under ``name: shape [B, R], float32`` (``format_tensor`` of a 2-D tensor)."""
+    header = re.search(rf"^{re.escape(name)}: shape \[\d+, \d+\], float32$", text, re.M)
+    assert header, f"{name} not printed"
+    rows = {}
+    for line in text[header.end() + 1:].splitlines():
+        match = re.match(r"^  \[(\d+)\] ([-0-9. ]+?)(?: \.\.\. \(\+\d+ more\))?$", line)
+        if not match:
+            break
+        rows[int(match.group(1))] = [float(v) for v in match.group(2).split()]
+    return rows
+
+
 def printed_window(text, name):
     """{row: (first position, values)} printed by ``format_window`` under ``name``."""
     header = re.search(rf"^{re.escape(name)}: shape \[.*\], \w+; around each row's last real token$", text, re.M)
@@ -309,7 +322,32 @@ def test_walkthrough_prints_every_stage_with_consistent_numbers(tiny_weights, tm
             expected.insert(0, next_advantage)
         assert all(abs(x - y) < 1e-4 for x, y in zip(a, expected)), (a, expected)
         assert all(abs(x - (y + z)) < 1e-5 for x, y, z in zip(ret, a, v))
-    assert "max |difference| from the advantages ppo_rollout returned: 0.00e+00" in ppo_text
+
+    # Whitening over every real token of the batch, by hand. The critic's value head starts at 0, so V = 0 on every
+    # position (checked where printed) and the plain backward loop covers whole answers.
+    lengths = json.loads(re.search(r"^answer lengths: (\[.*\])$", ppo_text, re.M).group(1))
+    assert lengths == [t + 1 for t in last]
+    printed_values = printed_rows(ppo_text, "old_resp_values")
+    assert all(x == 0.0 for row in range(2) for x in printed_values[row] + values[row][1]), "V is not 0"
+    gae_by_hand = []
+    for row in range(2):
+        advantage, row_advantages = 0.0, []
+        for t in range(lengths[row] - 1, -1, -1):
+            advantage = (ppo_rewards[row] if t == lengths[row] - 1 else 0.0) + gamma * lam * advantage
+            row_advantages.insert(0, advantage)
+        gae_by_hand.append(row_advantages)
+    real = [x for row_advantages in gae_by_hand for x in row_advantages]
+    mean = sum(real) / len(real)
+    variance = sum((x - mean) ** 2 for x in real) / len(real)
+    whitened = printed_rows(ppo_text, "advantages (whitened)")
+    for row in range(2):
+        shown = whitened[row]
+        expected = [(x - mean) / (variance + 1e-8) ** 0.5 for x in gae_by_hand[row][:len(shown)]]
+        expected += [0.0] * (len(shown) - len(expected))  # 0 past the answer's end
+        assert all(abs(x - y) < 2e-4 for x, y in zip(shown, expected)), (row, shown, expected)
+    # the advantages ppo_rollout returned, which ppo_update trains on, are the ones printed (so checked above)
+    difference = re.search(r"^max \|difference\| from the advantages ppo_rollout returned: (\S+)$", ppo_text, re.M)
+    assert float(difference.group(1)) < 1e-6
     assert re.search(r"^\| answers sampled for 2 prompts \| 8 \| 2 \|$", ppo_text, re.M)
 
     # Fixed seeds: a second run writes the same document (but for the command line it quotes).

@@ -1,4 +1,5 @@
 """The external reward model (chapter 8.3) and trainer/train_reward.py, with tiny models built here."""
+import gzip
 import json
 import math
 import os
@@ -8,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, Qwen3Config, Qwen3ForSequenceClassification
 
-from conftest import ROOT, SHARED
+from conftest import FIXTURES, MINIMIND_TOKENIZER, ROOT
 from dataset.lm_dataset import DataFormatError, parse_hh_transcript, read_preference_pairs
 from test_scripts import TINY, run_script
 from trainer.trainer_utils import (
@@ -16,8 +17,8 @@ from trainer.trainer_utils import (
 )
 from trainer.train_reward import bradley_terry_loss, build_reward_model, pairwise_accuracy
 
-HH_PATH = os.path.join(SHARED, "data", "hh-rlhf", "harmless-base-test.jsonl.gz")
-COMPAT_TOKENIZER = os.path.join(SHARED, "compat", "minimind-tokenizer")
+# The first 100 pairs of HH-RLHF harmless-base test, as published (tests/fixtures/README.md).
+HH_PATH = os.path.join(FIXTURES, "hh-rlhf", "harmless-base-test-first-100.jsonl")
 
 # ----------------------------------------------------------------------------- tiny reward models written to tmp
 TOY_CONFIG_CODE = '''
@@ -133,10 +134,8 @@ def test_reward_model_messages_hand_written():
         assert reward_model_messages(messages, response) == expected
 
 
-@pytest.mark.parametrize("tokenizer_path", [os.path.join(ROOT, "model"), COMPAT_TOKENIZER])
+@pytest.mark.parametrize("tokenizer_path", [os.path.join(ROOT, "model"), MINIMIND_TOKENIZER])
 def test_messages_rebuilt_from_minimind_multi_turn_prompt(tokenizer_path):
-    if not os.path.isdir(tokenizer_path):
-        pytest.skip(f"{tokenizer_path} is absent")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
                 {"role": "assistant", "content": "<think>\nhm\n</think>\n\nHello!"},
@@ -268,7 +267,7 @@ def test_bradley_terry_loss_hand_computed():
 def test_reward_model_backbone_equals_minimind(tiny_weights):
     """The Qwen3 classifier built from MiniMind weights gives score . h_last of MiniMind's own backbone."""
     from model.model_minimind import MiniMindForCausalLM
-    from trainer.checkpoints import build_config, load_weights
+    from trainer.weights import build_config, load_weights
     save_dir, name = tiny_weights
     lm_config = build_config(64, 2, 0)
     minimind = MiniMindForCausalLM(lm_config).eval()
@@ -357,28 +356,27 @@ def test_train_reward_bad_pair_names_file_and_line(tmp_path):
     assert f"{path}:1: 'rejected': an HH-RLHF transcript starts with" in result.stderr
 
 
-@pytest.mark.skipif(not os.path.isfile(HH_PATH), reason=f"{HH_PATH} is absent (real HH-RLHF pairs)")
 def test_train_reward_on_hh_rlhf(tmp_path):
-    """A few hundred steps of a tiny reward model on real HH-RLHF pairs: the loss falls, held-out accuracy is
-    reported. Learning rate 1e-3: at 2e-3 this tiny model overfits the 1,156 training pairs within 200 steps and its
-    held-out loss at step 400 stayed within 0.003 of chance on a 2-core AMD EPYC (0.6908); at 1e-3 it is 0.6835
-    there (0.6801 at step 200)."""
+    """A tiny reward model on real HH-RLHF transcripts (100 pairs, read from .jsonl.gz): every pair parses, the
+    held-out loss is chance (log 2) before training and is evaluated on schedule, and the training loss falls as the
+    model fits its 50 training pairs. Held-out figures on the whole split: docs/reward_model.md."""
+    data_path = tmp_path / "hh.jsonl.gz"
+    with open(HH_PATH, "rb") as f:
+        data_path.write_bytes(gzip.compress(f.read()))
     run_dir = tmp_path / "run"
-    result = run_script(["trainer/train_reward.py", "--data_path", HH_PATH, "--eval_path", "", "--eval_ratio", "0.5",
-                         "--from_weight", "none", "--max_steps", "400", "--epochs", "3", "--batch_size", "8",
-                         "--max_seq_len", "64", "--learning_rate", "1e-3", "--eval_interval", "200",
+    result = run_script(["trainer/train_reward.py", "--data_path", str(data_path), "--eval_path", "",
+                         "--eval_ratio", "0.5", "--from_weight", "none", "--max_steps", "100", "--epochs", "20",
+                         "--batch_size", "8", "--max_seq_len", "64", "--learning_rate", "1e-3", "--eval_interval", "50",
                          "--save_path", str(tmp_path / "rm"), "--run_dir", str(run_dir)] + TINY)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "1156 training / 1156 held-out pairs" in result.stdout
+    assert "50 training / 50 held-out pairs" in result.stdout
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evaluated = [r for r in rows if "eval_accuracy" in r]
-    assert [r["step"] for r in evaluated] == [0, 200, 400]
+    assert [r["step"] for r in evaluated] == [0, 50, 100]
     assert evaluated[0]["eval_loss"] == pytest.approx(math.log(2), abs=1e-6)  # chance, before training
-    assert evaluated[-1]["eval_loss"] < evaluated[0]["eval_loss"] - 0.005  # better than chance on held-out pairs
-    assert 0.0 <= evaluated[-1]["eval_accuracy"] <= 1.0 and "eval_acc" in result.stdout
+    assert all(0.0 <= r["eval_accuracy"] <= 1.0 and math.isfinite(r["eval_loss"]) for r in evaluated)
+    assert "eval_acc" in result.stdout
     losses = [r["loss"] for r in rows if r["step"] > 0]
-    first, last = sum(losses[:100]) / 100, sum(losses[-100:]) / 100
-    assert len(losses) == 400 and last < first - 0.005, (first, last)
-    print(f"HH-RLHF held-out pairwise accuracy (1156 pairs): {evaluated[-1]['eval_accuracy']:.3f}, held-out loss "
-          f"{evaluated[0]['eval_loss']:.4f} -> {evaluated[-1]['eval_loss']:.4f}, "
-          f"training loss {first:.4f} -> {last:.4f}")
+    assert len(losses) == 100 and losses[0] == pytest.approx(math.log(2), abs=1e-6)  # a zero head scores 0
+    first, last = sum(losses[:25]) / 25, sum(losses[-25:]) / 25
+    assert last < first - 0.1, (first, last)
