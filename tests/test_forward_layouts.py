@@ -1,14 +1,16 @@
-"""GRPO's shared-prefix forward (``group_per_token_logps_and_aux_loss``, ``--shared_prefix``) gives the same log-probs,
+"""GRPO's shared-prefix forward (``group_policy_forward``, ``--shared_prefix``) gives the same log-probs,
 losses and gradients as every answer with its own copy of the prompt.
 
 The reference values come from each row scored alone (no padding at all, a plain log_softmax) and from the padded
 forward with its attention mask, which tests/test_model.py checks against transformers' Qwen3.
 """
+import math
+
 import pytest
 import torch
 
-from trainer.rollout_engine import compute_per_token_logps
-from trainer.train_grpo import group_per_token_logps_and_aux_loss, grpo_loss
+from trainer.rollout_engine import compute_per_token_logps, policy_forward
+from trainer.train_grpo import group_policy_forward, grpo_loss
 from trainer.trainer_utils import completion_mask_from_ids
 
 EOS = 2
@@ -37,8 +39,8 @@ def padded_rows(prompt_ids, prompt_mask, completion_ids, completion_mask, num_ge
 
 def test_shared_prompt_logps_equal_each_row_alone(policy):
     prompt_ids, prompt_mask, completion_ids, completion_mask = grouped_batch()
-    per_token_logps, _ = group_per_token_logps_and_aux_loss(policy, prompt_ids, prompt_mask, completion_ids,
-                                                            completion_mask, 3, temperature=0.7)  # [6, 4]
+    per_token_logps = group_policy_forward(policy, prompt_ids, prompt_mask, completion_ids, completion_mask, 3,
+                                           temperature=0.7).per_token_logps  # [6, 4]
     assert per_token_logps.shape == (6, 4)
     for i in range(6):
         prompt = prompt_ids[i // 3][prompt_mask[i // 3].bool()]
@@ -62,8 +64,8 @@ def test_shared_prompt_loss_and_gradients_equal_the_padded_batch(policy, loss_ty
     for shared in (False, True):
         policy.zero_grad()
         if shared:
-            logps, _ = group_per_token_logps_and_aux_loss(policy, prompt_ids, prompt_mask, completion_ids,
-                                                          completion_mask, 3)
+            logps = group_policy_forward(policy, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                         3).per_token_logps
         else:
             logps = compute_per_token_logps(policy, input_ids, 4, attention_mask)
         loss, _, _ = grpo_loss(logps, old, ref, advantages, completion_mask, loss_type, beta=0.1)
@@ -81,9 +83,9 @@ def test_shared_prompt_loss_and_gradients_equal_the_padded_batch(policy, loss_ty
 def test_shared_prompt_checks_the_group_size(policy):
     prompt_ids, prompt_mask, completion_ids, completion_mask = grouped_batch()
     with pytest.raises(ValueError, match="6 completions for 2 prompts x 2 generations"):
-        group_per_token_logps_and_aux_loss(policy, prompt_ids, prompt_mask, completion_ids, completion_mask, 2)
-    empty, _ = group_per_token_logps_and_aux_loss(policy, prompt_ids, prompt_mask, completion_ids[:, :0],
-                                                  completion_mask[:, :0], 3)
+        group_policy_forward(policy, prompt_ids, prompt_mask, completion_ids, completion_mask, 2)
+    empty = group_policy_forward(policy, prompt_ids, prompt_mask, completion_ids[:, :0], completion_mask[:, :0],
+                                 3).per_token_logps
     assert empty.shape == (6, 0)
 
 
@@ -95,9 +97,24 @@ def test_shared_prompt_with_one_token_prompts_and_one_token_answers(policy, num_
     prompt_mask = torch.tensor([[0, 1], [1, 1]])
     completion_ids = torch.tensor([[EOS, PAD], [41, EOS], [EOS, PAD], [51, 52]])[:, :num_completion_tokens]  # [4, R]
     completion_mask = completion_mask_from_ids(completion_ids, EOS)
-    shared, _ = group_per_token_logps_and_aux_loss(policy, prompt_ids, prompt_mask, completion_ids, completion_mask, 2)
+    shared = group_policy_forward(policy, prompt_ids, prompt_mask, completion_ids, completion_mask, 2).per_token_logps
     input_ids, attention_mask = padded_rows(prompt_ids, prompt_mask, completion_ids, completion_mask, 2)
     padded = compute_per_token_logps(policy, input_ids, num_completion_tokens, attention_mask)
     assert shared.shape == padded.shape == (4, num_completion_tokens)
     mask = completion_mask.bool()
     assert (shared - padded)[mask].abs().max() <= 1e-5
+
+
+def test_token_entropies_equal_a_plain_sum_and_match_between_layouts(policy):
+    prompt_ids, prompt_mask, completion_ids, completion_mask = grouped_batch()
+    shared = group_policy_forward(policy, prompt_ids, prompt_mask, completion_ids, completion_mask, 3, temperature=0.7)
+    input_ids, attention_mask = padded_rows(prompt_ids, prompt_mask, completion_ids, completion_mask, 3)
+    padded = policy_forward(policy, input_ids, 4, attention_mask, temperature=0.7)
+    mask = completion_mask.bool()
+    assert (shared.entropies - padded.entropies)[mask].abs().max() <= 1e-4
+    prompt = prompt_ids[0][prompt_mask[0].bool()].tolist()  # row 0 alone: -sum p log p with Python floats
+    with torch.no_grad():
+        logits = policy(torch.tensor([prompt + completion_ids[0].tolist()])).logits[0, len(prompt) - 1:-1] / 0.7
+    for t, row in enumerate(torch.softmax(logits.double(), dim=-1).tolist()):
+        expected = -sum(p * math.log(p) for p in row if p > 0)
+        assert padded.entropies[0, t].item() == pytest.approx(expected, abs=1e-4)
