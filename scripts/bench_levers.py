@@ -27,6 +27,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from scripts.bench import has_bf16_units
+
 VARIANTS = {  # script -> [(name, flags)]; the first of each is the defaults
     "grpo": [
         ("defaults (shared prefix)", []),
@@ -38,18 +40,6 @@ VARIANTS = {  # script -> [(name, flags)]; the first of each is the defaults
         ("--dtype bfloat16", ["--dtype", "bfloat16"]),
     ],
 }
-
-
-def cpu_has_bf16_units():
-    """True when this CPU's flags (/proc/cpuinfo) list amx_bf16 or avx512_bf16: bf16 matrix units, without which the
-    bf16 variants are left out (emulated bf16 is slower than fp32). ``scripts/bench.py``'s ``has_bf16_units`` for
-    the CPU; this script reads the flags itself because scripts do not import one another."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 def run_training(script, flags, steps, work_dir, timeout):
@@ -108,11 +98,11 @@ def main(argv=None):
     args = parse_args(argv)
     with open("/proc/cpuinfo", encoding="utf-8") as f:
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown CPU")
-    print(f"{cpu}, {os.cpu_count()} cores, bf16 units: {cpu_has_bf16_units()}; {args.steps} steps a run, "
+    print(f"{cpu}, {os.cpu_count()} cores, bf16 units: {has_bf16_units('cpu')}; {args.steps} steps a run, "
           f"{args.repeats} runs a variant", flush=True)
     tables = []
     for script in args.scripts.split(","):
-        variants = [(n, f) for n, f in VARIANTS[script] if cpu_has_bf16_units() or "bfloat16" not in f]
+        variants = [(n, f) for n, f in VARIANTS[script] if has_bf16_units("cpu") or "bfloat16" not in f]
         results = {name: [] for name, _ in variants}
         for repeat in range(args.repeats):
             for name, flags in variants:

@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 
 import pytest
@@ -71,3 +72,11 @@ def small_data(tmp_path):
     path = tmp_path / "rl_small.jsonl"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return str(path)
+
+
+@pytest.fixture
+def restore_signals():
+    """SIGTERM and SIGINT back to their defaults after a test that ran a training main in this process."""
+    yield
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)

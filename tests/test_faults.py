@@ -5,7 +5,6 @@ import math
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 
@@ -42,13 +41,6 @@ def conv(user, answer="3"):
 
 def read_rows(path):
     return [json.loads(line) for line in open(path).read().splitlines()]
-
-
-@pytest.fixture
-def restore_signals():
-    yield
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 # ----------------------------------------------------------------------------- data files

@@ -47,13 +47,6 @@ def read_jsonl(path):
     return [json.loads(line) for line in open(path).read().splitlines()]
 
 
-@pytest.fixture
-def restore_signals():
-    yield
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
 # ----------------------------------------------------------------------------- an unfinished run is kept
 def test_a_fresh_run_refuses_to_replace_an_unfinished_run_and_replaces_a_finished_one(tmp_path, tiny_weights,
                                                                                        small_data):
