@@ -49,7 +49,7 @@ def test_grpo_loss_type_grpo_from_another_folder(tiny_weights, tmp_path):
 
 @pytest.mark.parametrize("flags, message", [
     (["--num_generations", "1"], "--num_generations must be >= 2"),
-    (["--epsilon_high", "1.0"], "--epsilon_high must be > 1"),
+    (["--epsilon_high", "1.0"], "--epsilon_high is CISPO's clamp of the ratio weight and must be > 1"),
     (["--loss_type", "dpo"], "--loss_type 'dpo' is unknown; valid: cispo, grpo"),
     (["--batch_size", "0"], "--batch_size must be >= 1"),
     (["--rollout_engine", "vllm"], "--rollout_engine 'vllm' is unknown"),

@@ -177,7 +177,7 @@ def sequence_mean_loss(per_token_loss, completion_mask):
 
 
 def aggregate_loss(per_token_loss, completion_mask, loss_type, max_completion_length=None, num_items_in_batch=None):
-    """Sum the token losses of a batch into one loss, as each member of the family does (TRL 1.16's sums).
+    """Sum the token losses of a batch into one loss (chapter 8.5.2), as each member of the family does (TRL's sums).
 
       cispo, grpo, sapo: each sequence's mean, then the mean over sequences (``sequence_mean_loss``, the chapter's;
              TRL sums CISPO's tokens over the batch instead, as for dapo: equal on rows of equal length);
