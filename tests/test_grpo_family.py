@@ -162,3 +162,62 @@ def test_advantage_scales_by_hand():
     with pytest.raises(ValueError, match="group, batch, none"):
         grpo_advantages(rewards, 3, scale_rewards="global")
     assert frac_reward_zero_std(torch.tensor([2.0, 2.0, 1.0, 3.0, 0.5, 0.5]), 2) == pytest.approx(2 / 3)
+
+
+# ----------------------------------------------------------------------------- the loop: mu updates, no reference
+TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--from_weight", "tiny", "--max_gen_len", "8",
+        "--eval_interval", "0", "--reward_model_path", "none", "--batch_size", "2", "--num_generations", "3",
+        "--save_interval", "100"]
+
+
+def run_in_process(argv, monkeypatch):
+    """train_grpo.main(argv) with hash rewards (unequal on a random tiny model); returns (metrics rows, the number of
+    rollout forwards: reference and policy)."""
+    import json
+
+    from run_patched import text_rewards
+    from trainer import train_grpo
+    calls = {"n": 0}
+    real = train_grpo.rollout_per_token_logps
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_grpo, "rollout_per_token_logps", counted)
+    train_grpo.main(argv, reward_fn=text_rewards)
+    run_dir = argv[argv.index("--run_dir") + 1]
+    with open(f"{run_dir}/metrics.jsonl", encoding="utf-8") as f:
+        return [json.loads(line) for line in f], calls["n"]
+
+
+def test_a_second_update_on_the_rollout_moves_the_ratio_and_the_clip_acts(tiny_weights, small_data, tmp_path,
+                                                                          monkeypatch, restore_signals):
+    flags = TINY + ["--save_dir", tiny_weights[0], "--data_path", small_data, "--max_steps", "2",
+                    "--loss_type", "grpo", "--learning_rate", "1e-3", "--final_norm_learning_rate", "0"]
+    once, forwards_once = run_in_process(flags + ["--run_dir", str(tmp_path / "mu1")], monkeypatch)
+    twice, forwards_twice = run_in_process(flags + ["--run_dir", str(tmp_path / "mu2"), "--num_iterations", "2",
+                                                    "--save_weight", "mu2"], monkeypatch)
+    assert forwards_once == 2 * 2 and forwards_twice == 2 * 3  # reference + mu policy forwards per step
+    for row in once:  # one update per rollout: the policy is the sampler, ratio 1, nothing clipped
+        assert row["clip_ratio/region_mean"] == 0.0 and row["approx_kl"] < 1e-8
+        assert abs(row["ratio_max"] - 1) < 1e-4 and abs(row["ratio_min"] - 1) < 1e-4
+    assert max(row["clip_ratio/region_mean"] for row in twice) > 0
+    assert min(row["approx_kl"] for row in twice) > 1e-6
+
+
+def test_beta_0_builds_no_reference_and_runs_no_reference_forward(tiny_weights, small_data, tmp_path, monkeypatch,
+                                                                   restore_signals):
+    import copy
+    deep_copies = {"n": 0}
+    real_deepcopy = copy.deepcopy
+
+    def counted_deepcopy(obj, *args, **kwargs):
+        deep_copies["n"] += isinstance(obj, torch.nn.Module)
+        return real_deepcopy(obj, *args, **kwargs)
+
+    monkeypatch.setattr(copy, "deepcopy", counted_deepcopy)
+    rows, forwards = run_in_process(TINY + ["--save_dir", tiny_weights[0], "--data_path", small_data, "--max_steps",
+                                            "2", "--beta", "0", "--run_dir", str(tmp_path / "run")], monkeypatch)
+    assert deep_copies["n"] == 0 and forwards == 2  # the policy's forward of each step, nothing else
+    assert all("kl_ref" not in row for row in rows) and len(rows) == 2
