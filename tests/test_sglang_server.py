@@ -144,7 +144,7 @@ def test_a_server_holding_other_weights_is_caught_by_weight_version(server_url, 
     assert engine.rollout(prompt_ids, attention_mask, 2, 8).metrics["logprob_gap"] <= TOLERANCE
     other = SGLangRolloutEngine(copy.deepcopy(model), tokenizer, server_url, str(tmp_path / "b"), **ENGINE)
     assert other.client.version_label != engine.client.version_label
-    with pytest.raises(RuntimeError, match=rf"came from weights '{other.server_weight_version}'"):
+    with pytest.raises(RuntimeError, match=rf"came from weights '{other.client.server_weight_version}'"):
         engine.rollout(prompt_ids, attention_mask, 2, 8)
 
 
