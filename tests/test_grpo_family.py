@@ -170,21 +170,29 @@ TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--from_weight", "tin
         "--save_interval", "100"]
 
 
-def run_in_process(argv, monkeypatch):
+def run_in_process(argv, monkeypatch, update_metrics=None):
     """train_grpo.main(argv) with hash rewards (unequal on a random tiny model); returns (metrics rows, the number of
-    rollout forwards: reference and policy)."""
+    rollout forwards: reference and policy). ``update_metrics``, a list, receives each update's own metrics."""
     import json
 
     from run_patched import text_rewards
     from trainer import train_grpo
     calls = {"n": 0}
     real = train_grpo.rollout_per_token_logps
+    real_policy_loss = train_grpo.grpo_policy_loss
 
     def counted(*args, **kwargs):
         calls["n"] += 1
         return real(*args, **kwargs)
 
+    def recorded_policy_loss(*args, **kwargs):
+        loss, metrics = real_policy_loss(*args, **kwargs)
+        update_metrics.append(dict(metrics))
+        return loss, metrics
+
     monkeypatch.setattr(train_grpo, "rollout_per_token_logps", counted)
+    if update_metrics is not None:
+        monkeypatch.setattr(train_grpo, "grpo_policy_loss", recorded_policy_loss)
     train_grpo.main(argv, reward_fn=text_rewards)
     run_dir = argv[argv.index("--run_dir") + 1]
     with open(f"{run_dir}/metrics.jsonl", encoding="utf-8") as f:
@@ -192,18 +200,27 @@ def run_in_process(argv, monkeypatch):
 
 
 def test_a_second_update_on_the_rollout_moves_the_ratio_and_the_clip_acts(tiny_weights, small_data, tmp_path,
-                                                                          monkeypatch, restore_signals):
+                                                                          monkeypatch, restore_signals, capsys):
     flags = TINY + ["--save_dir", tiny_weights[0], "--data_path", small_data, "--max_steps", "2",
                     "--loss_type", "grpo", "--learning_rate", "1e-3", "--final_norm_learning_rate", "0"]
     once, forwards_once = run_in_process(flags + ["--run_dir", str(tmp_path / "mu1")], monkeypatch)
+    assert "approx_kl" not in capsys.readouterr().out  # the chapter's log line at one update
+    updates = []
     twice, forwards_twice = run_in_process(flags + ["--run_dir", str(tmp_path / "mu2"), "--num_iterations", "2",
-                                                    "--save_weight", "mu2"], monkeypatch)
+                                                    "--save_weight", "mu2"], monkeypatch, updates)
+    log = capsys.readouterr().out
     assert forwards_once == 2 * 2 and forwards_twice == 2 * 3  # reference + mu policy forwards per step
     for row in once:  # one update per rollout: the policy is the sampler, ratio 1, nothing clipped
         assert row["clip_ratio/region_mean"] == 0.0 and row["approx_kl"] < 1e-8
         assert abs(row["ratio_max"] - 1) < 1e-4 and abs(row["ratio_min"] - 1) < 1e-4
     assert max(row["clip_ratio/region_mean"] for row in twice) > 0
     assert min(row["approx_kl"] for row in twice) > 1e-6
+    for row, (first, second) in zip(twice, zip(updates[0::2], updates[1::2])):  # the step's range over its updates
+        assert row["ratio_min"] == min(first["ratio_min"], second["ratio_min"]) < 1 - 1e-4
+        assert row["ratio_max"] == max(first["ratio_max"], second["ratio_max"]) > 1 + 1e-4
+        assert row["approx_kl"] == pytest.approx((first["approx_kl"] + second["approx_kl"]) / 2)
+        assert (f"clipped low {row['clip_ratio/low_mean']:.4f} high {row['clip_ratio/high_mean']:.4f} | ratio "
+                f"{row['ratio_min']:.3f}-{row['ratio_max']:.3f} | approx_kl {row['approx_kl']:.1e}") in log
 
 
 def test_beta_0_builds_no_reference_and_runs_no_reference_forward(tiny_weights, small_data, tmp_path, monkeypatch,

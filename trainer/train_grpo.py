@@ -525,8 +525,11 @@ def num_items_in_batch(completion_mask, device):
 
 def grpo_metrics(rollout_batch, updates):
     """The step's metrics: the rollout's rewards and advantages, then the mean over the step's updates of each
-    update's metrics (one update per rollout: its own); names as TRL's where TRL logs the same."""
+    update's metrics (one update per rollout: its own), except ``ratio_min`` / ``ratio_max``: the smallest and largest
+    ratio of any update; names as TRL's where TRL logs the same."""
     update_mean = {key: sum(update[key] for update in updates) / len(updates) for key in updates[0]}
+    update_mean.update(ratio_min=min(update["ratio_min"] for update in updates),  # the step's spread of the ratio
+                       ratio_max=max(update["ratio_max"] for update in updates))
     kl_ref = {"kl_ref": update_mean.pop("kl_ref")} if "kl_ref" in update_mean else {}
     update_keys = ("policy_loss", "aux_loss", "ratio_mean")
     return {
@@ -544,11 +547,20 @@ def grpo_metrics(rollout_batch, updates):
     }
 
 
-def grpo_log_line(metrics):
-    """GRPO's part of the log line (after the rewards): KL, advantages, loss, entropy, clipping, length, rate."""
+def grpo_log_line(metrics, num_iterations=1):
+    """GRPO's part of the log line (after the rewards): KL, advantages, loss, entropy, clipping, length, rate.
+
+    With ``num_iterations`` > 1 the ratio leaves 1, and the line also shows its range over the step's updates, the
+    approximate KL to the sampler and the clipped share of tokens below and above the clip range."""
     kl_ref = f"kl_ref {metrics['kl_ref']:.4f} | " if "kl_ref" in metrics else ""
     clip = next((f" | clipped {metrics[key]:.3f}" for key in ("clip_ratio/region_mean", "cispo_clip_ratio")
                  if key in metrics), "")
+    if num_iterations > 1:
+        if "clip_ratio/low_mean" in metrics:
+            clip = f" | clipped low {metrics['clip_ratio/low_mean']:.4f} high {metrics['clip_ratio/high_mean']:.4f}"
+        elif "cispo_clip_ratio" in metrics:
+            clip = f" | clipped {metrics['cispo_clip_ratio']:.4f}"
+        clip += f" | ratio {metrics['ratio_min']:.3f}-{metrics['ratio_max']:.3f} | approx_kl {metrics['approx_kl']:.1e}"
     return (f"{kl_ref}adv mean {metrics['advantages_mean']:.3f} std {metrics['advantages_std']:.3f} | "
             f"policy_loss {metrics['policy_loss']:.4f} | entropy {metrics['entropy']:.3f}{clip} | "
             f"len {metrics['response_len']:.1f} | lr {metrics['learning_rate']:.2e}")
@@ -616,7 +628,8 @@ def main(argv=None, reward_fn=calculate_rewards):
            f"loss {args.loss_type}, metrics in {run_dir}")
     if start_metrics:
         writer.log({"step": 0, **start_metrics})
-    step_log = StepLog(writer, total_steps, args.log_interval, grpo_log_line, start_step=progress["step"])
+    step_log = StepLog(writer, total_steps, args.log_interval,
+                       lambda metrics: grpo_log_line(metrics, args.num_iterations), start_step=progress["step"])
 
     # 9. the loop (a stop requested during the set-up or the step-0 evaluation ends the run before its first step)
     ddp_model.train()
