@@ -68,6 +68,20 @@ def test_a_fresh_run_refuses_to_replace_an_unfinished_run_and_replaces_a_finishe
     assert "saved step 4" in again.stdout
 
 
+def test_a_fresh_run_refuses_a_run_dir_holding_another_runs_metrics(tmp_path, tiny_weights, small_data):
+    folder = folder_with_weights(tmp_path, tiny_weights)
+    flags = GRPO + ["--save_dir", str(folder), "--data_path", small_data, "--max_steps", "1",
+                    "--run_dir", str(tmp_path / "curves")]
+    first = run(["trainer/train_grpo.py"] + flags)
+    assert first.returncode == 0, first.stderr[-2000:]
+    metrics_file = tmp_path / "curves" / "metrics.jsonl"
+    before = metrics_file.read_bytes()
+    second = run(["trainer/train_grpo.py"] + flags + ["--seed", "1"])
+    assert second.returncode != 0
+    assert f"--run_dir {tmp_path / 'curves'} already holds another run's metrics ({metrics_file})" in second.stderr
+    assert "loaded weights" not in second.stdout and metrics_file.read_bytes() == before  # refused at start-up
+
+
 def test_two_runs_on_the_same_checkpoint_files_the_second_is_refused(tmp_path, tiny_weights, small_data):
     folder = folder_with_weights(tmp_path, tiny_weights)
     flags = GRPO + ["--save_dir", str(folder), "--data_path", small_data]

@@ -315,14 +315,15 @@ def claim_save_dir(args, script, total_steps):
     ``resume_path``: without ``--from_resume 1``, one that holds an unfinished run is refused (a fresh run would
     replace the state that run cannot recreate; a finished run's files are replaced as upstream replaces weights);
     with it, the file's script, format and fixed flags are checked (``load_resume``) before any model is built.
+    A fresh run's ``--run_dir`` must not hold another run's metrics (``check_fresh_run_dir``).
     Args:
         total_steps: this run's steps (recorded with every checkpoint: a run is finished once its step reaches it).
     Returns:
         the open lock file on rank 0 (keep it for the run's lifetime), None on other ranks.
     Raises:
         RuntimeError: another process holds the lock (its PID named). ValueError: an unfinished run's resume file
-            without ``--from_resume 1`` (naming the file, its step and the three ways on), or a resume file this
-            run cannot continue.
+            without ``--from_resume 1`` (naming the file, its step and the three ways on), a resume file this run
+            cannot continue, or a fresh run's ``--run_dir`` with another run's metrics.
     """
     claimed = {}
 
@@ -343,9 +344,9 @@ def claim_save_dir(args, script, total_steps):
         lock.flush()
         claimed["lock"] = lock
         path = resume_path(args.save_weight, args.save_dir, args.hidden_size, args.use_moe)
-        if args.from_resume:
-            load_resume(path, script, args, mmap=True)  # refusals before any model is built
-            return
+        if args.from_resume and load_resume(path, script, args, mmap=True) is not None:  # refusals before any
+            return                                                                         # model is built
+        check_fresh_run_dir(args.run_dir)
         checkpoint = peek_resume(path)
         if checkpoint is not None and not run_finished(checkpoint):
             progress = checkpoint["progress"]
@@ -356,6 +357,16 @@ def claim_save_dir(args, script, total_steps):
 
     run_on_rank0(claim, f"claiming {args.save_dir}")
     return claimed.get("lock")
+
+
+def check_fresh_run_dir(run_dir):
+    """Refuse a fresh run whose ``--run_dir`` already holds another run's metrics.jsonl: its rows would be appended
+    to that run's, and the curves of both would be mixed. Raises ValueError naming the file and the ways on."""
+    metrics_path = os.path.join(run_dir, "metrics.jsonl") if run_dir else None
+    if metrics_path and os.path.isfile(metrics_path) and os.path.getsize(metrics_path) > 0:
+        raise ValueError(f"--run_dir {run_dir} already holds another run's metrics ({metrics_path}): this fresh run "
+                         f"would append its rows to that run's; give a new --run_dir (or none: "
+                         f"{{save_dir}}/runs/NAME-TIME), resume that run with --from_resume 1, or delete the file")
 
 
 def peek_resume(path):
