@@ -102,6 +102,12 @@ def frac_reward_zero_std(rewards, num_generations):
     return (grouped_rewards.std(dim=1, unbiased=False) == 0).double().mean().item()
 
 
+def default_epsilon_high(loss_type, epsilon):
+    """``epsilon_high`` when none is given: CISPO's clamp 5.0 (upstream MiniMind's) for cispo, else ``epsilon``
+    (the symmetric clip of the chapter's grpo)."""
+    return DEFAULT_CISPO_EPSILON_HIGH if loss_type == "cispo" else epsilon
+
+
 def importance_ratio(per_token_logps, old_per_token_logps, completion_mask, importance_sampling_level="token"):
     """The importance ratio pi_theta / pi_old of the policy loss (chapter 8.5.2), per token or per sequence.
 
@@ -245,7 +251,7 @@ def grpo_loss(per_token_logps, old_per_token_logps, ref_per_token_logps, advanta
     """
     mask = completion_mask.bool()  # [N, R]
     if epsilon_high is None:
-        epsilon_high = DEFAULT_CISPO_EPSILON_HIGH if loss_type == "cispo" else epsilon
+        epsilon_high = default_epsilon_high(loss_type, epsilon)
     if ref_per_token_logps is None:
         if beta:
             raise ValueError(f"beta {beta} needs the reference log-probs (ref_per_token_logps is None)")
@@ -331,7 +337,7 @@ def parse_args(argv=None):
     if args.loss_type not in LOSS_TYPES:
         parser.error(f"--loss_type {args.loss_type!r} is unknown; valid: {', '.join(LOSS_TYPES)}")
     if args.epsilon_high is None:
-        args.epsilon_high = DEFAULT_CISPO_EPSILON_HIGH if args.loss_type == "cispo" else args.epsilon
+        args.epsilon_high = default_epsilon_high(args.loss_type, args.epsilon)
     if args.loss_type == "cispo" and args.epsilon_high <= 1:
         parser.error(f"--epsilon_high is CISPO's clamp of the ratio weight and must be > 1, got {args.epsilon_high}")
     if args.epsilon_high <= 0 or not 0 < args.epsilon < 1:
