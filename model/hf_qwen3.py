@@ -11,7 +11,7 @@ unchanged. Two things differ:
   * the config: ``MiniMindConfig`` fields become ``Qwen3Config`` fields (``qwen3_config_from_minimind``).
 The MoE variant (``use_moe``) has no ``Qwen3ForCausalLM`` counterpart and is refused.
 
-Folders are written with the project's one atomic write (``trainer/files.py``): into a temporary sibling folder,
+Folders are written with the project's one atomic write (``trainer/infra/files.py``): into a temporary sibling folder,
 files fsynced, then renamed into place.
 """
 import glob
@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
 from model.model_minimind import MiniMindConfig
-from trainer.files import atomic_write
+from trainer.infra.files import atomic_write
 
 TIED_LM_HEAD_KEY = "lm_head.weight"
 EMBED_KEY = "model.embed_tokens.weight"

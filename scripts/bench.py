@@ -98,7 +98,7 @@ import requests
 import torch
 
 from scripts.sglang_cpu.server import launch_cpu_server, stop_server
-from trainer.files import atomic_write
+from trainer.infra.files import atomic_write
 
 SIZES = {  # name -> (hidden_size, num_hidden_layers, starting weights)
     "default": (256, 4, os.path.join(ROOT, "out", "full_sft_256.pth")),
@@ -366,7 +366,7 @@ def prepare_weights(size, work_dir, tokenizer):
     check at start) and a Qwen3ForCausalLM folder; return both paths."""
     from model.hf_qwen3 import save_qwen3_folder
     from model.model_minimind import MiniMindForCausalLM
-    from trainer.weights import build_config, load_weights, write_tokenizer_record
+    from trainer.infra.weights import build_config, load_weights, write_tokenizer_record
     hidden, layers, source = SIZES[size]
     torch.manual_seed(0)
     config = build_config(hidden, layers, 0)
@@ -469,7 +469,7 @@ def ours_argv(workload, script, steps, data_path, save_dir, run_dir, flags=(), n
 def load_minimind(spec):
     """(MiniMindForCausalLM with the workload's weights, its config), fp32 on spec["device"]."""
     from model.model_minimind import MiniMindForCausalLM
-    from trainer.weights import build_config
+    from trainer.infra.weights import build_config
     config = build_config(spec["hidden_size"], spec["num_hidden_layers"], 0)
     model = MiniMindForCausalLM(config)
     model.load_state_dict(torch.load(spec["pth"], map_location="cpu", weights_only=True))
@@ -506,10 +506,10 @@ def run_ours(spec, tracer, script):
     Raises:
         RuntimeError: when the run logged another number of steps.
     """
-    from trainer.metrics import StepLog
-    from trainer.optimizer import project_scale_only_gradients
+    from trainer.infra.metrics import StepLog
+    from trainer.infra.optimizer import project_scale_only_gradients
     from trainer.rollout_engine import TorchRolloutEngine, policy_forward
-    from trainer.weights import build_config
+    from trainer.infra.weights import build_config
     module = importlib.import_module(f"trainer.train_{script}")
     watch_update(tracer)
     tracer.watch(project_scale_only_gradients, "optimizer")
@@ -600,7 +600,7 @@ def run_trl_grpo(spec, tokenizer, tracer):
 def run_rollouts(spec, tokenizer, tracer, contestant):
     """Rollout alone: our TorchRolloutEngine (with its old log-probs) or transformers' generate, both under the
     workload's dtype (bf16 autocast, as the GRPO step runs its rollout), called by the bench."""
-    from trainer.dtypes import autocast_context
+    from trainer.infra.dtypes import autocast_context
     from trainer.rollout_engine import tokenize_prompts
     prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, spec["prompts"], 512, spec["device"])
     rows = NUM_PROMPTS * NUM_GENERATIONS

@@ -451,7 +451,7 @@ def main(argv=None):
     from transformers import AutoTokenizer
 
     from scripts import bench
-    from trainer.files import atomic_write
+    from trainer.infra.files import atomic_write
     assert (bench.NUM_PROMPTS, bench.NUM_GENERATIONS) == (NUM_PROMPTS, NUM_GENERATIONS)
     machine = machine_info(args.device)
     print(describe_machine(machine), flush=True)

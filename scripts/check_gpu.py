@@ -28,9 +28,9 @@ sys.path.insert(0, ROOT)
 import torch
 
 from trainer.rollout_engine import TorchRolloutEngine, compute_per_token_logps, tokenize_prompts
-from trainer.weights import DEFAULT_TOKENIZER_PATH, build_config, init_model
-from trainer.dtypes import autocast_context, resolve_train_dtype
-from trainer.flags import add_bool_flag
+from trainer.infra.weights import DEFAULT_TOKENIZER_PATH, build_config, init_model
+from trainer.infra.dtypes import autocast_context, resolve_train_dtype
+from trainer.infra.flags import add_bool_flag
 from trainer.trainer_utils import masked_mean
 from dataset.lm_dataset import RLAIFDataset
 

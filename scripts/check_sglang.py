@@ -34,7 +34,7 @@ from dataset.lm_dataset import RLAIFDataset
 from model.hf_qwen3 import save_qwen3_folder
 from scripts.sglang_cpu.server import launch_cpu_server, stop_server
 from trainer.rollout_engine import SGLangRolloutEngine, TorchRolloutEngine, tokenize_prompts
-from trainer.weights import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, init_model, weight_path
+from trainer.infra.weights import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, init_model, weight_path
 
 
 def launch_server(folder, port, args, work_dir):

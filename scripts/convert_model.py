@@ -21,8 +21,8 @@ import torch
 
 from model.hf_qwen3 import DTYPES, load_qwen3_folder, save_qwen3_folder
 from model.model_minimind import MiniMindForCausalLM
-from trainer.flags import add_bool_flag
-from trainer.weights import (
+from trainer.infra.flags import add_bool_flag
+from trainer.infra.weights import (
     DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, init_model, save_weights, weight_path,
 )
 

@@ -21,9 +21,9 @@ sys.path.insert(0, ROOT)
 
 
 from dataset.lm_dataset import RLAIFDataset
-from trainer.evaluation import evaluate
-from trainer.weights import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, init_model
-from trainer.flags import add_bool_flag
+from trainer.infra.evaluation import evaluate
+from trainer.infra.weights import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, init_model
+from trainer.infra.flags import add_bool_flag
 from trainer.trainer_utils import LMForRewardModel, prompt_to_messages, read_reward_model_config
 
 

@@ -31,7 +31,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # `python scripts/x.py` from any folder imports this checkout's packages
 
-from trainer.files import atomic_write
+from trainer.infra.files import atomic_write
 
 
 EN_ADD = [

@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from dataset.lm_dataset import iter_jsonl
-from trainer.files import atomic_write
+from trainer.infra.files import atomic_write
 
 # (metric key, panel title); the order of the panels. The keys are those train_grpo.py / train_ppo.py log.
 CURVES = [

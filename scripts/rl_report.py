@@ -27,8 +27,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from dataset.lm_dataset import RLAIFDataset
-from trainer.weights import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, init_model
-from trainer.evaluation import evaluate
+from trainer.infra.weights import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, init_model
+from trainer.infra.evaluation import evaluate
 from trainer.trainer_utils import extract_final_number, prompt_to_messages, split_thinking
 
 ERROR_KINDS = ("format", "no final number", "operand copied wrong", "arithmetic wrong", "wrong without thinking")

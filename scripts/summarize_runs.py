@@ -22,7 +22,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from trainer.files import atomic_write
+from trainer.infra.files import atomic_write
 
 CLIP_KEYS = ("clip_ratio/region_mean", "cispo_clip_ratio", "clipfrac")
 

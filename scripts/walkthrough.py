@@ -28,11 +28,11 @@ from dataset.lm_dataset import RLAIFDataset
 from scripts.eval_policy import question_of
 from trainer import train_grpo, train_ppo
 from trainer.rollout_engine import TorchRolloutEngine, compute_per_token_logps, tokenize_prompts
-from trainer.weights import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, init_model
-from trainer.distributed import setup_seed
-from trainer.files import atomic_write
-from trainer.dtypes import autocast_context
-from trainer.optimizer import adamw, build_cosine_scheduler, build_policy_optimizer, project_scale_only_gradients
+from trainer.infra.weights import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, init_model
+from trainer.infra.distributed import setup_seed
+from trainer.infra.files import atomic_write
+from trainer.infra.dtypes import autocast_context
+from trainer.infra.optimizer import adamw, build_cosine_scheduler, build_policy_optimizer, project_scale_only_gradients
 from trainer.trainer_utils import calculate_rewards, k3_kl, masked_mean
 
 # Stage headings, in order; tests/test_learner.py checks that the document has all of them.

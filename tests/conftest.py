@@ -37,7 +37,7 @@ def policy():
     """A random dense MiniMind of hidden 64 x 2 layers (the scripts' build_config), init std 0.1 so that its
     log-probs differ visibly between tokens; seed 0."""
     from model.model_minimind import MiniMindForCausalLM
-    from trainer.weights import build_config
+    from trainer.infra.weights import build_config
     torch.manual_seed(0)
     config = build_config(hidden_size=64, num_hidden_layers=2, use_moe=0)
     config.initializer_range = 0.1
@@ -56,8 +56,8 @@ def tiny_weights(tmp_path):
     (MiniMind naming) with the record of the bundled tokenizer beside it (tiny_64.tokenizer.json), as the scripts
     save weights; returns (save_dir, name)."""
     from model.model_minimind import MiniMindForCausalLM
-    from trainer.weights import write_tokenizer_record
-    from trainer.weights import build_config
+    from trainer.infra.weights import write_tokenizer_record
+    from trainer.infra.weights import build_config
     torch.manual_seed(0)
     model = MiniMindForCausalLM(build_config(hidden_size=64, num_hidden_layers=2, use_moe=0))
     torch.save({k: v.half() for k, v in model.state_dict().items()}, tmp_path / "tiny_64.pth")

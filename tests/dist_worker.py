@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 
 from trainer.rollout_engine import compute_per_token_logps
-from trainer.distributed import wrap_ddp
-from trainer.dtypes import autocast_context
+from trainer.infra.distributed import wrap_ddp
+from trainer.infra.dtypes import autocast_context
 from trainer.train_ppo import PPORolloutBatch, ppo_update
-from trainer.weights import build_config
-from trainer.distributed import init_distributed_mode
-from trainer.optimizer import build_cosine_scheduler
+from trainer.infra.weights import build_config
+from trainer.infra.distributed import init_distributed_mode
+from trainer.infra.optimizer import build_cosine_scheduler
 from model.model_minimind import CriticModel, MiniMindForCausalLM
 
 

@@ -17,7 +17,7 @@ from conftest import ROOT, require_trl
 from dataset.lm_dataset import RLAIFDataset
 from model.model_minimind import MiniMindForCausalLM
 from scripts.bench import NUM_GENERATIONS, NUM_PROMPTS, PHASES, forward_flops, has_bf16_units
-from trainer.weights import build_config
+from trainer.infra.weights import build_config
 
 
 def test_forward_flops_equal_torch_flop_counter():

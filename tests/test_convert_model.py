@@ -9,7 +9,7 @@ from transformers import Qwen3ForCausalLM
 from model.hf_qwen3 import load_qwen3_folder, save_qwen3_folder
 from model.model_minimind import MiniMindForCausalLM
 from scripts.convert_model import main as convert_main
-from trainer.weights import build_config, load_weights
+from trainer.infra.weights import build_config, load_weights
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import ROOT
 
-from trainer.weights import build_config, init_model
+from trainer.infra.weights import build_config, init_model
 from tests.weights_digest import parameter_digest
 
 TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--from_weight", "tiny", "--max_gen_len", "8",

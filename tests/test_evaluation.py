@@ -1,4 +1,4 @@
-"""The held-out evaluation (trainer/evaluation.py) against checkpoints whose accuracy is known by construction."""
+"""The held-out evaluation (trainer/infra/evaluation.py) against checkpoints whose accuracy is known by construction."""
 import json
 import os
 
@@ -8,7 +8,7 @@ import torch
 from conftest import ROOT
 
 from dataset.lm_dataset import RLAIFDataset
-from trainer.evaluation import HeldOutEvaluator, evaluate
+from trainer.infra.evaluation import HeldOutEvaluator, evaluate
 
 VAL_PATH = os.path.join(ROOT, "dataset", "rlaif_val.jsonl")
 

@@ -16,11 +16,12 @@ from run_patched import text_rewards
 
 from dataset.lm_dataset import RLAIFDataset, SFTDataset
 from model.model_minimind import MiniMindForCausalLM
-from trainer import files, train_grpo, train_ppo, weights
-from trainer.checkpoints import save_checkpoint
+from trainer import train_grpo, train_ppo
+from trainer.infra import files, weights
+from trainer.infra.checkpoints import save_checkpoint
 from trainer.train_grpo import grpo_loss
 from trainer.train_ppo import compute_gae, place_sequence_rewards, ppo_policy_loss, ppo_value_loss
-from trainer.files import atomic_write
+from trainer.infra.files import atomic_write
 from trainer.trainer_utils import calculate_rewards, completion_mask_from_ids
 from tests.weights_digest import parameter_digest
 

@@ -1,4 +1,4 @@
-"""trainer/flags.py: upstream MiniMind's flag names where they mean the same, clear errors where they do not, and
+"""trainer/infra/flags.py: upstream MiniMind's flag names where they mean the same, clear errors where they do not, and
 the held-out evaluation only on the data it belongs to."""
 import json
 import os
@@ -59,7 +59,7 @@ def test_a_run_on_other_data_says_it_does_not_evaluate(tiny_weights, small_data,
 
 @pytest.mark.parametrize("script", ["grpo", "ppo"])
 def test_ignore_eos_reaches_the_torch_engine_and_is_refused_for_sglang(script, capsys):
-    from trainer.flags import rollout_engine_kwargs
+    from trainer.infra.flags import rollout_engine_kwargs
     assert rollout_engine_kwargs(parse(script, []))["ignore_eos"] is False
     assert rollout_engine_kwargs(parse(script, ["--ignore_eos"]))["ignore_eos"] is True
     with pytest.raises(SystemExit):

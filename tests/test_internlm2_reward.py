@@ -17,7 +17,9 @@ import torch
 from conftest import ROOT, SHARED
 from test_scripts import TINY, run_script
 from tiny_internlm2_reward import build_tiny_internlm2_reward, weights_digest
-from trainer.internlm2_reward import InternLM2RewardModel, InternLM2RewardTokenizer, is_internlm2_reward, split_wqkv
+from trainer.infra.internlm2_reward import (
+    InternLM2RewardModel, InternLM2RewardTokenizer, is_internlm2_reward, split_wqkv,
+)
 from trainer.trainer_utils import LMForRewardModel, calculate_rewards, read_reward_model_config
 
 SOURCE = os.path.join(SHARED, "compat", "internlm2-1_8b-reward")

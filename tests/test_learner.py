@@ -162,7 +162,7 @@ def test_debug_interval_skips_steps(tiny_weights, tmp_path):
 def test_step_timer_eta_by_hand(monkeypatch):
     import time
 
-    from trainer.metrics import StepTimer, format_duration
+    from trainer.infra.metrics import StepTimer, format_duration
     clock = iter([1000.0, 1020.0])
     monkeypatch.setattr(time, "time", lambda: next(clock))
     timer = StepTimer(total_steps=10)

@@ -1,11 +1,11 @@
-"""trainer/metrics.py: metrics.jsonl, and SwanLab (upstream MiniMind's tracker) offline, with the real package."""
+"""trainer/infra/metrics.py: metrics.jsonl, and SwanLab (upstream MiniMind's tracker) offline, with the real package."""
 import glob
 import json
 import os
 
 import pytest
 
-from trainer.metrics import MetricsWriter
+from trainer.infra.metrics import MetricsWriter
 
 
 def test_swanlab_offline_run_holds_the_config_and_the_metrics(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ from conftest import ROOT
 from trainer.train_ppo import (
     compute_gae, masked_whiten, place_sequence_rewards, ppo_policy_loss, ppo_value_loss,
 )
-from trainer.dtypes import autocast_context
+from trainer.infra.dtypes import autocast_context
 from trainer.trainer_utils import completion_mask_from_ids
 
 
@@ -145,7 +145,7 @@ def make_update_inputs(tokenizer):
     from model.model_minimind import CriticModel, MiniMindForCausalLM
     from trainer.rollout_engine import TorchRolloutEngine, compute_per_token_logps
     from trainer.rollout_engine import tokenize_prompts
-    from trainer.weights import build_config
+    from trainer.infra.weights import build_config
     torch.manual_seed(0)
     config = build_config(64, 2, 0)
     actor = MiniMindForCausalLM(config)
@@ -181,7 +181,7 @@ class CountingAdamW(torch.optim.AdamW):
 def test_early_stop_means_no_further_optimizer_step(tokenizer, early_stop_kl, expected_steps):
     """The first minibatch has ratio 1 (approx KL 0) and is applied; with a tiny threshold the next one stops."""
     from trainer.train_ppo import ppo_update
-    from trainer.optimizer import build_cosine_scheduler
+    from trainer.infra.optimizer import build_cosine_scheduler
     actor, critic, data, args = make_update_inputs(tokenizer)
     args.early_stop_kl = early_stop_kl
     CountingAdamW.steps = 0
@@ -238,8 +238,8 @@ def test_ppo_last_partial_accumulation_window_gets_its_own_size():
 
     from model.model_minimind import CriticModel, MiniMindForCausalLM
     from trainer.train_ppo import PPORolloutBatch, ppo_update
-    from trainer.weights import build_config
-    from trainer.optimizer import build_cosine_scheduler
+    from trainer.infra.weights import build_config
+    from trainer.infra.optimizer import build_cosine_scheduler
     torch.manual_seed(0)
     config = build_config(64, 2, 0)
     actor, critic = MiniMindForCausalLM(config), CriticModel(config)
@@ -287,7 +287,7 @@ def test_kl_in_the_reward_flows_through_gae_as_a_plain_return():
 def test_kl_placement_reward_takes_the_kl_out_of_the_loss(tokenizer):
     # the same update with kl_coef 0.02 in the rewards and a loss without KL equals kl_coef 0 in the loss
     from trainer.train_ppo import ppo_update
-    from trainer.optimizer import build_cosine_scheduler
+    from trainer.infra.optimizer import build_cosine_scheduler
     results = []
     for kl_coef, placement in ((0.0, "loss"), (0.02, "reward")):
         actor, critic, data, args = make_update_inputs(tokenizer)
@@ -324,8 +324,8 @@ def test_moe_critic_routers_get_the_load_balancing_gradient():
 
     from model.model_minimind import CriticModel, MiniMindForCausalLM
     from trainer.train_ppo import PPORolloutBatch, ppo_update
-    from trainer.weights import build_config
-    from trainer.optimizer import build_cosine_scheduler
+    from trainer.infra.weights import build_config
+    from trainer.infra.optimizer import build_cosine_scheduler
     torch.manual_seed(0)
     config = build_config(64, 2, 1)
     actor, critic = MiniMindForCausalLM(config), CriticModel(config)

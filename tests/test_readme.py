@@ -79,9 +79,8 @@ def test_mapped_functions_cite_their_section():
         assert cited, f"{path}:{name} docstring does not cite section {section}"
 
 
-INFRASTRUCTURE = ("trainer/stopping.py", "trainer/flags.py", "trainer/optimizer.py", "trainer/checkpoints.py",
-                  "trainer/weights.py", "trainer/files.py", "trainer/distributed.py", "trainer/dtypes.py",
-                  "trainer/metrics.py", "trainer/sglang_client.py")
+INFRASTRUCTURE = tuple(f"trainer/infra/{name}" for name in sorted(os.listdir(os.path.join(ROOT, "trainer", "infra")))
+                       if name.endswith(".py") and name != "__init__.py")
 
 
 def test_no_chapter_row_points_into_the_infrastructure():

@@ -14,7 +14,7 @@ import torch
 
 from conftest import ROOT
 
-from trainer.checkpoints import get_rng_state, load_resume, resume_progress, set_rng_state
+from trainer.infra.checkpoints import get_rng_state, load_resume, resume_progress, set_rng_state
 from dataset.lm_dataset import ResumableBatchSampler
 
 TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--from_weight", "tiny", "--max_gen_len", "8",
@@ -191,7 +191,7 @@ def test_load_resume_missing_file_starts_fresh_and_garbage_is_named(tmp_path):
 
 
 def test_wandb_run_id_is_kept_on_resume(tmp_path, monkeypatch):
-    from trainer.metrics import MetricsWriter
+    from trainer.infra.metrics import MetricsWriter
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     first = MetricsWriter(str(tmp_path / "run"), use_wandb=True, wandb_project="test")
@@ -219,7 +219,7 @@ def test_resume_refuses_when_from_weight_is_the_saved_policy(tmp_path, tiny_weig
 
 
 def test_resume_command_quotes_arguments():
-    from trainer.checkpoints import resume_command
+    from trainer.infra.checkpoints import resume_command
     command = resume_command(os.path.join(ROOT, "trainer", "train_grpo.py"),
                              ["--run_dir", "my runs/a", "--from_resume", "0"], world_size=2)
     assert command.startswith("torchrun --nproc_per_node 2 ")
@@ -227,7 +227,7 @@ def test_resume_command_quotes_arguments():
 
 
 def test_saves_never_take_the_load_shortcut(tmp_path, monkeypatch):
-    from trainer.weights import weight_path
+    from trainer.infra.weights import weight_path
     monkeypatch.chdir(tmp_path)
     (tmp_path / "grpo").write_text("a file that happens to share the weight's name")
     assert weight_path("grpo", "out", 256, 0) == "grpo"  # loading accepts a path
@@ -238,9 +238,9 @@ def test_world_size_change_moves_the_learning_rate_schedule_with_the_step(tmp_pa
     # 40 optimizer steps saved by 1 process, resumed by 2: the step becomes 40 * 1 // 2 = 20 and the cosine
     # learning rate must be the one of step 20 of 100: 0.1 + 0.9 * 0.5 * (1 + cos(0.2 * pi)) = 0.9140576 (by hand),
     # not step 40's 0.6890576 (what rescaling the step alone would give).
-    from trainer.checkpoints import restore_from_checkpoint, training_states
+    from trainer.infra.checkpoints import restore_from_checkpoint, training_states
     from trainer.train_grpo import parse_args
-    from trainer.optimizer import build_cosine_scheduler
+    from trainer.infra.optimizer import build_cosine_scheduler
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     scheduler = build_cosine_scheduler(optimizer, 100)
@@ -270,7 +270,7 @@ def test_world_size_change_moves_the_learning_rate_schedule_with_the_step(tmp_pa
     ["--max_steps", "5", "--from_resume", "0"],
 ])
 def test_resume_command_replaces_every_form_of_from_resume(argv):
-    from trainer.checkpoints import resume_command
+    from trainer.infra.checkpoints import resume_command
     expected = "python trainer/train_grpo.py --max_steps 5 --from_resume 1"
     assert resume_command("trainer/train_grpo.py", argv, 1) == expected
 

@@ -267,7 +267,7 @@ def test_bradley_terry_loss_hand_computed():
 def test_reward_model_backbone_equals_minimind(tiny_weights):
     """The Qwen3 classifier built from MiniMind weights gives score . h_last of MiniMind's own backbone."""
     from model.model_minimind import MiniMindForCausalLM
-    from trainer.weights import build_config, load_weights
+    from trainer.infra.weights import build_config, load_weights
     save_dir, name = tiny_weights
     lm_config = build_config(64, 2, 0)
     minimind = MiniMindForCausalLM(lm_config).eval()

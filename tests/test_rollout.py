@@ -87,7 +87,7 @@ def test_unknown_engine():
 
 def test_bf16_autocast_logps_are_fp32_and_near_the_fp32_ones(policy, tokenizer):
     """--dtype bfloat16: matrix products in bf16, log-softmax in fp32; gradients land on the fp32 weights."""
-    from trainer.dtypes import autocast_context
+    from trainer.infra.dtypes import autocast_context
     prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, PROMPTS, 256, "cpu")
     result = TorchRolloutEngine(policy, tokenizer, generator=torch.Generator().manual_seed(3)).rollout(
         prompt_ids, attention_mask, 2, 8)

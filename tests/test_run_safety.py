@@ -15,9 +15,10 @@ import torch
 
 from conftest import ROOT
 from model.model_minimind import MiniMindForCausalLM
-from trainer import evaluation, train_grpo
-from trainer.checkpoints import changed_flags, claim_save_dir, save_checkpoint
-from trainer.weights import build_config, load_weights
+from trainer import train_grpo
+from trainer.infra import evaluation
+from trainer.infra.checkpoints import changed_flags, claim_save_dir, save_checkpoint
+from trainer.infra.weights import build_config, load_weights
 
 TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--from_weight", "tiny", "--max_gen_len", "8",
         "--eval_interval", "0", "--reward_model_path", "none"]
@@ -265,7 +266,7 @@ def test_a_checkpoint_without_its_tokenizer_record_trusts_a_named_tokenizer(tmp_
 
 
 def test_an_atomic_pair_write_names_the_full_disk(tmp_path, monkeypatch):
-    from trainer import files
+    from trainer.infra import files
     monkeypatch.setattr(files.shutil, "disk_usage", lambda folder: shutil._ntuple_diskusage(10 ** 9, 10 ** 9, 0))
     with pytest.raises(OSError, match=r"could not write .*b\.pth: the disk is full \(0\.0 MiB free"):
         files.atomic_write({str(tmp_path / "a.pth"): functools.partial(torch.save, {"w": torch.ones(2)}),

@@ -150,7 +150,7 @@ def test_ppo_bad_flags_fail_at_start(flags, message):
     ("trainer/train_ppo.py", ["--mini_batch_size", "1"]),
 ])
 def test_rl_scripts_with_upstream_minimind_tokenizer(tiny_weights, tmp_path, script, extra):
-    from trainer.weights import write_tokenizer_record
+    from trainer.infra.weights import write_tokenizer_record
     save_dir, name = tiny_weights
     write_tokenizer_record(os.path.join(save_dir, f"{name}_64.pth"), MINIMIND_TOKENIZER)  # trained with that one
     result = run_script([script, "--max_steps", "1", "--save_dir", save_dir, "--from_weight", name,

@@ -12,11 +12,11 @@ from model.hf_qwen3 import save_qwen3_folder
 from model.model_minimind import MiniMindForCausalLM
 from sglang_standin import SGLangStandin
 from trainer.rollout_engine import SGLangRolloutEngine, create_rollout_engine
-from trainer.sglang_client import parse_sglang_output
+from trainer.infra.sglang_client import parse_sglang_output
 from trainer.train_grpo import main as grpo_main
 from trainer.rollout_engine import tokenize_prompts
 from trainer.train_ppo import main as ppo_main
-from trainer.weights import build_config
+from trainer.infra.weights import build_config
 
 PROMPTS = ["<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n<think>\n",
            "<|im_start|>user\n5 加 7 是多少？<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"]

@@ -29,7 +29,7 @@ from trainer import rollout_engine as rollout_module
 from trainer.rollout_engine import SGLangRolloutEngine, compute_per_token_logps, tokenize_prompts
 from trainer.train_grpo import main as grpo_main
 from trainer.train_ppo import main as ppo_main
-from trainer.weights import build_config, init_model
+from trainer.infra.weights import build_config, init_model
 
 SGLANG_URL = os.environ.get("SGLANG_URL", "").rstrip("/")
 SGLANG_PYTHON = os.environ.get("SGLANG_PYTHON", "")

@@ -67,7 +67,7 @@ def test_accumulation_flags_have_one_meaning_each():
 
 
 def test_dtype_auto_is_float32_on_the_cpu_and_explicit_names_stay():
-    from trainer.dtypes import autocast_context, resolve_train_dtype
+    from trainer.infra.dtypes import autocast_context, resolve_train_dtype
     assert resolve_train_dtype("auto", "cpu") == "float32"
     assert resolve_train_dtype("bfloat16", "cpu") == "bfloat16"
     assert resolve_train_dtype("float32", "cuda:0") == "float32"
@@ -100,22 +100,22 @@ def test_cuda_device_without_a_gpu_is_refused(capsys):
 
 def test_reward_model_dtype_is_half_on_a_gpu_and_float32_on_the_cpu():
     # upstream MiniMind loads its reward model in half precision (3.6 GB instead of 7.2 GB for a 1.8B model)
-    from trainer.dtypes import reward_model_dtype
+    from trainer.infra.dtypes import reward_model_dtype
     assert reward_model_dtype("", "cpu") == torch.float32
     assert reward_model_dtype("", "cuda:1") == torch.float16  # upstream's LMForRewardModel default
     assert reward_model_dtype("bfloat16", "cpu") == torch.bfloat16  # --reward_dtype wins
 
 
 def test_device_flag_picks_the_device():
-    from trainer.distributed import init_distributed_mode
+    from trainer.infra.distributed import init_distributed_mode
     assert init_distributed_mode("cpu") == (0, "cpu")
     assert init_distributed_mode("") == (0, "cuda:0" if torch.cuda.is_available() else "cpu")
 
 
 def test_use_compile_wraps_the_same_parameters_and_0_leaves_the_module():
     # compiling is lazy (the first call compiles, ~1-3 min on a 2-core CPU), so this builds the wrapper only
-    from trainer.distributed import unwrap_model
-    from trainer.distributed import compile_for_training
+    from trainer.infra.distributed import unwrap_model
+    from trainer.infra.distributed import compile_for_training
     model = torch.nn.Linear(3, 2)
     assert compile_for_training(model, 0) is model
     compiled = compile_for_training(model, 1)
@@ -125,7 +125,7 @@ def test_use_compile_wraps_the_same_parameters_and_0_leaves_the_module():
 
 # ----------------------------------------------------------------------------- where the chapter's code lives
 TRAINER_CHAPTER_MODULES = {"trainer.train_grpo", "trainer.train_ppo", "trainer.trainer_utils", "trainer.rollout_engine",
-                           "trainer.evaluation"}
+                           "trainer.infra.evaluation"}
 LOWER_INFRASTRUCTURE = ("distributed", "dtypes", "checkpoints", "weights", "files", "optimizer", "metrics", "stopping",
                         "sglang_client")
 
@@ -141,7 +141,7 @@ def top_level_functions(tree):
 def test_an_update_step_clips_and_steps_only_when_every_value_is_finite():
     """The update that each script writes out (clip, step, zero_grad; ``clip_and_step`` in PPO) skips the step on a
     NaN gradient and applies it otherwise: the weights and the schedule move exactly when the gradients are finite."""
-    from trainer.optimizer import build_cosine_scheduler
+    from trainer.infra.optimizer import build_cosine_scheduler
     from trainer.train_ppo import clip_and_step
     for bad in (False, True):
         model = torch.nn.Linear(2, 1)
@@ -162,8 +162,8 @@ def test_an_update_step_clips_and_steps_only_when_every_value_is_finite():
 def test_infrastructure_modules_import_no_chapter_code(module):
     """The infrastructure a learner may skip sits below the chapter's code: it imports only other infrastructure
     (so following a step never leads from the infrastructure back into the algorithm)."""
-    imported = {name for name in imported_modules(f"trainer/{module}.py") if name.startswith("trainer.")}
-    allowed = {f"trainer.{other}" for other in LOWER_INFRASTRUCTURE}
+    imported = {name for name in imported_modules(f"trainer/infra/{module}.py") if name.startswith("trainer.")}
+    allowed = {f"trainer.infra.{other}" for other in LOWER_INFRASTRUCTURE}
     offenders = {name for name in imported if name.rsplit(".", 1)[0] not in allowed and name not in allowed}
     assert offenders == set()
     assert not {name.rsplit(".", 1)[0] for name in imported} & TRAINER_CHAPTER_MODULES
@@ -227,7 +227,7 @@ def test_the_rl_step_reaches_the_chapter_modules_only(script):
     modules = {imported[name.split(".")[0]] for name in called if name.split(".")[0] in imported}
     project_modules = {module for module in modules if module.split(".")[0] in ("trainer", "model", "dataset")}
     assert project_modules <= {"trainer.rollout_engine", "trainer.trainer_utils", "model.model_minimind",
-                               "trainer.optimizer", "trainer.distributed"}, project_modules
+                               "trainer.infra.optimizer", "trainer.infra.distributed"}, project_modules
 
 
 def class_fields(node):

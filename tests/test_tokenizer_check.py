@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from conftest import MINIMIND_TOKENIZER as UPSTREAM_TOKENIZER
 from conftest import ROOT
 from test_scripts import run_script
-from trainer.weights import check_tokenizer_fits_checkpoint, tokenizer_record_path
+from trainer.infra.weights import check_tokenizer_fits_checkpoint, tokenizer_record_path
 
 BUNDLED_TOKENIZER = os.path.join(ROOT, "model")
 UPSTREAM_DIMS = ["--hidden_size", "768", "--num_hidden_layers", "2"]
@@ -31,7 +31,7 @@ def tokenizer_json_size(folder):
 def upstream_run_dir(tmp_path):
     """{tmp}/full_sft_768.pth (fp16, 6400 x 768 embedding, no record) and {tmp}/rlaif.jsonl (upstream's format)."""
     from model.model_minimind import MiniMindForCausalLM
-    from trainer.weights import build_config
+    from trainer.infra.weights import build_config
     torch.manual_seed(0)
     model = MiniMindForCausalLM(build_config(hidden_size=768, num_hidden_layers=2, use_moe=0))
     torch.save({k: v.half() for k, v in model.state_dict().items()}, tmp_path / "full_sft_768.pth")

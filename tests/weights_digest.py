@@ -3,7 +3,7 @@ import hashlib
 
 import torch
 
-from trainer.distributed import unwrap_model
+from trainer.infra.distributed import unwrap_model
 
 
 def parameter_digest(model):

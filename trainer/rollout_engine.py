@@ -16,8 +16,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from model.hf_qwen3 import save_qwen3_folder
-from trainer.distributed import is_main_process, run_on_rank0, unwrap_model
-from trainer.sglang_client import SGLangClient, check_sglang_prompts, sglang_sampling_params
+from trainer.infra.distributed import is_main_process, run_on_rank0, unwrap_model
+from trainer.infra.sglang_client import SGLangClient, check_sglang_prompts, sglang_sampling_params
 from trainer.trainer_utils import completion_mask_from_ids, masked_mean
 
 

@@ -24,12 +24,12 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 from dataset.lm_dataset import SFTDataset, sft_collate
-from trainer.distributed import Logger, any_rank, init_distributed_mode, is_main_process, setup_seed
-from trainer.files import check_writable_dir
-from trainer.flags import add_bool_flag
-from trainer.optimizer import build_cosine_scheduler, project_scale_only_gradients
-from trainer.stopping import BadStepGuard, nonfinite_parts
-from trainer.weights import DEFAULT_SAVE_DIR, build_config, half_state_dict, init_model, save_weights, weight_path
+from trainer.infra.distributed import Logger, any_rank, init_distributed_mode, is_main_process, setup_seed
+from trainer.infra.files import check_writable_dir
+from trainer.infra.flags import add_bool_flag
+from trainer.infra.optimizer import build_cosine_scheduler, project_scale_only_gradients
+from trainer.infra.stopping import BadStepGuard, nonfinite_parts
+from trainer.infra.weights import DEFAULT_SAVE_DIR, build_config, half_state_dict, init_model, save_weights, weight_path
 
 
 def parse_args(argv=None):

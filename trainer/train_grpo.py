@@ -32,25 +32,25 @@ from dataset.lm_dataset import (
     RLAIFDataset, ResumableBatchSampler, check_prompt_count, count_total_steps, resumable_batches,
 )
 from model.model_minimind import KVCache
-from trainer.checkpoints import claim_save_dir, resume_command, save_checkpoint, start_or_resume
-from trainer.distributed import (
+from trainer.infra.checkpoints import claim_save_dir, resume_command, save_checkpoint, start_or_resume
+from trainer.infra.distributed import (
     Logger, all_ranks_mean, any_rank, compile_for_training, init_distributed_mode, mean_over_ranks,
     rank_and_world_size, setup_seed, shutdown_distributed, unwrap_model, wrap_ddp,
 )
-from trainer.dtypes import autocast_context, resolve_train_dtype, reward_model_dtype
-from trainer.evaluation import build_evaluator, evaluate_if_due
-from trainer.flags import add_bool_flag, add_common_rl_args, check_common_rl_args, rollout_engine_kwargs
-from trainer.metrics import StepLog, gpu_memory_metrics, open_metrics, print_samples
-from trainer.optimizer import (
+from trainer.infra.dtypes import autocast_context, resolve_train_dtype, reward_model_dtype
+from trainer.infra.evaluation import build_evaluator, evaluate_if_due
+from trainer.infra.flags import add_bool_flag, add_common_rl_args, check_common_rl_args, rollout_engine_kwargs
+from trainer.infra.metrics import StepLog, gpu_memory_metrics, open_metrics, print_samples
+from trainer.infra.optimizer import (
     accumulation_window_size, build_cosine_scheduler, build_policy_optimizer, project_scale_only_gradients,
 )
 from trainer.rollout_engine import (
     PolicyForward, RolloutResult, create_rollout_engine, policy_forward, selective_log_softmax, token_entropies,
     tokenize_prompts,
 )
-from trainer.stopping import BadStepGuard, StopSignal, nonfinite_parts
+from trainer.infra.stopping import BadStepGuard, StopSignal, nonfinite_parts
 from trainer.trainer_utils import calculate_rewards, k3_kl, load_reward_model, masked_mean
-from trainer.weights import build_config, load_policy, load_tokenizer, weight_path
+from trainer.infra.weights import build_config, load_policy, load_tokenizer, weight_path
 
 LOSS_TYPES = ("cispo", "grpo", "bnpo", "dr_grpo", "dapo", "sapo")  # TRL's names (GRPOConfig.loss_type)
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # PPO's clipped surrogate, with their own sums

@@ -36,16 +36,16 @@ from transformers import AutoTokenizer, Qwen3ForSequenceClassification
 
 from dataset.lm_dataset import read_preference_pairs
 from model.hf_qwen3 import qwen3_config_from_minimind
-from trainer.weights import (
+from trainer.infra.weights import (
     DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, check_state_dict_fits, weight_path,
 )
-from trainer.distributed import Logger, setup_seed
-from trainer.files import atomic_write
-from trainer.dtypes import DTYPES, resolve_dtype
-from trainer.flags import DEFAULT_REWARD_MODEL_PATH, add_bool_flag
-from trainer.optimizer import build_cosine_scheduler
+from trainer.infra.distributed import Logger, setup_seed
+from trainer.infra.files import atomic_write
+from trainer.infra.dtypes import DTYPES, resolve_dtype
+from trainer.infra.flags import DEFAULT_REWARD_MODEL_PATH, add_bool_flag
+from trainer.infra.optimizer import build_cosine_scheduler
 from trainer.trainer_utils import render_reward_text, reward_model_messages
-from trainer.metrics import MetricsWriter, StepTimer
+from trainer.infra.metrics import MetricsWriter, StepTimer
 
 
 # ----------------------------------------------------------------------------- the math

@@ -13,7 +13,7 @@ import re
 import torch
 from transformers import AutoTokenizer
 
-from trainer.internlm2_reward import (
+from trainer.infra.internlm2_reward import (
     InternLM2RewardModel, InternLM2RewardTokenizer, is_internlm2_reward, require_sentencepiece,
 )
 
@@ -142,7 +142,7 @@ def read_reward_model_config(path, trust_remote_code):
     """Check a reward-model folder before anything is loaded; returns its config.json as a dict.
 
     An InternLM2 reward model (``auto_map`` naming ``InternLM2ForRewardModel``, upstream MiniMind's default
-    ``internlm2-1_8b-reward``) loads without running its code (``trainer/internlm2_reward.py``), so it needs no
+    ``internlm2-1_8b-reward``) loads without running its code (``trainer/infra/internlm2_reward.py``), so it needs no
     ``trust_remote_code``; it needs the sentencepiece package.
 
     Raises:
@@ -183,7 +183,7 @@ class LMForRewardModel:
           right-padded forwards of at most ``batch_size`` answers; the score is the logit at the last non-pad token;
       (b) an InternLM2 reward model (``auto_map`` naming ``InternLM2ForRewardModel``: upstream MiniMind's default
           ``internlm2-1_8b-reward``): loaded into transformers' ``LlamaModel`` without running its remote code
-          (``trainer/internlm2_reward.py``) and scored as its ``get_scores`` scores, in chunks of ``batch_size``;
+          (``trainer/infra/internlm2_reward.py``) and scored as its ``get_scores`` scores, in chunks of ``batch_size``;
       (c) another remote-code model exposing ``get_score(tokenizer, messages)`` (and optionally the batched
           ``get_scores(tokenizer, list of messages)``, whose result may be a bare float for one conversation);
           loaded with ``AutoModel.from_pretrained(..., trust_remote_code=True)`` only when ``trust_remote_code``.

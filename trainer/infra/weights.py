@@ -14,10 +14,10 @@ import torch
 from transformers import AutoTokenizer
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from trainer.distributed import Logger, unwrap_model
-from trainer.files import atomic_write
+from trainer.infra.distributed import Logger, unwrap_model
+from trainer.infra.files import atomic_write
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 DEFAULT_TOKENIZER_PATH = os.path.join(ROOT, "model")
 DEFAULT_SAVE_DIR = os.path.join(ROOT, "out")
 

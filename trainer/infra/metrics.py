@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from trainer.distributed import Logger, is_main_process
+from trainer.infra.distributed import Logger, is_main_process
 
 
 def format_duration(seconds):

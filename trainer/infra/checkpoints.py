@@ -15,9 +15,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer.distributed import Logger, is_main_process, run_on_rank0, setup_seed, unwrap_model
-from trainer.files import atomic_write
-from trainer.weights import check_finite_state, weight_path, weight_writes
+from trainer.infra.distributed import Logger, is_main_process, run_on_rank0, setup_seed, unwrap_model
+from trainer.infra.files import atomic_write
+from trainer.infra.weights import check_finite_state, weight_path, weight_writes
 
 RESUME_FORMAT_VERSION = 1
 ARCHITECTURE_FLAGS = ("hidden_size", "num_hidden_layers", "use_moe")

@@ -7,7 +7,7 @@ import signal
 
 import torch
 
-from trainer.distributed import Logger, any_rank
+from trainer.infra.distributed import Logger, any_rank
 
 
 class StopSignal:

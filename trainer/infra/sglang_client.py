@@ -11,7 +11,7 @@ import urllib.parse
 
 import requests
 
-from trainer.distributed import broadcast_from_rank0
+from trainer.infra.distributed import broadcast_from_rank0
 
 RETRIED_HTTP_STATUSES = (502, 503, 504)
 

@@ -9,7 +9,7 @@ by the weights. It is TRL's ``eval_steps`` / verl's ``val_before_train`` for a v
 import torch
 
 from dataset.lm_dataset import RLAIFDataset
-from trainer.distributed import Logger, unwrap_model
+from trainer.infra.distributed import Logger, unwrap_model
 from trainer.rollout_engine import TorchRolloutEngine, decode_completions, tokenize_prompts
 from trainer.trainer_utils import calculate_rewards, completion_mask_from_ids
 

@@ -6,12 +6,12 @@ import os
 
 import torch
 
-from trainer.files import check_writable_dir
-from trainer.dtypes import DTYPE_CHOICES, DTYPES
-from trainer.metrics import TRACKERS
+from trainer.infra.files import check_writable_dir
+from trainer.infra.dtypes import DTYPE_CHOICES, DTYPES
+from trainer.infra.metrics import TRACKERS
 from trainer.rollout_engine import ROLLOUT_ENGINES, SGLANG_LOGPROB_MODES, TORCH_LOGPROB_MODES
 from trainer.trainer_utils import read_reward_model_config
-from trainer.weights import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, ROOT
+from trainer.infra.weights import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, ROOT
 
 DEFAULT_REWARD_MODEL_PATH = os.path.join(ROOT, "out", "reward_model_256")  # trainer/train_reward.py, committed
 BUNDLED_TRAIN_DATA = os.path.join(ROOT, "dataset", "rlaif_train.jsonl")
