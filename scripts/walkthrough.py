@@ -27,6 +27,7 @@ import torch
 from dataset.lm_dataset import RLAIFDataset
 from scripts.eval_policy import question_of
 from trainer import train_grpo, train_ppo
+from trainer.grpo_family import build_loss_config
 from trainer.rollout_engine import TorchRolloutEngine, compute_per_token_logps, tokenize_prompts
 from trainer.infra.weights import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, init_model
 from trainer.infra.distributed import setup_seed
@@ -164,9 +165,10 @@ def grpo_walkthrough(batch, grpo_args, model, ref_model, tokenizer, seed, stages
     Returns (markdown lines, summary dict for ``ppo_vs_grpo_table``).
     """
     G = grpo_args.num_generations
+    loss_config = build_loss_config(grpo_args)  # epsilon_high: CISPO's clamp 5.0 when the flag is unset
     lines = ["## GRPO step (chapter 8.5)", ""]
     lines += [f"Flags: the defaults of `trainer/train_grpo.py` with `--batch_size 2`: G = {G} answers per prompt, "
-              f"loss `{grpo_args.loss_type}`, beta = {grpo_args.beta}, epsilon_high = {grpo_args.epsilon_high}, "
+              f"loss `{grpo_args.loss_type}`, beta = {grpo_args.beta}, epsilon_high = {loss_config.epsilon_high}, "
               f"learning rate {grpo_args.learning_rate:g}, temperature {grpo_args.temperature}.", ""]
 
     # 1. prompts
@@ -238,8 +240,9 @@ def grpo_walkthrough(batch, grpo_args, model, ref_model, tokenizer, seed, stages
     # runs each prompt once: the same numbers to float rounding, tests/test_forward_layouts.py)
     with torch.no_grad():
         ref_per_token_logps = compute_per_token_logps(ref_model, output_ids, R, full_mask,
-                                                      grpo_args.temperature)  # [B*G, R]
-    per_token_logps = compute_per_token_logps(model, output_ids, R, full_mask, grpo_args.temperature)  # [B*G, R]
+                                                      grpo_args.temperature).per_token_logps  # [B*G, R]
+    per_token_logps = compute_per_token_logps(model, output_ids, R, full_mask,
+                                              grpo_args.temperature).per_token_logps  # [B*G, R]
     per_token_kl = k3_kl(ref_per_token_logps, per_token_logps.detach())  # [B*G, R]
     lines += [f"### {stages[4]}", ""]
     lines += ["One forward of the frozen reference model [参考模型] and one of the policy (with gradient) over the "
@@ -256,7 +259,8 @@ def grpo_walkthrough(batch, grpo_args, model, ref_model, tokenizer, seed, stages
     # 6. loss
     policy_loss, _, ratio = train_grpo.grpo_loss(
         per_token_logps, old_per_token_logps, ref_per_token_logps, advantages, completion_mask,
-        grpo_args.loss_type, grpo_args.epsilon, grpo_args.epsilon_high, grpo_args.beta)
+        loss_type=loss_config.loss_type, epsilon=loss_config.epsilon, epsilon_high=loss_config.epsilon_high,
+        beta=loss_config.beta)
     lines += [f"### {stages[5]}", ""]
     lines += [f"`grpo_loss` with `loss_type={grpo_args.loss_type}` (chapter 8.5.2): CISPO weights each token's "
               "log-prob by the detached ratio clamped at epsilon_high, times the answer's advantage, plus beta × k3; "
@@ -282,7 +286,7 @@ def grpo_walkthrough(batch, grpo_args, model, ref_model, tokenizer, seed, stages
     optimizer.zero_grad(set_to_none=True)
     with torch.no_grad():
         new_per_token_logps = compute_per_token_logps(model, output_ids, R, full_mask,
-                                                      grpo_args.temperature)  # [B*G, R]
+                                                      grpo_args.temperature).per_token_logps  # [B*G, R]
     delta = masked_mean(new_per_token_logps - old_per_token_logps, completion_mask, dim=1)  # [B*G]
     new_kl = masked_mean(k3_kl(ref_per_token_logps, new_per_token_logps), completion_mask)
     agree = int(((delta > 0) == (advantages > 0))[advantages != 0].sum())
@@ -385,7 +389,7 @@ def ppo_walkthrough(batch, ppo_args, actor, ref_model, critic, tokenizer, seed, 
     # 5. ppo_update
     with torch.no_grad():
         first_per_token_logps = compute_per_token_logps(actor, rollout_batch.output_ids, R, rollout_batch.full_mask,
-                                                        ppo_args.temperature)  # [B, R]
+                                                        ppo_args.temperature).per_token_logps  # [B, R]
     first_ratio_error = ((first_per_token_logps - rollout_batch.old_per_token_logps).abs() * mask).max().item()
     actor_optimizer = build_policy_optimizer(actor, ppo_args.learning_rate, ppo_args.weight_decay,
                                              ppo_args.final_norm_learning_rate)  # as train_ppo.py builds it
@@ -393,9 +397,9 @@ def ppo_walkthrough(batch, ppo_args, actor, ref_model, critic, tokenizer, seed, 
                              weight_decay=ppo_args.weight_decay)  # as train_ppo.py builds it
     actor_scheduler = build_cosine_scheduler(actor_optimizer, ppo_args.max_steps)
     critic_scheduler = build_cosine_scheduler(critic_optimizer, ppo_args.max_steps)
-    update = train_ppo.ppo_update(rollout_batch, actor, critic, actor_optimizer, critic_optimizer, actor_scheduler,
-                                  critic_scheduler, ppo_args, "cpu", torch.Generator().manual_seed(seed),
-                                  autocast_context("cpu", ppo_args.dtype))
+    update = train_ppo.ppo_update(rollout_batch, actor, critic, (actor_optimizer, critic_optimizer),
+                                  (actor_scheduler, critic_scheduler), ppo_args, "cpu",
+                                  torch.Generator().manual_seed(seed), autocast_context("cpu", ppo_args.dtype))
     lines += [f"### {stages[4]}", ""]
     lines += ["`ppo_update` (chapters 8.4.3–8.4.4) reuses this one rollout for several optimizer steps: each "
               "epoch shuffles the batch into minibatches; each minibatch adds the clipped surrogate + "
@@ -409,7 +413,7 @@ def ppo_walkthrough(batch, ppo_args, actor, ref_model, critic, tokenizer, seed, 
     # 6. after the update
     with torch.no_grad():
         new_per_token_logps = compute_per_token_logps(actor, rollout_batch.output_ids, R, rollout_batch.full_mask,
-                                                      ppo_args.temperature)  # [B, R]
+                                                      ppo_args.temperature).per_token_logps  # [B, R]
         policy_loss, stats = train_ppo.ppo_policy_loss(
             new_per_token_logps, rollout_batch.old_per_token_logps, rollout_batch.ref_per_token_logps,
             rollout_batch.advantages, mask, ppo_args.clip_epsilon, ppo_args.kl_coef)

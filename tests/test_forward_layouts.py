@@ -5,11 +5,12 @@ The reference values come from each row scored alone (no padding at all, a plain
 forward with its attention mask, which tests/test_model.py checks against transformers' Qwen3.
 """
 import math
+import types
 
 import pytest
 import torch
 
-from trainer.rollout_engine import compute_per_token_logps, policy_forward
+from trainer.rollout_engine import compute_per_token_logps
 from trainer.train_grpo import group_policy_forward, grpo_loss
 from trainer.trainer_utils import completion_mask_from_ids
 
@@ -30,6 +31,14 @@ def grouped_batch():
     return prompt_ids, prompt_mask, completion_ids, completion_mask_from_ids(completion_ids, EOS)
 
 
+def as_rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, num_generations):
+    """The fields of a ``RolloutResult`` that the forwards read, in the rollout's own layout [B*G, P + R]."""
+    output_ids, attention_mask = padded_rows(prompt_ids, prompt_mask, completion_ids, completion_mask, num_generations)
+    return types.SimpleNamespace(output_ids=output_ids, attention_mask=attention_mask, completion_ids=completion_ids,
+                                 completion_mask=completion_mask,
+                                 prompt_mask=prompt_mask.repeat_interleave(num_generations, dim=0))
+
+
 def padded_rows(prompt_ids, prompt_mask, completion_ids, completion_mask, num_generations):
     """The rollout's own layout: each prompt repeated G times, then its answers -> (ids, mask), [B*G, P + R]."""
     input_ids = torch.cat([prompt_ids.repeat_interleave(num_generations, dim=0), completion_ids], dim=1)
@@ -39,8 +48,8 @@ def padded_rows(prompt_ids, prompt_mask, completion_ids, completion_mask, num_ge
 
 def test_shared_prompt_logps_equal_each_row_alone(policy):
     prompt_ids, prompt_mask, completion_ids, completion_mask = grouped_batch()
-    per_token_logps = group_policy_forward(policy, prompt_ids, prompt_mask, completion_ids, completion_mask, 3,
-                                           temperature=0.7).per_token_logps  # [6, 4]
+    rollout = as_rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, 3)
+    per_token_logps = group_policy_forward(policy, rollout, 3, temperature=0.7).per_token_logps  # [6, 4]
     assert per_token_logps.shape == (6, 4)
     for i in range(6):
         prompt = prompt_ids[i // 3][prompt_mask[i // 3].bool()]
@@ -64,10 +73,10 @@ def test_shared_prompt_loss_and_gradients_equal_the_padded_batch(policy, loss_ty
     for shared in (False, True):
         policy.zero_grad()
         if shared:
-            logps = group_policy_forward(policy, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                         3).per_token_logps
+            rollout = as_rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, 3)
+            logps = group_policy_forward(policy, rollout, 3).per_token_logps
         else:
-            logps = compute_per_token_logps(policy, input_ids, 4, attention_mask)
+            logps = compute_per_token_logps(policy, input_ids, 4, attention_mask).per_token_logps
         loss, _, _ = grpo_loss(logps, old, ref, advantages, completion_mask, loss_type, beta=0.1)
         loss.backward()
         results.append((logps.detach()[completion_mask.bool()], loss.item(),
@@ -82,10 +91,11 @@ def test_shared_prompt_loss_and_gradients_equal_the_padded_batch(policy, loss_ty
 
 def test_shared_prompt_checks_the_group_size(policy):
     prompt_ids, prompt_mask, completion_ids, completion_mask = grouped_batch()
-    with pytest.raises(ValueError, match="6 completions for 2 prompts x 2 generations"):
-        group_policy_forward(policy, prompt_ids, prompt_mask, completion_ids, completion_mask, 2)
-    empty = group_policy_forward(policy, prompt_ids, prompt_mask, completion_ids[:, :0], completion_mask[:, :0],
-                                 3).per_token_logps
+    rollout = as_rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, 3)
+    with pytest.raises(ValueError, match="6 completions are not groups of 4"):
+        group_policy_forward(policy, rollout, 4)
+    empty_rollout = as_rollout(prompt_ids, prompt_mask, completion_ids[:, :0], completion_mask[:, :0], 3)
+    empty = group_policy_forward(policy, empty_rollout, 3).per_token_logps
     assert empty.shape == (6, 0)
 
 
@@ -97,9 +107,10 @@ def test_shared_prompt_with_one_token_prompts_and_one_token_answers(policy, num_
     prompt_mask = torch.tensor([[0, 1], [1, 1]])
     completion_ids = torch.tensor([[EOS, PAD], [41, EOS], [EOS, PAD], [51, 52]])[:, :num_completion_tokens]  # [4, R]
     completion_mask = completion_mask_from_ids(completion_ids, EOS)
-    shared = group_policy_forward(policy, prompt_ids, prompt_mask, completion_ids, completion_mask, 2).per_token_logps
+    rollout = as_rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, 2)
+    shared = group_policy_forward(policy, rollout, 2).per_token_logps
     input_ids, attention_mask = padded_rows(prompt_ids, prompt_mask, completion_ids, completion_mask, 2)
-    padded = compute_per_token_logps(policy, input_ids, num_completion_tokens, attention_mask)
+    padded = compute_per_token_logps(policy, input_ids, num_completion_tokens, attention_mask).per_token_logps
     assert shared.shape == padded.shape == (4, num_completion_tokens)
     mask = completion_mask.bool()
     assert (shared - padded)[mask].abs().max() <= 1e-5
@@ -107,9 +118,10 @@ def test_shared_prompt_with_one_token_prompts_and_one_token_answers(policy, num_
 
 def test_token_entropies_equal_a_plain_sum_and_match_between_layouts(policy):
     prompt_ids, prompt_mask, completion_ids, completion_mask = grouped_batch()
-    shared = group_policy_forward(policy, prompt_ids, prompt_mask, completion_ids, completion_mask, 3, temperature=0.7)
+    rollout = as_rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, 3)
+    shared = group_policy_forward(policy, rollout, 3, temperature=0.7)
     input_ids, attention_mask = padded_rows(prompt_ids, prompt_mask, completion_ids, completion_mask, 3)
-    padded = policy_forward(policy, input_ids, 4, attention_mask, temperature=0.7)
+    padded = compute_per_token_logps(policy, input_ids, 4, attention_mask, temperature=0.7, compute_entropy=True)
     mask = completion_mask.bool()
     assert (shared.entropies - padded.entropies)[mask].abs().max() <= 1e-4
     prompt = prompt_ids[0][prompt_mask[0].bool()].tolist()  # row 0 alone: -sum p log p with Python floats

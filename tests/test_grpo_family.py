@@ -1,6 +1,7 @@
-"""The GRPO family (``grpo_loss`` with every ``--loss_type``, the sequence ratio, the two-sided clip) against TRL 1.16's
-own ``GRPOTrainer._compute_loss`` on the same tensors, and against hand-computed values; the advantage scales and the
-signals TRL logs."""
+"""The GRPO family (``grpo_family.family_loss`` with every ``--loss_type``, the sequence ratio, the two-sided clip,
+LUSPO, VESPO) and the chapter's ``grpo_loss`` against TRL 1.16's own ``GRPOTrainer._compute_loss`` on the same
+tensors, with accumulation and two processes; hand-computed values; the flags a member refuses."""
+import collections
 import math
 import types
 
@@ -8,64 +9,82 @@ import pytest
 import torch
 
 from conftest import require_trl
-from trainer.train_grpo import (
-    aggregate_loss, clip_fractions, frac_reward_zero_std, grpo_advantages, grpo_loss, importance_ratio,
+from trainer.grpo_family import (
+    LossConfig, aggregate_loss, clip_fractions, family_loss, frac_reward_zero_std, importance_ratio, scale_gradients,
 )
+from trainer.train_grpo import grpo_advantages, grpo_loss, parse_args
 
 MAX_COMPLETION_LENGTH = 6
 
 
-def ragged_batch(seed=0, rows=4, length=MAX_COMPLETION_LENGTH, spread=0.4):
+def ragged_batch(seed=0, rows=4, length=MAX_COMPLETION_LENGTH, spread=0.4, lengths=(6, 4, 1, 3)):
     """Log-probs with ratios away from 1 (log-ratio std ``spread``), a reference, advantages of both signs and a
-    ragged completion mask (rows of 6, 4, 1 and 3 tokens)."""
+    ragged completion mask (rows of ``lengths`` tokens)."""
     generator = torch.Generator().manual_seed(seed)
     per_token_logps = -torch.rand(rows, length, generator=generator) * 3  # [N, R]
     old = per_token_logps + torch.randn(rows, length, generator=generator) * spread
     ref = per_token_logps + torch.randn(rows, length, generator=generator) * spread
-    advantages = torch.tensor([1.3, -0.7, 0.4, -1.1])[:rows]  # [N]
-    lengths = torch.tensor([6, 4, 1, 3])[:rows]
-    mask = (torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)).long()  # [N, R]
+    advantages = torch.tensor([1.3, -0.7, 0.4, -1.1, 0.9])[:rows]  # [N]
+    mask = (torch.arange(length).unsqueeze(0) < torch.tensor(lengths[:rows]).unsqueeze(1)).long()  # [N, R]
     return per_token_logps, old, ref, advantages, mask
 
 
-def trl_loss(per_token_logps, old, ref, advantages, mask, loss_type, epsilon, epsilon_high, beta,
-             importance_sampling_level="token", delta=None, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05):
-    """TRL's ``GRPOTrainer._compute_loss`` (its own code, unchanged) on these tensors: the trainer object is a
-    namespace holding exactly the attributes that method reads for one process, no accumulation, no vLLM, no
-    entropy masking, and ``use_bias_correction_kl=False`` (TRL's default multiplies the KL by the ratio)."""
+def trl_trainer(loss_type, epsilon, epsilon_high, beta, num_processes=1, accumulation_steps=1, reduce=None,
+                **config):
+    """A namespace holding exactly the attributes TRL's ``_compute_loss`` reads, for ``num_processes`` processes and
+    ``accumulation_steps`` micro-batches per generation batch, no vLLM, no entropy masking and
+    ``use_bias_correction_kl=False`` (TRL's default multiplies the KL by the ratio)."""
     trl = require_trl()
-    logps = per_token_logps.detach().clone().requires_grad_(True)
-
-    def get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, **kwargs):
-        return logps, torch.zeros_like(logps), None
-
-    accelerator = types.SimpleNamespace(num_processes=1, gather=lambda x: x, gather_for_metrics=lambda x: x,
-                                        reduce=lambda x, reduction="sum": x, sync_gradients=True)
-    trainer = types.SimpleNamespace(
-        _get_per_token_logps_and_entropies=get_per_token_logps_and_entropies, top_entropy_quantile=1.0,
-        off_policy_mask_threshold=None, importance_sampling_level=importance_sampling_level, beta=beta,
-        loss_type=loss_type, epsilon_low=epsilon, epsilon_high=epsilon_high, use_vllm=False,
-        model=types.SimpleNamespace(training=True), current_gradient_accumulation_steps=1, accelerator=accelerator,
+    vespo = dict(vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0)
+    vespo.update({key: value for key, value in config.items() if key.startswith("vespo_")})
+    accelerator = types.SimpleNamespace(num_processes=num_processes, gather=lambda x: x, gather_for_metrics=lambda x: x,
+                                        reduce=reduce or (lambda x, reduction="sum": x), sync_gradients=True)
+    return types.SimpleNamespace(
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+        importance_sampling_level=config.get("importance_sampling_level", "token"), beta=beta, loss_type=loss_type,
+        epsilon_low=epsilon, epsilon_high=epsilon_high, use_vllm=False, model=types.SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=accumulation_steps, accelerator=accelerator,
         max_completion_length=MAX_COMPLETION_LENGTH, _entropy_bonus_enabled=False, aux_loss_enabled=False,
-        _metrics={"train": __import__("collections").defaultdict(list)},
-        args=types.SimpleNamespace(delta=delta, use_bias_correction_kl=False, steps_per_generation=1,
-                                   sapo_temperature_pos=sapo_temperature_pos,
-                                   sapo_temperature_neg=sapo_temperature_neg),
+        get_gamma_weights=trl.GRPOTrainer.get_gamma_weights, _metrics={"train": collections.defaultdict(list)},
+        args=types.SimpleNamespace(delta=config.get("delta"), use_bias_correction_kl=False,
+                                   steps_per_generation=accumulation_steps,
+                                   sapo_temperature_pos=config.get("sapo_temperature_pos", 1.0),
+                                   sapo_temperature_neg=config.get("sapo_temperature_neg", 1.05), **vespo),
     )
+
+
+def trl_loss(per_token_logps, old, ref, advantages, mask, loss_type, epsilon, epsilon_high, beta,
+             num_items_in_batch=None, **config):
+    """TRL's ``GRPOTrainer._compute_loss`` (its own code, unchanged) on these tensors -> (loss, gradient, metrics)."""
+    trl = require_trl()
+    trainer = trl_trainer(loss_type, epsilon, epsilon_high, beta, **config)
+    logps = per_token_logps.detach().clone().requires_grad_(True)
+    trainer._get_per_token_logps_and_entropies = lambda *args, **kwargs: (logps, torch.zeros_like(logps), None)
     rows, length = logps.shape
     inputs = {"prompt_ids": torch.zeros(rows, 2, dtype=torch.long), "prompt_mask": torch.ones(rows, 2),
               "completion_ids": torch.zeros(rows, length, dtype=torch.long), "completion_mask": mask.float(),
               "advantages": advantages, "old_per_token_logps": old, "ref_per_token_logps": ref,
-              "num_items_in_batch": mask.sum().float()}
+              "num_items_in_batch": mask.sum().float() if num_items_in_batch is None else num_items_in_batch}
     loss = trl.GRPOTrainer._compute_loss(trainer, None, inputs)
     loss.backward()
     return loss.detach(), logps.grad, trainer._metrics["train"]
 
 
-def ours(per_token_logps, old, ref, advantages, mask, loss_type, epsilon, epsilon_high, beta, **kwargs):
+def config_of(loss_type, epsilon, epsilon_high, beta, **extra):
+    """The ``LossConfig`` of a member, with TRL's keyword names for the extra settings."""
+    return LossConfig(
+        loss_type=loss_type, beta=beta, epsilon=epsilon, epsilon_high=epsilon_high,
+        importance_sampling_level=extra.get("importance_sampling_level", "token"), delta=extra.get("delta"),
+        sapo_temperatures=(extra.get("sapo_temperature_pos", 1.0), extra.get("sapo_temperature_neg", 1.05)),
+        vespo_gamma=tuple(extra.get(f"vespo_{k}", d) for k, d in (("k_pos", 2.0), ("lambda_pos", 3.0),
+                                                                   ("k_neg", 3.0), ("lambda_neg", 2.0))),
+        max_completion_length=MAX_COMPLETION_LENGTH)
+
+
+def ours(per_token_logps, old, ref, advantages, mask, loss_type, epsilon, epsilon_high, beta, **extra):
     logps = per_token_logps.detach().clone().requires_grad_(True)
-    loss, _, ratio = grpo_loss(logps, old, ref, advantages, mask, loss_type, epsilon, epsilon_high, beta,
-                               max_completion_length=MAX_COMPLETION_LENGTH, **kwargs)
+    loss, _, ratio = family_loss(logps, old, ref, advantages, mask, config_of(loss_type, epsilon, epsilon_high, beta,
+                                                                              **extra))
     loss.backward()
     return loss.detach(), logps.grad, ratio
 
@@ -79,6 +98,10 @@ FAMILY = [  # (loss_type, epsilon, epsilon_high, extra): each member as its pape
     ("sapo", 0.2, 0.2, {"sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05}),
     ("grpo", 3e-4, 4e-4, {"importance_sampling_level": "sequence"}),  # GSPO's clip range
     ("dapo", 3e-4, 4e-4, {"importance_sampling_level": "sequence"}),
+    ("luspo", 3e-4, 4e-4, {"importance_sampling_level": "sequence"}),  # LUSPO: GSPO's ratio, a token sum per answer
+    ("luspo", 0.2, 0.28, {}),
+    ("vespo", 0.2, 0.2, {}),  # VESPO with TRL's default gamma
+    ("vespo", 0.2, 0.2, {"vespo_k_pos": 1.5, "vespo_lambda_pos": 0.5, "vespo_k_neg": 4.0, "vespo_lambda_neg": 1.0}),
 ]
 
 
@@ -92,6 +115,25 @@ def test_each_member_equals_trls_loss_and_gradient_on_ragged_rows(loss_type, eps
     assert loss.item() == pytest.approx(expected_loss.item(), abs=1e-6)
     assert torch.allclose(grad, expected_grad, atol=1e-7), (grad, expected_grad)
     assert grad.abs().max() > 0
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+@pytest.mark.parametrize("loss_type, epsilon_high", [("cispo", 5.0), ("cispo", 1.2), ("grpo", 0.2), ("grpo", 0.28)])
+def test_the_chapters_grpo_loss_equals_the_familys_and_trls(loss_type, epsilon_high, beta):
+    """train_grpo.grpo_loss (the chapter's two, written out) gives the family's loss and gradient; grpo also TRL's."""
+    batch = ragged_batch(seed=3, spread=0.6)
+    logps = batch[0].detach().clone().requires_grad_(True)
+    loss, per_token_kl, ratio = grpo_loss(logps, *batch[1:], loss_type=loss_type, epsilon=0.2,
+                                          epsilon_high=epsilon_high, beta=beta)
+    loss.backward()
+    family, family_grad, family_ratio = ours(*batch, loss_type, 0.2, epsilon_high, beta)
+    assert loss.item() == family.item() and torch.equal(logps.grad, family_grad) and torch.equal(ratio, family_ratio)
+    if loss_type == "grpo":
+        expected_loss, expected_grad, _ = trl_loss(*batch, loss_type, 0.2, epsilon_high, beta)
+        assert loss.item() == pytest.approx(expected_loss.item(), abs=1e-6)
+        assert torch.allclose(logps.grad, expected_grad, atol=1e-7)
+    with pytest.raises(ValueError, match="family_loss"):
+        grpo_loss(logps, *batch[1:], loss_type="dapo")
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.1])
@@ -111,16 +153,64 @@ def test_cispo_equals_trl_on_rows_of_equal_length_and_departs_on_ragged_rows(bet
     assert dapo_like.item() == pytest.approx(-1.0)
 
 
-def test_clip_fractions_are_trls():
+@pytest.mark.parametrize("loss_type, epsilon_high", [("dapo", 0.28), ("vespo", 0.2)])
+def test_token_sum_members_over_an_accumulation_window_of_two_processes_equal_trl(loss_type, epsilon_high):
+    """Two processes x two accumulation steps, 60 and 24 answer tokens: TRL weighs every token of the window 1/84
+    (``num_items_in_batch`` spans the generation batch), not 1/60 and 1/24 by step. The loop's way: each step
+    backpropagates its token sum / the window size, DDP averages the processes, and the update scales by
+    window / (window tokens / processes)."""
+    lengths = {(0, 0): (6, 6, 6, 6, 6), (0, 1): (6, 6, 6, 1, 0), (1, 0): (6, 6, 6, 6, 6), (1, 1): (2, 1, 0, 1, 1)}
+    batches = {key: ragged_batch(seed=10 + 2 * key[0] + key[1], rows=5, lengths=value)
+               for key, value in lengths.items()}
+    window_tokens = sum(int(batch[4].sum()) for batch in batches.values())
+    assert window_tokens == 84 and int(batches[0, 1][4].sum()) + int(batches[1, 1][4].sum()) == 24
+    processes, window = 2, 2
+    for key, batch in batches.items():
+        trainer = trl_trainer(loss_type, 0.2, epsilon_high, 0.1, num_processes=processes, accumulation_steps=window)
+        trl = require_trl()
+        logps = batch[0].detach().clone().requires_grad_(True)
+        trainer._get_per_token_logps_and_entropies = lambda *args, **kwargs: (logps, torch.zeros_like(logps), None)
+        inputs = {"prompt_ids": torch.zeros(5, 2, dtype=torch.long), "prompt_mask": torch.ones(5, 2),
+                  "completion_ids": torch.zeros(5, 6, dtype=torch.long), "completion_mask": batch[4].float(),
+                  "advantages": batch[3], "old_per_token_logps": batch[1], "ref_per_token_logps": batch[2],
+                  "num_items_in_batch": torch.tensor(float(window_tokens))}
+        trl.GRPOTrainer._compute_loss(trainer, None, inputs).backward()
+        expected = logps.grad / processes  # DDP's mean over the processes
+        ours_logps = batch[0].detach().clone().requires_grad_(True)
+        token_sum, _, _ = family_loss(ours_logps, *batch[1:], config_of(loss_type, 0.2, epsilon_high, 0.1), 1.0)
+        (token_sum / window).backward()
+        ours_logps.grad /= processes  # DDP's mean
+        window_num_items = sum(float(batches[p, key[1]][4].sum()) for p in range(processes)) / processes \
+            + sum(float(batches[p, 1 - key[1]][4].sum()) for p in range(processes)) / processes
+        scale_gradients([ours_logps], window / window_num_items)
+        assert torch.allclose(ours_logps.grad, expected, atol=1e-8), key
+        masked = ours_logps.grad[batch[4].bool()]
+        assert masked.abs().max() > 0
+
+
+def test_clip_fractions_are_trls_per_token_and_per_sequence():
     batch = ragged_batch(seed=2, spread=0.6)
     for loss_type, epsilon, epsilon_high in (("dapo", 0.2, 0.28), ("cispo", 0.2, 1.2)):
         _, _, metrics = trl_loss(*batch, loss_type, epsilon, epsilon_high, 0.0)
-        _, ratio = importance_ratio(batch[0], batch[1], batch[4])
-        fractions = clip_fractions(ratio, batch[3], batch[4], loss_type, epsilon, epsilon_high)
+        ratio = importance_ratio(batch[0], batch[1], batch[4])
+        fractions = clip_fractions(ratio, batch[3], batch[4], config_of(loss_type, epsilon, epsilon_high, 0.0))
         assert fractions, loss_type
         for key, value in fractions.items():
             assert value == pytest.approx(metrics[key][0], abs=1e-7), key
         assert max(fractions.values()) > 0
+    # sequence level: rows of 7, 1, 2, 7 and 0 tokens, only the 2-token row's ratio above the clip: TRL counts answers
+    logps = torch.zeros(5, 7)
+    old = torch.zeros(5, 7)
+    old[2, :2] = -0.5  # ratio exp(0.5) on the 2-token row
+    advantages = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0])
+    mask = (torch.arange(7).unsqueeze(0) < torch.tensor([7, 1, 2, 7, 0]).unsqueeze(1)).long()
+    _, _, metrics = trl_loss(logps, old, None, advantages, mask, "grpo", 0.2, 0.2, 0.0,
+                             importance_sampling_level="sequence")
+    ratio = importance_ratio(logps, old, mask, "sequence")
+    fractions = clip_fractions(ratio, advantages, mask, config_of("grpo", 0.2, 0.2, 0.0,
+                                                                   importance_sampling_level="sequence"))
+    assert metrics["clip_ratio/high_mean"][0] == pytest.approx(1 / 5)
+    assert fractions["clip_ratio/high_mean"] == pytest.approx(1 / 5)  # not 2 / 17 tokens
 
 
 def test_hand_computed_members_on_one_token():
@@ -129,16 +219,19 @@ def test_hand_computed_members_on_one_token():
     old, mask, advantage = torch.tensor([[-1.0]]), torch.ones(1, 1), torch.tensor([1.0])
     cases = {("grpo", 0.2, 0.2): -1.2,  # min(2, clip(2, 0.8, 1.2)) = 1.2
              ("dapo", 0.2, 0.28): -1.28,  # clip-higher: 1.28
+             ("luspo", 0.2, 0.28): -1.28,  # one token: its sum
              ("cispo", 0.2, 5.0): -2.0 * (math.log(2.0) - 1.0),  # sg[min(2, 5)] * A * logp
-             ("sapo", 0.2, 0.2): -(4.0 / (1.0 + math.exp(-1.0)))}  # sigmoid(1 * (2 - 1)) * 4 / 1
+             ("sapo", 0.2, 0.2): -(4.0 / (1.0 + math.exp(-1.0))),  # sigmoid(1 * (2 - 1)) * 4 / 1
+             # vespo: phi(2) = e^3 * 2^2 * e^(-3 * 2) (k_pos 2, lambda_pos 3), times A * logp
+             ("vespo", 0.2, 0.2): -math.exp(3.0) * 4.0 * math.exp(-6.0) * (math.log(2.0) - 1.0)}
     for (loss_type, epsilon, epsilon_high), expected in cases.items():
-        loss, _, _ = grpo_loss(logps, old, None, advantage, mask, loss_type, epsilon, epsilon_high, beta=0.0)
+        loss, _, _ = family_loss(logps, old, None, advantage, mask, config_of(loss_type, epsilon, epsilon_high, 0.0))
         assert loss.item() == pytest.approx(expected, rel=1e-6), loss_type
-    # dr_grpo: the same token loss over rows x max_completion_length = 1 x 4
-    loss, _, _ = grpo_loss(logps, old, None, advantage, mask, "dr_grpo", 0.2, 0.2, beta=0.0, max_completion_length=4)
-    assert loss.item() == pytest.approx(-1.2 / 4, rel=1e-6)
+    # dr_grpo: the same token loss over rows x max_completion_length = 1 x 6
+    loss, _, _ = family_loss(logps, old, None, advantage, mask, config_of("dr_grpo", 0.2, 0.2, 0.0))
+    assert loss.item() == pytest.approx(-1.2 / MAX_COMPLETION_LENGTH, rel=1e-6)
     # two-sided clip with A < 0: the unclipped ratio 2 is capped at delta 1.5, min(-1.5, -1.2) = -1.5
-    loss, _, _ = grpo_loss(logps, old, None, -advantage, mask, "grpo", 0.2, 0.2, beta=0.0, delta=1.5)
+    loss, _, _ = family_loss(logps, old, None, -advantage, mask, config_of("grpo", 0.2, 0.2, 0.0, delta=1.5))
     assert loss.item() == pytest.approx(1.5, rel=1e-6)
 
 
@@ -146,8 +239,38 @@ def test_sequence_ratio_is_the_exp_of_the_mean_log_ratio():
     logps = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, -9.0]])
     old = torch.tensor([[-1.5, -2.5, -3.0], [-2.0, -1.0, 5.0]])
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
-    _, ratio = importance_ratio(logps, old, mask, "sequence")
-    assert ratio.squeeze(1).tolist() == pytest.approx([math.exp(1.0 / 3), math.exp(0.5)])  # masked token left out
+    ratio = importance_ratio(logps, old, mask, "sequence")  # [2, 3], one value per row
+    assert ratio[:, 0].tolist() == pytest.approx([math.exp(1.0 / 3), math.exp(0.5)])  # masked token left out
+    assert torch.equal(ratio[:, 0:1].expand_as(ratio), ratio)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--loss_type", "cispo", "--epsilon", "0.3"], "--epsilon is not read by --loss_type cispo"),
+    (["--loss_type", "cispo", "--delta", "3"], "--delta is not read by --loss_type cispo"),
+    (["--loss_type", "sapo", "--epsilon_high", "0.28"], "--epsilon_high is not read by --loss_type sapo"),
+    (["--loss_type", "grpo", "--sapo_temperature_pos", "2"], "--sapo_temperature_pos is not read by --loss_type grpo"),
+    (["--loss_type", "vespo", "--importance_sampling_level", "sequence"],
+     "--importance_sampling_level is not read by --loss_type vespo"),
+    (["--loss_type", "dapo", "--vespo_k_pos", "1"], "--vespo_k_pos is not read by --loss_type dapo"),
+    (["--loss_type", "ppo"], "--loss_type 'ppo' is unknown"),
+    (["--loss_type", "dapo", "--use_moe", "1", "--shared_prefix", "0"], "would scale the MoE router loss too"),
+])
+def test_a_flag_the_member_ignores_is_refused_naming_the_member(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(flags)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_chapters_defaults_and_each_members_flags_parse():
+    from trainer.grpo_family import build_loss_config
+    assert build_loss_config(parse_args([])) == LossConfig(max_completion_length=parse_args([]).max_gen_len)
+    assert build_loss_config(parse_args(["--loss_type", "grpo"])).epsilon_high == 0.2  # the symmetric clip
+    vespo = build_loss_config(parse_args(["--loss_type", "vespo", "--vespo_k_neg", "4"]))
+    assert vespo.vespo_gamma == (2.0, 3.0, 4.0, 2.0)
+    luspo = build_loss_config(parse_args(["--loss_type", "luspo", "--importance_sampling_level", "sequence",
+                                          "--epsilon", "3e-4", "--epsilon_high", "4e-4"]))
+    assert (luspo.epsilon, luspo.epsilon_high, luspo.is_chapter_loss) == (3e-4, 4e-4, False)
 
 
 def test_advantage_scales_by_hand():
@@ -178,7 +301,7 @@ def run_in_process(argv, monkeypatch, update_metrics=None):
     from run_patched import text_rewards
     from trainer import train_grpo
     calls = {"n": 0}
-    real = train_grpo.rollout_per_token_logps
+    real = train_grpo.group_policy_forward
     real_policy_loss = train_grpo.grpo_policy_loss
 
     def counted(*args, **kwargs):
@@ -190,7 +313,7 @@ def run_in_process(argv, monkeypatch, update_metrics=None):
         update_metrics.append(dict(metrics))
         return loss, metrics
 
-    monkeypatch.setattr(train_grpo, "rollout_per_token_logps", counted)
+    monkeypatch.setattr(train_grpo, "group_policy_forward", counted)
     if update_metrics is not None:
         monkeypatch.setattr(train_grpo, "grpo_policy_loss", recorded_policy_loss)
     train_grpo.main(argv, reward_fn=text_rewards)
