@@ -221,13 +221,15 @@ def step_calls(script_path):
 @pytest.mark.parametrize("script", ["train_grpo", "train_ppo"])
 def test_the_rl_step_reaches_the_chapter_modules_only(script):
     """A reader following the RL step itself (rollout, rewards, advantages, losses, the update) meets the script and
-    the chapter's shared modules only (rollout engine, trainer_utils, the model), plus the optimizer's helpers and the
-    rank helpers; the bookkeeping (checkpoints, metrics, stop requests) is called from main's loop, in view."""
+    the chapter's shared modules only (rollout engine, trainer_utils, the model), what comes after the chapter beside
+    them (the GRPO family, the shared-prefix forward), the optimizer's helpers and the rank helpers; the bookkeeping
+    (checkpoints, metrics, stop requests) is called from main's loop, in view."""
     called, imported = step_calls(f"trainer/{script}.py")
     modules = {imported[name.split(".")[0]] for name in called if name.split(".")[0] in imported}
     project_modules = {module for module in modules if module.split(".")[0] in ("trainer", "model", "dataset")}
     assert project_modules <= {"trainer.rollout_engine", "trainer.trainer_utils", "model.model_minimind",
-                               "trainer.infra.optimizer", "trainer.infra.distributed"}, project_modules
+                               "trainer.grpo_family", "trainer.shared_prefix", "trainer.infra.optimizer",
+                               "trainer.infra.distributed"}, project_modules
 
 
 def class_fields(node):

@@ -13,12 +13,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from trainer.infra.flags import add_bool_flag
 from trainer.trainer_utils import k3_kl
 
 LOSS_TYPES = ("cispo", "grpo", "bnpo", "dr_grpo", "dapo", "sapo", "luspo", "vespo")  # TRL's GRPOConfig.loss_type
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # PPO's clipped surrogate, with their own sums
 TOKEN_SUM_LOSS_TYPES = ("dapo", "vespo")  # a token sum over the accumulation window's tokens of every process
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+SCALE_REWARDS = ("group", "batch", "none")  # the advantage's scale (train_grpo.grpo_advantages)
 DEFAULT_CISPO_EPSILON_HIGH = 5.0  # upstream MiniMind's --epsilon_high: CISPO's clamp of the ratio weight
 # the flags each member reads besides --loss_type and --beta (a member refuses a flag it would ignore)
 MEMBER_FLAGS = {
@@ -54,6 +56,10 @@ class LossConfig:
 
 def add_family_args(parser):
     """The flags of the members after the chapter, TRL's names; unset flags stay None (``build_loss_config``)."""
+    parser.add_argument("--scale_rewards", default="group", choices=SCALE_REWARDS,
+                        help="advantage scale: the group's std (the chapter's), the batch's, or none (Dr. GRPO)")
+    add_bool_flag(parser, "--mask_truncated_completions",
+                  help="1: answers cut at --max_gen_len (no EOS) are left out of the loss (DAPO)")
     parser.add_argument("--importance_sampling_level", default=None, choices=IMPORTANCE_SAMPLING_LEVELS,
                         help="token: a ratio per token (default, the chapter's); sequence: one per answer (GSPO)")
     parser.add_argument("--delta", type=float, default=None,
@@ -65,6 +71,19 @@ def add_family_args(parser):
                           ("vespo_k_neg", "vespo: the gamma weight's power where A < 0"),
                           ("vespo_lambda_neg", "vespo: the gamma weight's decay where A < 0")):
         parser.add_argument(f"--{flag}", type=float, default=None, help=f"{meaning} ({FAMILY_DEFAULTS[flag]})")
+
+
+def check_family_args(parser, args):
+    """``parser.error`` naming the flag when ``build_loss_config`` refuses the flags; a note when --epsilon_high >= 1
+    is a clipped member's upper clip (TRL's meaning), not CISPO's clamp."""
+    try:
+        build_loss_config(args)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.loss_type in CLIPPED_LOSS_TYPES and (args.epsilon_high or 0) >= 1:
+        print(f"note: --loss_type {args.loss_type} clips the ratio to [1 - epsilon, 1 + {args.epsilon_high}]: "
+              f"--epsilon_high is the upper clip here (TRL's meaning), CISPO's clamp only with --loss_type cispo",
+              flush=True)
 
 
 def build_loss_config(args):
@@ -265,6 +284,26 @@ def clip_fractions(ratio, advantages, completion_mask, config):
     return {"clip_ratio/low_mean": global_masked_mean(low, completion_mask, per_sequence),
             "clip_ratio/high_mean": global_masked_mean(high, completion_mask, per_sequence),
             "clip_ratio/region_mean": global_masked_mean(low + high, completion_mask, per_sequence)}
+
+
+def update_metrics(per_token_logps, old_per_token_logps, per_token_kl, ratio, entropies, rollout_batch, loss_config):
+    """What one update logs, over every process (TRL's names where TRL logs the same): ``kl_ref`` (with a reference),
+    ``ratio_mean``, ``entropy``, ``approx_kl`` to the sampler (0.5 E[log ratio^2], 0 at the first update),
+    ``ratio_min`` / ``ratio_max`` and the clip fractions. Tensors [B*G, R] detached; rollout_batch: GRPORolloutBatch."""
+    completion_mask = rollout_batch.completion_mask  # [B*G, R]
+    log_ratio = (per_token_logps - old_per_token_logps) * completion_mask  # [B*G, R]
+    metrics = {} if rollout_batch.ref_per_token_logps is None else {
+        "kl_ref": global_masked_mean(per_token_kl, completion_mask)}
+    ratio_min, ratio_max = global_extremes(ratio, completion_mask)
+    metrics.update(
+        ratio_mean=global_masked_mean(ratio, completion_mask),
+        entropy=global_masked_mean(entropies, completion_mask),
+        approx_kl=0.5 * global_masked_mean(log_ratio ** 2, completion_mask),
+        ratio_min=ratio_min,
+        ratio_max=ratio_max,
+        **clip_fractions(ratio, rollout_batch.advantages, completion_mask, loss_config),
+    )
+    return metrics
 
 
 def frac_reward_zero_std(rewards, num_generations):

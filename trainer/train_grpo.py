@@ -27,16 +27,14 @@ from torch.utils.data import DataLoader
 from dataset.lm_dataset import (
     RLAIFDataset, ResumableBatchSampler, check_prompt_count, count_total_steps, resumable_batches,
 )
-from model.model_minimind import KVCache
 from trainer.grpo_family import (
-    CLIPPED_LOSS_TYPES, DEFAULT_CISPO_EPSILON_HIGH, LOSS_TYPES, TOKEN_SUM_LOSS_TYPES, add_family_args,
-    build_loss_config, clip_fractions, family_loss, frac_reward_zero_std, global_extremes, global_masked_mean,
-    scale_gradients,
+    DEFAULT_CISPO_EPSILON_HIGH, LOSS_TYPES, SCALE_REWARDS, TOKEN_SUM_LOSS_TYPES, add_family_args, build_loss_config,
+    check_family_args, family_loss, frac_reward_zero_std, scale_gradients, update_metrics,
 )
 from trainer.infra.checkpoints import claim_save_dir, resume_command, save_checkpoint, start_or_resume
 from trainer.infra.distributed import (
     Logger, all_ranks_mean, any_rank, compile_for_training, init_distributed_mode, mean_over_ranks,
-    rank_and_world_size, setup_seed, shutdown_distributed, unwrap_model, wrap_ddp,
+    rank_and_world_size, setup_seed, shutdown_distributed, wrap_ddp,
 )
 from trainer.infra.dtypes import autocast_context, resolve_train_dtype, reward_model_dtype
 from trainer.infra.evaluation import build_evaluator, evaluate_if_due
@@ -47,13 +45,9 @@ from trainer.infra.optimizer import (
 )
 from trainer.infra.stopping import BadStepGuard, StopSignal, nonfinite_parts
 from trainer.infra.weights import build_config, load_policy, load_tokenizer, weight_path
-from trainer.rollout_engine import (
-    PolicyForward, RolloutResult, compute_per_token_logps, create_rollout_engine, selective_log_softmax,
-    token_entropies, tokenize_prompts,
-)
+from trainer.rollout_engine import RolloutResult, compute_per_token_logps, create_rollout_engine, tokenize_prompts
+from trainer.shared_prefix import shared_prefix_forward
 from trainer.trainer_utils import calculate_rewards, k3_kl, load_reward_model, masked_mean
-
-SCALE_REWARDS = ("group", "batch", "none")
 
 
 # ----------------------------------------------------------------------------- the math (chapter 8.5)
@@ -145,12 +139,8 @@ def parse_args(argv=None):
     parser.add_argument("--epsilon_high", type=float, default=None,
                         help="cispo: the clamp of the ratio weight (5.0, upstream MiniMind's); clipped family: upper "
                              "clip 1 + epsilon_high (default --epsilon; DAPO 0.28)")
-    parser.add_argument("--scale_rewards", default="group", choices=SCALE_REWARDS,
-                        help="advantage scale: the group's std (the chapter's), the batch's, or none (Dr. GRPO)")
     parser.add_argument("--num_iterations", type=int, default=1,
                         help="mu: updates on each rollout (1: the chapter's; from the second the ratio leaves 1)")
-    add_bool_flag(parser, "--mask_truncated_completions",
-                  help="1: answers cut at --max_gen_len (no EOS) are left out of the loss (DAPO)")
     add_bool_flag(parser, "--shared_prefix",
                   help="1: the forwards run each prompt once for its G answers (same log-probs; the default for "
                        "dense models); 0: every answer with its own copy of the prompt (the default with --use_moe 1)")
@@ -171,55 +161,22 @@ def parse_args(argv=None):
         parser.error("--num_iterations > 1 updates once per iteration: use it with --accumulation_steps 1")
     if args.beta < 0:
         parser.error(f"--beta must be >= 0, got {args.beta}")
-    try:
-        build_loss_config(args)
-    except ValueError as error:
-        parser.error(str(error))
-    if args.loss_type in CLIPPED_LOSS_TYPES and (args.epsilon_high or 0) >= 1:
-        print(f"note: --loss_type {args.loss_type} clips the ratio to [1 - epsilon, 1 + {args.epsilon_high}]: "
-              f"--epsilon_high is the upper clip here (TRL's meaning), CISPO's clamp only with --loss_type cispo",
-              flush=True)
+    check_family_args(parser, args)  # the loss's flags: a flag the chosen member ignores is refused
     return args
 
 
 # ----------------------------------------------------------------------------- the forwards of a rollout
 def group_policy_forward(model, rollout, num_generations, temperature=1.0, shared_prefix=True, compute_entropy=True):
     """``PolicyForward`` of a rollout's B*G answers under ``model`` (chapter 8.2, 8.5): per_token_logps fp32
-    [B*G, R] (finite but meaningless after a row's EOS), the MoE router loss, token entropies [B*G, R] (or None).
-
-    ``shared_prefix``: each prompt runs once, [B, P], its keys and values are repeated for its G answers, and the
-    answers run on top, [B*G, R - 1] (causal attention: the same log-probs, the prompt computed B times instead of
-    B*G; Prefix Grouper, Liu et al. 2025; docs/walkthrough.md). 0: every answer with its own copy of the prompt.
-    ``model``: a dense MiniMind causal LM or its DDP wrapper (MoE: ``shared_prefix`` 0); ``rollout``: RolloutResult.
-    """
-    completion_ids, completion_mask = rollout.completion_ids, rollout.completion_mask  # [B*G, R]
-    num_completion_tokens = completion_ids.size(1)
-    if completion_ids.size(0) % num_generations != 0:
-        raise ValueError(f"{completion_ids.size(0)} completions are not groups of {num_generations}")
-    if not shared_prefix or num_completion_tokens == 0:
-        return compute_per_token_logps(model, rollout.output_ids, num_completion_tokens, rollout.attention_mask,
-                                       temperature, compute_entropy)
-    prompt_ids = rollout.output_ids[::num_generations, :rollout.prompt_mask.size(1)]  # [B, P], one row per group
-    prompt_mask = rollout.prompt_mask[::num_generations]  # [B, P]
-    cache = KVCache(unwrap_model(model).config.num_hidden_layers)
-    prompt_out = model(prompt_ids, attention_mask=prompt_mask, past_key_values=cache,
-                       logits_to_keep=1)  # logits [B, 1, V]: the prompt's last position predicts answer token 0
-    first_logits = prompt_out.logits.repeat_interleave(num_generations, dim=0)  # [B*G, 1, V]
-    per_token_logps = selective_log_softmax(first_logits, completion_ids[:, :1], temperature)  # [B*G, 1]
-    entropies = token_entropies(first_logits, temperature) if compute_entropy else None  # [B*G, 1]
-    aux_loss = prompt_out.aux_loss
-    if num_completion_tokens > 1:  # answer token t predicts t + 1
-        cache = cache.repeat_interleave(num_generations, extra_capacity=num_completion_tokens - 1)
-        repeated_prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # [B*G, P]
-        full_mask = torch.cat([repeated_prompt_mask, completion_mask[:, :-1]], dim=1)  # [B*G, P + R - 1]
-        completion_out = model(completion_ids[:, :-1], attention_mask=full_mask,
-                               past_key_values=cache)  # logits [B*G, R - 1, V]
-        rest_logps = selective_log_softmax(completion_out.logits, completion_ids[:, 1:], temperature)  # [B*G, R-1]
-        per_token_logps = torch.cat([per_token_logps, rest_logps], dim=1)  # [B*G, R]
-        if compute_entropy:
-            entropies = torch.cat([entropies, token_entropies(completion_out.logits, temperature)], dim=1)  # [B*G, R]
-        aux_loss = aux_loss + completion_out.aux_loss
-    return PolicyForward(per_token_logps, aux_loss, entropies)
+    [B*G, R], the MoE router loss, token entropies [B*G, R] (or None). Every answer with its own copy of the prompt
+    (the chapter's), or with ``shared_prefix`` each prompt's forward once for its G answers (``shared_prefix.py``:
+    the same log-probs). Raises ValueError when the rows are not groups of ``num_generations``."""
+    if rollout.completion_ids.size(0) % num_generations != 0:
+        raise ValueError(f"{rollout.completion_ids.size(0)} completions are not groups of {num_generations}")
+    if shared_prefix:
+        return shared_prefix_forward(model, rollout, num_generations, temperature, compute_entropy)
+    return compute_per_token_logps(model, rollout.output_ids, rollout.completion_ids.size(1), rollout.attention_mask,
+                                   temperature, compute_entropy)
 
 
 # ----------------------------------------------------------------------------- one step
@@ -227,8 +184,7 @@ def group_policy_forward(model, rollout, num_generations, temperature=1.0, share
 class GRPORolloutBatch:
     """What ``grpo_rollout`` hands to the updates: one rollout of B prompts x G answers and what the loss needs."""
     rollout: RolloutResult  # output_ids, completion_ids, masks and the old log-probs of the sampler (8.2)
-    completion_mask: torch.Tensor  # [B*G, R] 0/1, the tokens of the loss (truncated answers out with
-    #                                --mask_truncated_completions 1)
+    completion_mask: torch.Tensor  # [B*G, R] 0/1, the loss's tokens (--mask_truncated_completions: cut answers out)
     advantages: torch.Tensor  # [B*G] fp32 (8.5.1)
     ref_per_token_logps: Optional[torch.Tensor]  # [B*G, R] fp32 (8.6), None with --beta 0
     rewards: torch.Tensor  # [B*G] fp32 (8.3)
@@ -285,13 +241,9 @@ def grpo_rollout(batch, ref_model, rollout_engine, reward_fn, reward_model, toke
 
 
 def grpo_policy_loss(model, rollout_batch, loss_config, args, autocast):
-    """Step 5 of a GRPO step (chapter 8.5.2, 8.6): the policy's log-probs of the rollout and the loss of
-    ``--loss_type`` with the k3 KL penalty; run once per update (``--num_iterations`` times per rollout).
-
-    ``model`` is what the gradient flows through (the DDP wrapper when distributed); ``loss_config`` the
-    ``LossConfig`` of the flags. Returns (loss to backpropagate, metrics of this update); the loop divides the loss
-    by the size of its accumulation window (dapo, vespo: a token sum, divided by the window's tokens at the update).
-    """
+    """Step 5 of a GRPO step (chapter 8.5.2, 8.6), once per update: the policy's log-probs of the rollout through
+    ``model`` (the DDP wrapper when distributed) and the loss of ``loss_config`` with the k3 KL penalty.
+    Returns (loss to backpropagate, metrics of this update); the loop divides the loss by its accumulation window."""
     rollout, completion_mask = rollout_batch.rollout, rollout_batch.completion_mask
     old_per_token_logps = rollout.per_token_logps.detach()  # [B*G, R]
     with autocast:
@@ -309,21 +261,9 @@ def grpo_policy_loss(model, rollout_batch, loss_config, args, autocast):
         policy_loss, per_token_kl, ratio = family_loss(*inputs, loss_config, 1.0 if token_sum else None)
         logged_policy_loss = policy_loss.item() / (rollout_batch.num_items_in_batch if token_sum else 1.0)
     loss = policy_loss + aux_loss  # the loop divides by the size of its accumulation window
-
-    log_ratio = (per_token_logps.detach() - old_per_token_logps) * completion_mask  # [B*G, R], vs the sampler
-    metrics = {} if rollout_batch.ref_per_token_logps is None else {
-        "kl_ref": global_masked_mean(per_token_kl, completion_mask)}
-    ratio_min, ratio_max = global_extremes(ratio, completion_mask)  # over every process
-    metrics.update(
-        policy_loss=logged_policy_loss,
-        aux_loss=float(aux_loss),
-        ratio_mean=global_masked_mean(ratio, completion_mask),
-        entropy=global_masked_mean(entropies, completion_mask),
-        approx_kl=0.5 * global_masked_mean(log_ratio ** 2, completion_mask),  # to the sampler, 0 at the first update
-        ratio_min=ratio_min,
-        ratio_max=ratio_max,
-        **clip_fractions(ratio, rollout_batch.advantages, completion_mask, loss_config),
-    )
+    metrics = {"policy_loss": logged_policy_loss, "aux_loss": float(aux_loss)}
+    metrics.update(update_metrics(per_token_logps.detach(), old_per_token_logps, per_token_kl, ratio, entropies,
+                                  rollout_batch, loss_config))  # KL, entropy, the ratio's range and clipping
     return loss, metrics
 
 
@@ -352,10 +292,8 @@ def grpo_metrics(rollout_batch, updates):
 
 
 def grpo_log_line(metrics, num_iterations=1):
-    """GRPO's part of the log line (after the rewards): KL, advantages, loss, entropy, clipping, length, rate.
-
-    With ``num_iterations`` > 1 the ratio leaves 1, and the line also shows its range over the step's updates, the
-    approximate KL to the sampler and the clipped share of tokens below and above the clip range."""
+    """GRPO's part of the log line (after the rewards): KL, advantages, loss, entropy, clipping, length, rate; with
+    ``num_iterations`` > 1 also the ratio's range over the step's updates, the clipped shares and the approximate KL."""
     kl_ref = f"kl_ref {metrics['kl_ref']:.4f} | " if "kl_ref" in metrics else ""
     clip = next((f" | clipped {metrics[key]:.3f}" for key in ("clip_ratio/region_mean", "cispo_clip_ratio")
                  if key in metrics), "")
