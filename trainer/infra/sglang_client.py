@@ -5,15 +5,20 @@ weight version every answer must carry, and the prompts a server cannot take.
 Field names and meanings follow SGLang 0.5.21 (``io_struct.py``, ``tokenizer_manager.py``; docs: "Sampling
 Parameters"). Infrastructure, not RL: a learner can skip this file.
 """
+import json
+import math
 import os
+import threading
 import time
 import urllib.parse
 
 import requests
 
 from trainer.infra.distributed import broadcast_from_rank0
+from trainer.infra.stopping import stop_received
 
 RETRIED_HTTP_STATUSES = (502, 503, 504)
+STOP_GRACE_S = 10.0  # seconds an answer is awaited after a stop request (a CPU server answers a batch in about 1 s)
 
 
 def sglang_sampling_params(temperature, top_p, top_k, max_new_tokens, eos_token_id):
@@ -36,8 +41,9 @@ def sglang_sampling_params(temperature, top_p, top_k, max_new_tokens, eos_token_
     }
 
 
-def parse_sglang_output(output, index, max_new_tokens, eos_token_id, weight_version=None):
-    """Completion token ids and their log-probs from one element of SGLang's ``/generate`` answer.
+def parse_sglang_output(output, index, max_new_tokens, eos_token_id, weight_version=None, vocab_size=None):
+    """Completion token ids and their log-probs from one element of SGLang's ``/generate`` answer, every field checked
+    as any input is.
 
     SGLang answers a batched request with a JSON list in input order; each element holds ``output_ids`` (the
     generated ids, ending with the EOS id when generation stopped on it) and ``meta_info`` with
@@ -49,21 +55,27 @@ def parse_sglang_output(output, index, max_new_tokens, eos_token_id, weight_vers
         output: one decoded JSON element; index: its position in the batch (for messages).
         weight_version: the label of the weights the trainer synced last; None skips the check (nothing
             synced yet, so the trainer does not know what the server holds).
+        vocab_size: ids must lie in [0, vocab_size) (None: not checked).
     Returns:
-        (token_ids list[int], logps list[float]) of equal length.
+        (token_ids list[int], logps list[float]) of equal length, at least one token, finite log-probs.
     Raises:
         RuntimeError: for an aborted request, an answer from other weights than ``weight_version`` (a server
             that was restarted, or that another client loaded other weights into: its rollouts would be
-            trained on as if they came from the policy), missing log-probs (never padded), token ids in the
-            log-prob triples that differ from ``output_ids`` (older servers put prompt tokens into
-            ``output_ids``), counts that disagree, or more than ``max_new_tokens`` tokens.
+            trained on as if they came from the policy), a field of the wrong type, ids that are not integers in
+            [0, vocab_size), missing or non-finite log-probs (never padded), token ids in the log-prob triples
+            that differ from ``output_ids`` (older servers put prompt tokens into ``output_ids``), counts that
+            disagree, no token at all, or more than ``max_new_tokens`` tokens.
     """
     where = f"SGLang /generate answer {index}"
     if not isinstance(output, dict) or "output_ids" not in output or "meta_info" not in output:
         keys = sorted(output) if isinstance(output, dict) else type(output).__name__
         raise RuntimeError(f"{where}: expected a dict with output_ids and meta_info, got {keys}")
     meta_info = output["meta_info"]
+    if not isinstance(meta_info, dict):
+        raise RuntimeError(f"{where}: meta_info is a JSON {type(meta_info).__name__}, expected an object")
     finish_reason = meta_info.get("finish_reason") or {}
+    if not isinstance(finish_reason, dict):
+        raise RuntimeError(f"{where}: meta_info.finish_reason is {finish_reason!r}, expected an object or null")
     if finish_reason.get("type") == "abort":
         raise RuntimeError(f"{where}: the server aborted the request ({finish_reason.get('message', finish_reason)});"
                            " an aborted rollout is not an empty answer, so the step stops here")
@@ -79,8 +91,17 @@ def parse_sglang_output(output, index, max_new_tokens, eos_token_id, weight_vers
     if triples is None:
         raise RuntimeError(f"{where}: no meta_info.output_token_logprobs (the request sets return_logprob: true; "
                            "is this an SGLang /generate endpoint?)")
-    token_ids = [int(t) for t in output["output_ids"]]
-    triple_ids = [int(triple[1]) for triple in triples]
+    token_ids = output["output_ids"]
+    if not isinstance(token_ids, list) or not isinstance(triples, list):
+        raise RuntimeError(f"{where}: output_ids and meta_info.output_token_logprobs must be JSON lists, got "
+                           f"{type(token_ids).__name__} and {type(triples).__name__}")
+    short = [i for i, triple in enumerate(triples) if not isinstance(triple, list) or len(triple) < 2]
+    if short:
+        raise RuntimeError(f"{where}: output_token_logprobs entries {short[:8]} are not [logprob, token_id, ...] "
+                           f"(first: {triples[short[0]]!r})")
+    check_token_ids(f"{where}: output_ids", token_ids, vocab_size)
+    triple_ids = [triple[1] for triple in triples]
+    check_token_ids(f"{where}: the token ids of output_token_logprobs", triple_ids, vocab_size)
     if triple_ids != token_ids:
         raise RuntimeError(f"{where}: output_ids ({len(token_ids)} ids, starting {token_ids[:8]}) differ from the "
                            f"token ids of output_token_logprobs ({len(triple_ids)} ids, starting {triple_ids[:8]}); "
@@ -90,15 +111,32 @@ def parse_sglang_output(output, index, max_new_tokens, eos_token_id, weight_vers
         missing = [i for i, logp in enumerate(logps) if logp is None]
         raise RuntimeError(f"{where}: log-probs missing at completion positions {missing[:8]}; they are never "
                            "filled with zeros")
-    if meta_info.get("completion_tokens", len(token_ids)) != len(token_ids):
-        raise RuntimeError(f"{where}: completion_tokens {meta_info['completion_tokens']} != {len(token_ids)} "
-                           "output_ids")
+    bad = [i for i, logp in enumerate(logps) if type(logp) not in (int, float) or not math.isfinite(logp)]
+    if bad:
+        raise RuntimeError(f"{where}: log-probs at completion positions {bad[:8]} are not finite numbers "
+                           f"(first: {logps[bad[0]]!r}); the server's numbers cannot be trained on")
+    completion_tokens = meta_info.get("completion_tokens", len(token_ids))
+    if completion_tokens != len(token_ids) or type(completion_tokens) is not int:
+        raise RuntimeError(f"{where}: completion_tokens {completion_tokens!r} != {len(token_ids)} output_ids")
+    if not token_ids and max_new_tokens >= 1:
+        raise RuntimeError(f"{where}: no token; a server generates at least one (the EOS) for max_new_tokens "
+                           f"{max_new_tokens}, so this answer cannot be trained on")
     if len(token_ids) > max_new_tokens:
         raise RuntimeError(f"{where}: {len(token_ids)} tokens for max_new_tokens {max_new_tokens}")
     if finish_reason.get("type") == "stop" and finish_reason.get("matched") == eos_token_id \
             and token_ids[-1:] != [eos_token_id]:
         raise RuntimeError(f"{where}: stopped on EOS {eos_token_id} but output_ids do not end with it")
-    return token_ids, [float(logp) for logp in logps]
+    return list(token_ids), [float(logp) for logp in logps]
+
+
+def check_token_ids(what, token_ids, vocab_size):
+    """Raise RuntimeError naming ``what`` unless every id is a JSON integer in [0, vocab_size) (None: >= 0)."""
+    bad = [(i, t) for i, t in enumerate(token_ids)
+           if type(t) is not int or t < 0 or (vocab_size is not None and t >= vocab_size)]
+    if bad:
+        limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+        raise RuntimeError(f"{what}: ids that are not integers in {limit} as (position, id): {bad[:8]}; the server "
+                           "and the trainer disagree on the model (or the reply is not SGLang's)")
 
 
 def check_sglang_prompts(prompt_ids, attention_mask, vocab_size):
@@ -134,11 +172,14 @@ class SGLangClient:
     run), and every answer of ``generate`` must carry the label of the last push.
     """
 
-    def __init__(self, url, max_retries=5, backoff_s=1.0, timeout_s=600.0, resume_hint="", session=None):
+    def __init__(self, url, max_retries=5, backoff_s=1.0, timeout_s=120.0, resume_hint="", session=None,
+                 vocab_size=None, stop_grace_s=STOP_GRACE_S):
         self.url = url.rstrip("/")
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.timeout_s = timeout_s
+        self.vocab_size = vocab_size
+        self.stop_grace_s = stop_grace_s
         self.resume_hint = resume_hint
         self.session = session or requests.Session()
         self.version_label = broadcast_from_rank0(os.urandom(4).hex())
@@ -146,17 +187,25 @@ class SGLangClient:
         self.server_weight_version = None  # label of the last push; None until the first
 
     def request(self, method, path, payload=None):
-        """One HTTP call with the retries above; returns the ``Response``.
+        """One HTTP call with the retries above; returns the ``Response``. A server that takes the request and does
+        not answer within ``timeout_s`` (``--sglang_timeout``) is not asked again.
 
         Raises:
-            RuntimeError: after ``max_retries`` retries, naming the URL, the last error and ``resume_hint``.
+            RuntimeError: after ``max_retries`` retries, or at once after ``timeout_s`` without an answer, or
+                ``stop_grace_s`` after a SIGTERM / Ctrl-C that arrived while waiting, naming the URL, the cause and
+                ``resume_hint``.
         """
         last_error = None
         for attempt in range(self.max_retries + 1):
             if attempt:
                 time.sleep(self.backoff_s * 2 ** (attempt - 1))
             try:
-                response = self.session.request(method, self.url + path, json=payload, timeout=self.timeout_s)
+                response = self.send(method, path, payload)
+            except requests.ReadTimeout:
+                raise RuntimeError(f"SGLang server {self.url}{path} took the request but did not answer within "
+                                   f"--sglang_timeout {self.timeout_s:g} s: restart it (its log names the cause), "
+                                   f"then resume the run, or pass a larger --sglang_timeout if its steps are that "
+                                   f"slow. {self.resume_hint}".rstrip()) from None
             except (requests.ConnectionError, requests.Timeout) as err:
                 last_error = f"{type(err).__name__}: {err}"
                 continue
@@ -165,6 +214,34 @@ class SGLangClient:
             last_error = f"HTTP {response.status_code}: {response.text[:200]}"
         raise RuntimeError(f"SGLang server {self.url}{path} failed {self.max_retries + 1} times ({last_error}). "
                            f"Start the server again, then resume the run. {self.resume_hint}".rstrip())
+
+    def send(self, method, path, payload):
+        """``session.request`` in a worker thread, so that a stop request is acted on while a server does not answer:
+        once SIGTERM / Ctrl-C arrived (``stop_received``), the answer is awaited ``stop_grace_s`` more seconds.
+        Raises what the request raises, or RuntimeError for the stop."""
+        outcome = {}
+
+        def call():
+            try:
+                outcome["response"] = self.session.request(method, self.url + path, json=payload,
+                                                           timeout=self.timeout_s)
+            except BaseException as err:  # handed to the waiting thread
+                outcome["error"] = err
+
+        worker = threading.Thread(target=call, daemon=True)  # a hung request does not hold the process at exit
+        worker.start()
+        stop_seen = None
+        while worker.is_alive():
+            worker.join(0.1)
+            if stop_seen is None and stop_received():
+                stop_seen = time.monotonic()
+            if stop_seen is not None and worker.is_alive() and time.monotonic() - stop_seen > self.stop_grace_s:
+                raise RuntimeError(f"{stop_received()} received while SGLang server {self.url}{path} had not "
+                                   f"answered ({self.stop_grace_s:g} s more were given): the run stops without "
+                                   f"this step. {self.resume_hint}".rstrip())
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["response"]
 
     def wait_for_server(self, health_retries, launch_folder):
         """GET /health up to ``health_retries`` times with backoff (a starting server answers 503).
@@ -208,12 +285,17 @@ class SGLangClient:
             raise RuntimeError(f"SGLang {self.url}/generate answered HTTP {response.status_code}: "
                                f"{response.text[:500]!r} to a request with sampling_params {sorted(sampling_params)}"
                                "; the server's log names the cause")
-        outputs = response.json()
+        try:
+            outputs = json.loads(response.content)  # NaN and Infinity parse, so the checks below name them
+        except ValueError:
+            raise RuntimeError(f"SGLang {self.url}/generate answered HTTP 200 with a body that is not JSON "
+                               f"(Content-Type {response.headers.get('Content-Type')!r}, starting "
+                               f"{response.text[:200]!r}): is --sglang_url an SGLang server?") from None
         if not isinstance(outputs, list) or len(outputs) != len(input_ids):
             got = len(outputs) if isinstance(outputs, list) else type(outputs).__name__
             raise RuntimeError(f"SGLang {self.url}/generate: expected a list of {len(input_ids)} answers, got {got}")
         return [parse_sglang_output(output, i, sampling_params["max_new_tokens"],
-                                    sampling_params["stop_token_ids"][0], self.server_weight_version)
+                                    sampling_params["stop_token_ids"][0], self.server_weight_version, self.vocab_size)
                 for i, output in enumerate(outputs)]
 
     def next_weight_version(self):

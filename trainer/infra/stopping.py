@@ -20,9 +20,11 @@ class StopSignal:
     """
 
     def __init__(self):
+        global ACTIVE
         self.signal_name = None
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._handle)
+        ACTIVE = self
 
     def _handle(self, signum, frame):
         # only set a flag: printing from a handler can hit a print in progress ("reentrant call")
@@ -51,8 +53,20 @@ class StopSignal:
 
     def restore(self):
         """Give SIGTERM / SIGINT back their default behaviour."""
+        global ACTIVE
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        if ACTIVE is self:
+            ACTIVE = None
+
+
+ACTIVE = None  # the StopSignal installed by the running main, if any
+
+
+def stop_received():
+    """The name of the signal the running main's ``StopSignal`` received ("SIGTERM", "SIGINT"), else None: for waits
+    that must not outlast a stop request (an HTTP request to a server that does not answer)."""
+    return ACTIVE.signal_name if ACTIVE is not None else None
 
 
 def nonfinite_parts(**tensors):
