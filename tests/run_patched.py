@@ -11,6 +11,7 @@ Harness flags:
                            random tiny model gets unequal rewards and its weights really change
     --kill_after_save N    SIGKILL this process right after the checkpoint of step N is written
     --kill_during_save N   SIGKILL this process in the middle of writing the resume file of step N
+    --kill_before_step N   SIGKILL this process when the loop asks for step N's batch (step N-1 logged and done)
 """
 import argparse
 import hashlib
@@ -45,6 +46,7 @@ def main():
     parser.add_argument("--text_reward", action="store_true")
     parser.add_argument("--kill_after_save", type=int, default=0)
     parser.add_argument("--kill_during_save", type=int, default=0)
+    parser.add_argument("--kill_before_step", type=int, default=0)
     harness_argv, script_argv = sys.argv[1:], []
     if "--" in harness_argv:
         i = harness_argv.index("--")
@@ -66,6 +68,8 @@ def main():
 
     def traced_batches(*args, **kwargs):
         for step, position, batch in real_batches(*args, **kwargs):
+            if step == opts.kill_before_step:
+                os.kill(os.getpid(), signal.SIGKILL)
             if opts.trace_dir:
                 with open(os.path.join(opts.trace_dir, f"indices_rank{rank()}.jsonl"), "a") as f:
                     f.write(json.dumps(batch["index"].tolist()) + "\n")

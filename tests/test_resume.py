@@ -204,20 +204,6 @@ def test_wandb_run_id_is_kept_on_resume(tmp_path, monkeypatch):
     assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
 
 
-def test_resume_refuses_when_from_weight_is_the_saved_policy(tmp_path, tiny_weights, small_data, monkeypatch):
-    from trainer import train_grpo
-    common = TINY + ["--save_dir", tiny_weights[0], "--data_path", small_data, "--batch_size", "2",
-                     "--num_generations", "2", "--max_steps", "1", "--save_weight", "tiny",
-                     "--reward_model_path", "none", "--run_dir", str(tmp_path / "run")]
-    try:
-        train_grpo.main(common)  # starts from tiny_64.pth and saves the trained policy over it
-        with pytest.raises(ValueError, match="the reference model would be the step-1 policy"):
-            train_grpo.main(common + ["--from_resume", "1"])
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
 def test_resume_command_quotes_arguments():
     from trainer.infra.checkpoints import resume_command
     command = resume_command(os.path.join(ROOT, "trainer", "train_grpo.py"),

@@ -272,3 +272,215 @@ def test_an_atomic_pair_write_names_the_full_disk(tmp_path, monkeypatch):
         files.atomic_write({str(tmp_path / "a.pth"): functools.partial(torch.save, {"w": torch.ones(2)}),
                             str(tmp_path / "b.pth"): lambda path: (_ for _ in ()).throw(OSError(5, "I/O error"))})
     assert os.listdir(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------- metrics after a crash, full disk
+def test_rows_past_the_checkpoint_are_moved_aside_on_resume(tmp_path, tiny_weights, small_data):
+    folder = folder_with_weights(tmp_path, tiny_weights)
+    flags = GRPO + ["--save_dir", str(folder), "--data_path", small_data, "--save_interval", "2",
+                    "--run_dir", str(folder / "run")]
+    killed = harness(["--kill_before_step", "4"], flags)  # steps 1-3 logged, the checkpoint is step 2's
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    metrics_file = folder / "run" / "metrics.jsonl"
+    row_3 = metrics_file.read_text().splitlines()[2]
+    assert json.loads(row_3)["step"] == 3
+    resumed = harness([], flags + ["--from_resume", "1"])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert [r["step"] for r in read_jsonl(metrics_file)] == [1, 2, 3, 4]  # step 3 once: the resumed run's
+    kept_aside = folder / "run" / "metrics.jsonl.dropped-after-step-2"
+    assert kept_aside.read_text() == row_3 + "\n"
+    assert f"{metrics_file}: 1 rows after the checkpoint's step 2 (steps 3) moved to {kept_aside}" in resumed.stdout
+
+
+def test_a_full_disk_names_the_metrics_file_and_a_cut_row_is_not_appended_to(tmp_path):
+    from types import SimpleNamespace
+    from trainer.infra.metrics import MetricsWriter, open_metrics
+    full = tmp_path / "full"
+    full.mkdir()
+    os.symlink("/dev/full", full / "metrics.jsonl")  # the kernel answers every write with ENOSPC
+    with pytest.raises(OSError, match=rf"metrics row of step 7 to {full / 'metrics.jsonl'}: the disk is full"):
+        MetricsWriter(str(full)).log({"step": 7, "reward": 0.5})
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cut = b'{"step": 3, "rew'  # what a process killed mid-row (or a full disk) leaves
+    (run_dir / "metrics.jsonl").write_bytes(b'{"step": 1}\n{"step": 2}\n' + cut)
+    args = SimpleNamespace(run_dir=str(run_dir), save_dir=str(tmp_path), save_weight="grpo", use_wandb=0,
+                           wandb_project="p", tracker="wandb")
+    _, writer = open_metrics(args, {"step": 2, "saved_step": 2})
+    writer.log({"step": 3, "reward": 0.25})
+    assert (run_dir / "metrics.jsonl").read_bytes() == b'{"step": 1}\n{"step": 2}\n{"step": 3, "reward": 0.25}\n'
+    assert (run_dir / "metrics.jsonl.dropped-after-step-2").read_bytes() == cut
+
+
+def test_two_runs_started_in_the_same_second_get_their_own_metrics_folders(tmp_path, monkeypatch):
+    import time
+    from types import SimpleNamespace
+    from trainer.infra.metrics import open_metrics
+    monkeypatch.setattr(time, "strftime", lambda fmt: "20260101-120000")  # both runs read the same clock
+    args = SimpleNamespace(run_dir="", save_dir=str(tmp_path), save_weight="grpo", use_wandb=0, wandb_project="p",
+                           tracker="wandb")
+    first_dir, first = open_metrics(args, {"step": 0})
+    second_dir, second = open_metrics(args, {"step": 0})
+    assert first_dir == str(tmp_path / "runs" / "grpo-20260101-120000")
+    assert second_dir == str(tmp_path / "runs" / "grpo-20260101-120000-2")
+    first.log({"step": 1, "hidden": 64})
+    second.log({"step": 1, "hidden": 128})
+    assert read_jsonl(os.path.join(first_dir, "metrics.jsonl")) == [{"step": 1, "hidden": 64}]
+    assert read_jsonl(os.path.join(second_dir, "metrics.jsonl")) == [{"step": 1, "hidden": 128}]
+
+
+# ----------------------------------------------------------------------------- resume names and folders
+def test_a_resume_refuses_another_runs_run_dir(tmp_path, tiny_weights, small_data):
+    folder = folder_with_weights(tmp_path, tiny_weights)
+    other = tmp_path / "other_run"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n')  # another run's curves
+    flags = GRPO + ["--save_dir", str(folder), "--data_path", small_data]
+    killed = harness(["--kill_after_save", "1"], flags + ["--run_dir", str(folder / "own")])
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    refused = run(["trainer/train_grpo.py"] + flags + ["--from_resume", "1", "--run_dir", str(other)])
+    assert refused.returncode != 0
+    assert (f"--run_dir {other} holds another run's metrics ({other / 'metrics.jsonl'}); the run saved in "
+            f"{folder / 'grpo_64_resume.pth'} writes its metrics to {folder / 'own'}") in refused.stderr
+    assert "loaded weights" not in refused.stdout
+    assert (other / "metrics.jsonl").read_text() == '{"step": 1, "reward": 0.5}\n'
+
+
+def test_a_run_whose_save_weight_is_its_from_weight_is_refused_before_it_writes(tmp_path, tiny_weights, small_data):
+    folder = folder_with_weights(tmp_path, tiny_weights)
+    before = (folder / "tiny_64.pth").read_bytes()
+    result = run(["trainer/train_grpo.py"] + GRPO + ["--save_dir", str(folder), "--data_path", small_data,
+                                                    "--save_weight", "tiny"])
+    assert result.returncode != 0
+    assert (f"--from_weight tiny is {folder / 'tiny_64.pth'}, the file this run saves its policy to (--save_weight "
+            f"tiny)") in result.stderr
+    assert "loaded weights" not in result.stdout and (folder / "tiny_64.pth").read_bytes() == before
+
+
+def test_from_resume_without_this_runs_file_names_the_resume_files_beside_it(tmp_path, tiny_weights, small_data):
+    folder = folder_with_weights(tmp_path, tiny_weights)
+    flags = GRPO + ["--save_dir", str(folder), "--data_path", small_data]
+    killed = harness(["--kill_after_save", "1"], flags)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    typo = run(["trainer/train_grpo.py"] + flags + ["--save_weight", "gpro", "--from_resume", "1"])
+    assert typo.returncode != 0
+    assert (f"--from_resume 1: there is no {folder / 'gpro_64_resume.pth'}, but {folder} holds grpo_64_resume.pth "
+            f"(--save_weight grpo --hidden_size 64)") in typo.stderr
+    assert "--from_resume 0 to start this run at step 0" in typo.stderr and "loaded weights" not in typo.stdout
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--save_weight", "../x", "--save_weight must be a plain name"),
+    ("--save_weight", "sub/x", "--save_weight must be a plain name"),
+    ("--run_dir", "a_file", "exists and is not a folder"),
+    ("--run_dir", "loop", "exists and is not a folder"),
+])
+def test_names_that_are_paths_and_run_dirs_that_are_no_folders_are_refused_at_start_up(tmp_path, capsys, flag,
+                                                                                         value, message):
+    (tmp_path / "a_file").write_text("x")
+    os.symlink(tmp_path / "loop", tmp_path / "loop")  # a symlink to itself
+    argument = value if flag == "--save_weight" else str(tmp_path / value)
+    with pytest.raises(SystemExit) as exit_info:
+        train_grpo.parse_args(["--save_dir", str(tmp_path / "out"), "--reward_model_path", "none", flag, argument])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and argument in err
+    assert not os.path.exists(tmp_path / "x_256.pth") and not os.path.exists(tmp_path / "out" / "sub")
+
+
+def test_a_resume_with_nothing_left_to_do_is_refused(tmp_path, tiny_weights, small_data):
+    folder = folder_with_weights(tmp_path, tiny_weights)
+    flags = GRPO + ["--save_dir", str(folder), "--data_path", small_data]
+    killed = harness(["--kill_after_save", "2"], flags)  # step 2 of 4 at 2 prompts per step
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    resume_file = folder / "grpo_64_resume.pth"
+    halved = run(["trainer/train_grpo.py"] + flags + ["--from_resume", "1", "--batch_size", "1"])
+    assert halved.returncode != 0  # 2 steps x 2 prompts = step 4 at 1 prompt per step: the run's end
+    assert (f"nothing to resume: {resume_file} is at step 2 of 2 prompts per step, which is step 4 at this run's 1 "
+            f"(--batch_size 1 x 1 processes) and this run has 4 steps") in halved.stderr
+    shorter = run(["trainer/train_grpo.py"] + flags + ["--from_resume", "1", "--max_steps", "2"])
+    assert shorter.returncode != 0
+    assert f"nothing to resume: {resume_file} is at step 2 and this run has 2 steps" in shorter.stderr
+    assert "pass a --max_steps above 2" in shorter.stderr and "loaded weights" not in shorter.stdout
+
+
+def test_a_changed_num_iterations_is_refused_on_resume(tmp_path, tiny_weights, small_data):
+    folder = folder_with_weights(tmp_path, tiny_weights)
+    flags = GRPO + ["--save_dir", str(folder), "--data_path", small_data]
+    killed = harness(["--kill_after_save", "1"], flags)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    refused = run(["trainer/train_grpo.py"] + flags + ["--from_resume", "1", "--num_iterations", "2"])
+    assert refused.returncode != 0
+    assert ("was saved with --num_iterations 1 but this run has --num_iterations 2, which a resume cannot take (the "
+            "schedule counts that many updates per rollout): pass --num_iterations 1") in refused.stderr
+
+
+def test_a_changed_data_file_is_refused_on_resume_unless_allowed(tmp_path, tiny_weights, small_data):
+    import hashlib
+    folder = folder_with_weights(tmp_path, tiny_weights)
+    flags = GRPO + ["--save_dir", str(folder), "--data_path", small_data]
+    killed = harness(["--kill_after_save", "1"], flags)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    original = open(small_data, "rb").read()
+    recorded = torch.load(folder / "grpo_64_resume.pth", weights_only=True)["data"]
+    assert recorded == {"size": len(original), "sha256": hashlib.sha256(original).hexdigest()}
+    lines = original.splitlines(keepends=True)
+    open(small_data, "wb").write(b"".join([lines[1], lines[0]] + lines[2:]))  # same size, two prompts swapped
+    refused = run(["trainer/train_grpo.py"] + flags + ["--from_resume", "1"])
+    assert refused.returncode != 0
+    assert (f"--data_path {small_data} changed since {folder / 'grpo_64_resume.pth'} was saved (same size, sha256 "
+            f"{hashlib.sha256(original).hexdigest()[:12]}...") in refused.stderr
+    assert "--allow_data_change 1" in refused.stderr and "loaded weights" not in refused.stdout
+    allowed = run(["trainer/train_grpo.py"] + flags + ["--from_resume", "1", "--allow_data_change", "1"])
+    assert allowed.returncode == 0, allowed.stderr[-2000:]
+    assert "--allow_data_change 1: the run continues at the saved position" in allowed.stdout
+    assert "resumed from" in allowed.stdout and "saved step 4" in allowed.stdout
+
+
+def test_each_run_gets_its_own_sglang_weights_folder_and_one_run_per_folder(tmp_path, tiny_weights, small_data):
+    from trainer.infra.files import atomic_write
+    from trainer.infra.flags import rollout_engine_kwargs
+    folder = folder_with_weights(tmp_path, tiny_weights)
+    flags = GRPO + ["--save_dir", str(folder), "--data_path", small_data, "--rollout_engine", "sglang"]
+    assert rollout_engine_kwargs(train_grpo.parse_args(flags + ["--save_weight", "a"]))["shared_path"] == \
+        str(folder / "sglang_a_64")
+    assert rollout_engine_kwargs(train_grpo.parse_args(flags + ["--save_weight", "b"]))["shared_path"] == \
+        str(folder / "sglang_b_64")
+    shared = ["--sglang_shared_path", str(tmp_path / "shared")]
+    lock = claim_save_dir(train_grpo.parse_args(flags + shared + ["--save_weight", "a"]), "grpo", total_steps=4)
+    try:
+        second = run(["trainer/train_grpo.py"] + flags + shared + ["--save_weight", "b"])
+        assert second.returncode != 0
+        assert f"--sglang_shared_path {tmp_path / 'shared'} is in use by another run (PID {os.getpid()}" in \
+            second.stderr
+    finally:
+        lock.close()
+    # a clean-up of stale temporaries removes a dead writer's, never a live one's
+    dead_pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                                  text=True).stdout)
+    target = tmp_path / "shared" / "policy_v1"
+    live = tmp_path / "shared" / f"policy_v1.tmp{os.getppid()}-0000abcd"
+    dead = tmp_path / "shared" / f"policy_v1.tmp{dead_pid}-0000abcd"
+    live.mkdir(parents=True)
+    dead.mkdir()
+    atomic_write({str(target): os.makedirs})
+    assert target.is_dir() and live.is_dir() and not dead.exists()
+
+
+class RunsCode:  # a pickle that would call print when unpickled
+    def __reduce__(self):
+        return (print, ("unpickling ran code",))
+
+
+def test_a_from_weight_file_with_pickled_objects_is_named_and_never_run(tmp_path, tiny_weights, small_data):
+    folder = folder_with_weights(tmp_path, tiny_weights)
+    state_dict = torch.load(folder / "tiny_64.pth", weights_only=True)
+    torch.save(dict(state_dict, extra=RunsCode()), folder / "pickled_64.pth")
+    shutil.copy(folder / "tiny_64.tokenizer.json", folder / "pickled_64.tokenizer.json")
+    result = run(["trainer/train_grpo.py"] + GRPO + ["--save_dir", str(folder), "--data_path", small_data,
+                                                    "--from_weight", "pickled"])
+    assert result.returncode != 0
+    assert (f"{folder / 'pickled_64.pth'} holds Python objects besides tensors (Unsupported global: GLOBAL "
+            f"print); it is not loaded") in result.stderr
+    assert "torch.load(weights_only=False)" in result.stderr and "unpickling ran code" not in result.stdout

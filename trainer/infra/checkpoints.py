@@ -5,8 +5,10 @@ Infrastructure, not RL: a learner can skip this file.
 """
 import fcntl
 import functools
+import hashlib
 import os
 import random
+import re
 import shlex
 import sys
 import time
@@ -29,12 +31,14 @@ FIXED_ON_RESUME = {
     "from_weight": "the reference model is the starting weights",
     "save_weight": "it names the files of the run",
     "accumulation_steps": "the schedule counts optimizer steps of that window",
+    "num_iterations": "the schedule counts that many updates per rollout",
 }
 # flags whose new value moves the learning-rate schedule: it is rebuilt from the flags at the resumed update
 SCHEDULE_FLAGS = ("learning_rate", "final_norm_learning_rate", "critic_learning_rate", "max_steps", "epochs")
 # flags that never change what is trained
 UNCHECKED_FLAGS = ("from_resume", "run_dir", "use_wandb", "tracker", "wandb_project", "device", "num_workers",
-                   "log_interval", "debug_mode", "debug_interval", "sglang_url", "tokenizer_path_named")
+                   "log_interval", "debug_mode", "debug_interval", "sglang_url", "tokenizer_path_named",
+                   "allow_data_change", "sglang_timeout")
 
 
 def get_rng_state():
@@ -107,6 +111,7 @@ def save_checkpoint(args, script, lm_config, objects, progress, weights):
             "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},
             "progress": dict(progress, world_size=world_size, run_dir=relative_run_dir(progress["run_dir"],
                                                                                         args.save_dir)),
+            "data": data_digest(args.data_path),  # checked on resume (check_resume_data)
             "rng_states": rng_states,
             "states": states,
         }
@@ -315,37 +320,45 @@ def claim_save_dir(args, script, total_steps):
     ``resume_path``: without ``--from_resume 1``, one that holds an unfinished run is refused (a fresh run would
     replace the state that run cannot recreate; a finished run's files are replaced as upstream replaces weights);
     with it, the file's script, format and fixed flags are checked (``load_resume``) before any model is built.
-    A fresh run's ``--run_dir`` must not hold another run's metrics (``check_fresh_run_dir``).
+    A fresh run's ``--run_dir`` must not hold another run's metrics (``check_fresh_run_dir``). Also refused: a
+    ``--save_weight`` file that is the ``--from_weight`` start, and the resume checks (``check_resume_run_dir``,
+    ``check_resume_data``, ``check_work_left``, ``check_other_resume_files``).
+    With ``--rollout_engine sglang`` rank 0 also locks ``{sglang_folder(args)}.lock``: one run per weights folder.
     Args:
         total_steps: this run's steps (recorded with every checkpoint: a run is finished once its step reaches it).
     Returns:
-        the open lock file on rank 0 (keep it for the run's lifetime), None on other ranks.
+        the ``RunLocks`` on rank 0 (keep them for the run's lifetime; ``close()``), None on other ranks.
     Raises:
-        RuntimeError: another process holds the lock (its PID named). ValueError: an unfinished run's resume file
+        RuntimeError: another process holds a lock (its PID named). ValueError: an unfinished run's resume file
             without ``--from_resume 1`` (naming the file, its step and the three ways on), a resume file this run
-            cannot continue, or a fresh run's ``--run_dir`` with another run's metrics.
+            cannot continue, or a fresh run's ``--run_dir`` with another run's metrics, or a check above.
     """
     claimed = {}
 
     def claim():
         path = lock_path(args)
-        lock = open(path, "a+")
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.seek(0)
-            holder = lock.read().strip() or "another process"
-            lock.close()
-            raise RuntimeError(f"{args.save_dir} is in use by another run writing {args.save_weight} checkpoints "
-                               f"({holder}, lock {path}): two runs would overwrite each other's weights and resume "
-                               f"file; wait for it, or give this run another --save_dir or --save_weight") from None
-        lock.truncate(0)
-        lock.write(f"PID {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-        lock.flush()
-        claimed["lock"] = lock
+        claimed["locks"] = [take_lock(path, lambda holder: (
+            f"{args.save_dir} is in use by another run writing {args.save_weight} checkpoints ({holder}, lock "
+            f"{path}): two runs would overwrite each other's weights and resume file; wait for it, or give this run "
+            f"another --save_dir or --save_weight"))]
+        if getattr(args, "rollout_engine", "torch") == "sglang":
+            folder = os.path.abspath(sglang_folder(args))
+            os.makedirs(os.path.dirname(folder), exist_ok=True)
+            claimed["locks"].append(take_lock(folder + ".lock", lambda holder: (
+                f"--sglang_shared_path {folder} is in use by another run ({holder}): each run's server would load "
+                f"the other run's weights; give each run its own --sglang_shared_path (the default "
+                f"{{save_dir}}/sglang_NAME_HIDDEN is one per --save_weight)")))
+        check_start_weights_kept(args)
+        data_digest(args.data_path)  # the data this run reads, as its checkpoints will record it
         path = resume_path(args.save_weight, args.save_dir, args.hidden_size, args.use_moe)
-        if args.from_resume and load_resume(path, script, args, mmap=True) is not None:  # refusals before any
-            return                                                                         # model is built
+        checkpoint = load_resume(path, script, args, mmap=True) if args.from_resume else None
+        if checkpoint is not None:  # refusals before any model is built
+            check_resume_run_dir(args, path, checkpoint)
+            check_resume_data(args, path, checkpoint)
+            check_work_left(args, path, checkpoint, total_steps, dist.get_world_size() if dist.is_initialized() else 1)
+            return
+        if args.from_resume:
+            check_other_resume_files(args, path)
         check_fresh_run_dir(args.run_dir)
         checkpoint = peek_resume(path)
         if checkpoint is not None and not run_finished(checkpoint):
@@ -355,8 +368,50 @@ def claim_save_dir(args, script, total_steps):
                              f"replace: resume it with --from_resume 1, start this run elsewhere (another --save_dir "
                              f"or --save_weight), or delete that file to start over")
 
-    run_on_rank0(claim, f"claiming {args.save_dir}")
-    return claimed.get("lock")
+    try:
+        run_on_rank0(claim, f"claiming {args.save_dir}")
+    except BaseException:
+        for lock in claimed.get("locks", []):
+            lock.close()
+        raise
+    return RunLocks(claimed["locks"]) if "locks" in claimed else None
+
+
+class RunLocks:
+    """The lock files a run holds (``claim_save_dir``); ``close()`` releases them."""
+
+    def __init__(self, files):
+        self.files = files
+
+    def close(self):
+        for lock in self.files:
+            lock.close()
+
+
+def take_lock(path, refusal):
+    """An exclusive ``fcntl.flock`` on ``path`` (released by the operating system when the process ends, however it
+    ends), the file holding the PID and start time of its holder. Returns the open file.
+    Raises RuntimeError(``refusal(holder)``) when another process holds it."""
+    lock = open(path, "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        raise RuntimeError(refusal(holder)) from None
+    lock.truncate(0)
+    lock.write(f"PID {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    lock.flush()
+    return lock
+
+
+def sglang_folder(args):
+    """The folder ``--rollout_engine sglang`` writes its synced weights to: ``--sglang_shared_path``, else
+    ``{save_dir}/sglang_{save_weight}_{hidden}[_moe]``, one per checkpoint files (so one per run: ``lock_path``)."""
+    if args.sglang_shared_path:
+        return args.sglang_shared_path
+    return os.path.join(args.save_dir, "sglang_" + os.path.basename(lock_path(args))[:-len(".lock")])
 
 
 def check_fresh_run_dir(run_dir):
@@ -367,6 +422,113 @@ def check_fresh_run_dir(run_dir):
         raise ValueError(f"--run_dir {run_dir} already holds another run's metrics ({metrics_path}): this fresh run "
                          f"would append its rows to that run's; give a new --run_dir (or none: "
                          f"{{save_dir}}/runs/NAME-TIME), resume that run with --from_resume 1, or delete the file")
+
+
+def check_start_weights_kept(args):
+    """Refuse a run whose ``--save_weight`` file is its own ``--from_weight`` start: its first save would overwrite
+    the weights it started from (and a resume would rebuild the reference from the trained policy). Raises
+    ValueError naming the file and both flags."""
+    if args.from_weight == "none":
+        return
+    start = weight_path(args.from_weight, args.save_dir, args.hidden_size, args.use_moe)
+    saved = weight_path(args.save_weight, args.save_dir, args.hidden_size, args.use_moe, allow_file=False)
+    same = os.path.isfile(start) and os.path.isfile(saved) and os.path.samefile(start, saved)
+    if same or os.path.abspath(start) == os.path.abspath(saved):
+        raise ValueError(f"--from_weight {args.from_weight} is {start}, the file this run saves its policy to "
+                         f"(--save_weight {args.save_weight}): the run's first save would overwrite its starting "
+                         f"weights; give this run another --save_weight (or start from a copy of that file)")
+
+
+def check_resume_run_dir(args, path, checkpoint):
+    """Refuse a resume whose ``--run_dir`` holds another run's metrics.jsonl (its rows would be appended to that
+    run's). The run's own folder, recorded in ``path``, and a folder without metrics pass. Raises ValueError."""
+    if not args.run_dir:
+        return
+    saved = checkpoint["progress"].get("run_dir")
+    if saved and not os.path.isabs(saved):  # stored relative to save_dir
+        saved = os.path.join(args.save_dir, saved)
+    if saved and os.path.realpath(saved) == os.path.realpath(args.run_dir):
+        return
+    metrics_path = os.path.join(args.run_dir, "metrics.jsonl")
+    if os.path.isfile(metrics_path) and os.path.getsize(metrics_path) > 0:
+        raise ValueError(f"--run_dir {args.run_dir} holds another run's metrics ({metrics_path}); the run saved in "
+                         f"{path} writes its metrics to {saved or 'no recorded folder'}: drop --run_dir to resume "
+                         f"into its own folder, or give a --run_dir without metrics")
+
+
+@functools.lru_cache(maxsize=8)
+def file_digest(path, size, mtime_ns):
+    """(size, sha256 hex) of the file at ``path``; ``size`` and ``mtime_ns`` key the cache (a file is read once)."""
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(2 ** 20), b""):
+            sha.update(chunk)
+    return size, sha.hexdigest()
+
+
+def data_digest(path):
+    """{"size": bytes, "sha256": hex} of the data file at ``path``, as a resume file records it."""
+    stat = os.stat(path)
+    size, sha256 = file_digest(os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
+    return {"size": size, "sha256": sha256}
+
+
+def check_resume_data(args, path, checkpoint):
+    """Refuse to resume when ``--data_path`` differs (size or sha256) from the file the saved run read: the saved data
+    position and the sample indices of its metrics count prompts of that file. ``--allow_data_change 1`` continues
+    with a warning. Raises ValueError naming the file, both sizes or digests, and the flag."""
+    saved = checkpoint.get("data")
+    if not saved:  # a resume file without the record
+        return
+    now = data_digest(args.data_path)
+    if now == dict(saved):
+        return
+    what = (f"{saved['size']} -> {now['size']} bytes" if saved["size"] != now["size"] else
+            f"same size, sha256 {saved['sha256'][:12]}... -> {now['sha256'][:12]}...")
+    if getattr(args, "allow_data_change", 0):
+        Logger(f"warning: --data_path {args.data_path} changed since {path} was saved ({what}); "
+               f"--allow_data_change 1: the run continues at the saved position, counted in prompts of this file")
+        return
+    raise ValueError(f"--data_path {args.data_path} changed since {path} was saved ({what}): the saved data position "
+                     f"and the sample indices of the metrics count prompts of the saved file. Put that file back to "
+                     f"resume exactly, or pass --allow_data_change 1 to continue at the same position in this one")
+
+
+def check_work_left(args, path, checkpoint, total_steps, world_size):
+    """Refuse a resume with no step left: the saved step, rescaled to this run's prompts per step
+    (``resume_progress``'s rule), at or past ``total_steps``. Raises ValueError naming the file, both steps and the
+    flags that give the run steps to do."""
+    progress = checkpoint["progress"]
+    saved_prompts = checkpoint["args"].get("batch_size", args.batch_size) * progress.get("world_size", 1)
+    prompts = args.batch_size * world_size
+    step = progress["step"] * saved_prompts // prompts
+    if step < total_steps:
+        return
+    at = f"step {step}"
+    if step != progress["step"]:
+        at = (f"step {progress['step']} of {saved_prompts} prompts per step, which is step {step} at this run's "
+              f"{prompts} (--batch_size {args.batch_size} x {world_size} processes)")
+    raise ValueError(f"nothing to resume: {path} is at {at} and this run has {total_steps} steps. To train further "
+                     f"pass a --max_steps above {step} (or more --epochs; the schedule is rebuilt); for a new run "
+                     f"give another --save_weight or --save_dir")
+
+
+def check_other_resume_files(args, path):
+    """``--from_resume 1`` without a resume file at ``path``: refuse when ``--save_dir`` holds other runs' resume
+    files (a mistyped name would start at step 0 beside them). Raises ValueError naming each file with the flags
+    that resume it, and ``--from_resume 0``."""
+    others = sorted(name for name in os.listdir(args.save_dir)
+                    if name.endswith("_resume.pth") and name != os.path.basename(path))
+    if not others:
+        return
+    described = []
+    for name in others:
+        match = re.fullmatch(r"(.+)_(\d+)(_moe)?_resume\.pth", name)
+        flags = (f" (--save_weight {match[1]} --hidden_size {match[2]}{' --use_moe 1' if match[3] else ''})"
+                 if match else "")
+        described.append(f"{name}{flags}")
+    raise ValueError(f"--from_resume 1: there is no {path}, but {args.save_dir} holds {', '.join(described)}: pass "
+                     f"the flags of the run to resume, or --from_resume 0 to start this run at step 0")
 
 
 def peek_resume(path):
@@ -438,7 +600,7 @@ def restore_from_checkpoint(args, objects, steps_per_epoch, path, checkpoint, pr
     for line in changed_flags(checkpoint["args"], args):
         Logger(line)
     resumed, rng_state = resume_progress(checkpoint, world_size, steps_per_epoch, rank, args.batch_size)
-    progress = dict(progress, **resumed)
+    progress = dict(progress, **resumed, saved_step=checkpoint["progress"]["step"])
     if progress.get("run_dir") and not os.path.isabs(progress["run_dir"]):  # stored relative to save_dir
         progress["run_dir"] = os.path.join(args.save_dir, progress["run_dir"])
     if rng_state is not None:

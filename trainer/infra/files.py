@@ -5,6 +5,7 @@ Infrastructure, not RL: a learner can skip this file.
 import errno
 import glob
 import os
+import re
 import shutil
 import uuid
 
@@ -16,7 +17,8 @@ def atomic_write(writes):
     makes itself), every file is fsynced, and only when all are written are they moved into place, in the
     dict's order (a folder is swapped in by two renames). A crash, a SIGKILL or a full disk while writing leaves
     every path as it was: a checkpoint's weights and its resume file are replaced together or not at all.
-    Temporary files left by a killed writer (``{path}.tmp*``) are removed by the next write to that path.
+    Temporary files left by a killed writer (``{path}.tmp{PID}-*``, that PID gone) are removed by the next write to
+    that path; a live process's are left alone.
 
     Args:
         writes: {path: write}, ``write`` a function of one argument, the temporary path to write to.
@@ -31,7 +33,8 @@ def atomic_write(writes):
     try:
         for path, write in writes.items():
             for stale in glob.glob(glob.escape(path) + ".tmp*"):  # left by a process killed mid-write
-                remove(stale)
+                if not writer_alive(stale):
+                    remove(stale)
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             temporaries[path] = f"{path}.tmp{os.getpid()}-{uuid.uuid4().hex[:8]}"
             write(temporaries[path])
@@ -49,6 +52,20 @@ def atomic_write(writes):
             remove(tmp)
         raise
     return list(writes)
+
+
+def writer_alive(temporary):
+    """Whether the process that names ``temporary`` (``{path}.tmp{PID}-{hex}``) is another process still running."""
+    match = re.search(r"\.tmp(\d+)-[0-9a-f]+$", temporary)
+    if match is None or int(match[1]) == os.getpid():
+        return False
+    try:
+        os.kill(int(match[1]), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
 
 
 def move_into_place(tmp, path):

@@ -3,19 +3,22 @@
 Infrastructure, not RL: a learner can skip this file; ``python trainer/train_grpo.py --help`` lists every flag.
 """
 import os
+import re
 
 import torch
 
+from trainer.infra.checkpoints import sglang_folder
 from trainer.infra.files import check_writable_dir
 from trainer.infra.dtypes import DTYPE_CHOICES, DTYPES
 from trainer.infra.metrics import TRACKERS
 from trainer.rollout_engine import ROLLOUT_ENGINES, SGLANG_LOGPROB_MODES, TORCH_LOGPROB_MODES
 from trainer.trainer_utils import read_reward_model_config
-from trainer.infra.weights import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, ROOT
+from trainer.infra.weights import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, ROOT, build_config
 
 DEFAULT_REWARD_MODEL_PATH = os.path.join(ROOT, "out", "reward_model_256")  # trainer/train_reward.py, committed
 BUNDLED_TRAIN_DATA = os.path.join(ROOT, "dataset", "rlaif_train.jsonl")
 BUNDLED_VAL_DATA = os.path.join(ROOT, "dataset", "rlaif_val.jsonl")
+PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")  # a --save_weight: a file name, never a path
 
 
 def add_bool_flag(parser, name, default=0, help=None):
@@ -94,7 +97,10 @@ def add_common_rl_args(parser):
                              "--tokenizer_path and the weights it syncs to --sglang_shared_path)")
     parser.add_argument("--sglang_shared_path", default="",
                         help="folder the trainer writes synced weights to and the server reads "
-                             "(default {save_dir}/sglang_policy)")
+                             "(default {save_dir}/sglang_{save_weight}_{hidden}: one per run; one run per folder)")
+    parser.add_argument("--sglang_timeout", type=float, default=120.0,
+                        help="seconds a request to the SGLang server may take before the run stops naming the server "
+                             "(a CPU server answers a default batch in about 1 s and loads weights in a few)")
     parser.add_argument("--sglang_logprobs", default="recompute", choices=SGLANG_LOGPROB_MODES,
                         help="old log-probs: recomputed by the local policy, or the server's (checked at batch 1)")
     parser.add_argument("--sglang_sync_interval", type=int, default=1,
@@ -122,6 +128,9 @@ def add_common_rl_args(parser):
                   help="1: continue from {save_dir}/{save_weight}_{hidden}_resume.pth when it exists")
     parser.add_argument("--max_bad_steps", type=int, default=3,
                         help="stop after this many updates in a row skipped for a NaN/inf")
+    add_bool_flag(parser, "--allow_data_change",
+                  help="1: resume although --data_path differs from the file the run was saved with (the position "
+                       "is kept as a count of prompts)")
 
 
 def check_common_rl_args(parser, args):
@@ -195,6 +204,21 @@ def check_common_rl_args(parser, args):
         check_writable_dir(args.save_dir)
     except OSError as err:
         parser.error(f"--save_dir: {err.strerror}")
+    save_weight = getattr(args, "save_weight", None)
+    if save_weight is not None and not PLAIN_NAME.fullmatch(save_weight):
+        parser.error(f"--save_weight must be a plain name (letters, digits, '.', '_', '+', '-'; not a path), got "
+                     f"{save_weight!r}: the run writes {{save_dir}}/NAME_{args.hidden_size}.pth; choose the folder "
+                     f"with --save_dir")
+    if args.run_dir:
+        if os.path.lexists(args.run_dir) and not os.path.isdir(args.run_dir):
+            parser.error(f"--run_dir {args.run_dir} exists and is not a folder (a file, or a link that leads to no "
+                         f"folder); give a folder for the metrics")
+        try:
+            check_writable_dir(args.run_dir)
+        except OSError as err:
+            parser.error(f"--run_dir: {err.strerror}")
+    if args.sglang_timeout <= 0:
+        parser.error(f"--sglang_timeout must be > 0 seconds, got {args.sglang_timeout}")
     if args.sglang_sync_interval < 1:
         parser.error(f"--sglang_sync_interval must be >= 1, got {args.sglang_sync_interval}")
     if args.rollout_engine == "sglang" and args.use_moe:
@@ -210,9 +234,11 @@ def rollout_engine_kwargs(args):
         kwargs.update(logprobs_mode=args.torch_logprobs, ignore_eos=bool(args.ignore_eos))
     if args.rollout_engine == "sglang":
         kwargs.update(
-            url=args.sglang_url, shared_path=args.sglang_shared_path or os.path.join(args.save_dir, "sglang_policy"),
+            url=args.sglang_url, shared_path=sglang_folder(args),
             logprobs_mode=args.sglang_logprobs, sync_interval=args.sglang_sync_interval,
             export_dtype=DTYPES[args.sglang_export_dtype],
+            timeout_s=args.sglang_timeout,
+            vocab_size=build_config(args.hidden_size, args.num_hidden_layers, args.use_moe).vocab_size,
             resume_hint=f"A checkpoint is saved every --save_interval {args.save_interval} steps: rerun the same "
                         f"command with --from_resume 1 to continue from the last one.",
         )

@@ -2,13 +2,16 @@
 
 Infrastructure, not RL: a learner can skip this file.
 """
+import functools
+import itertools
 import json
 import os
 import time
 
 import torch
 
-from trainer.infra.distributed import Logger, is_main_process
+from trainer.infra.distributed import Logger, broadcast_from_rank0, is_main_process, run_on_rank0
+from trainer.infra.files import atomic_write, describe_failure
 
 
 def format_duration(seconds):
@@ -57,11 +60,29 @@ class MetricsWriter:
             self.wandb_id = run.id
 
     def log(self, metrics):
-        """metrics: dict of str -> float/int (must include 'step')."""
+        """Append ``metrics`` (dict of str -> float/int, with 'step') as one line, whole or not at all.
+
+        Raises:
+            OSError: naming ``self.path``, the step and the cause (a full disk as such); the file is cut back to
+                its last whole row, so a resume appends after it.
+        """
         if not self.enabled:
             return
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(metrics) + "\n")
+        line = json.dumps(metrics) + "\n"
+        size = os.path.getsize(self.path) if os.path.isfile(self.path) else 0
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(line)
+                f.flush()
+        except OSError as err:
+            try:
+                os.truncate(self.path, size)  # no cut row left behind
+            except OSError:
+                pass
+            raise OSError(err.errno, f"could not write the metrics row of step {metrics.get('step')} to {self.path}: "
+                                     f"{describe_failure(err, os.path.dirname(os.path.abspath(self.path)))}; free "
+                                     f"space, then rerun with --from_resume 1 (rows after the last checkpoint are "
+                                     f"written again)") from err
         if self.wandb is not None:
             self.wandb.log(metrics, step=int(metrics["step"]))
 
@@ -87,13 +108,78 @@ class StepTimer:
 
 
 def open_metrics(args, progress):
-    """(run_dir, MetricsWriter): ``--run_dir``, else the resumed run's folder, else
-    ``{save_dir}/runs/{save_weight}-TIME``; a resumed run appends to its metrics and wandb run."""
-    run_dir = args.run_dir or progress.get("run_dir") or os.path.join(
-        args.save_dir, "runs", f"{args.save_weight}-{time.strftime('%Y%m%d-%H%M%S')}")
+    """(run_dir, MetricsWriter): ``--run_dir``, else the resumed run's folder, else a new folder of its own
+    (``new_run_dir``). A resumed run (``progress["saved_step"]`` set) first drops the rows past its checkpoint's step
+    and a cut last line (``trim_metrics``), then appends to its metrics and wandb run."""
+    run_dir = args.run_dir or progress.get("run_dir") or new_run_dir(args.save_dir, args.save_weight)
+    if progress.get("saved_step") is not None and is_main_process():
+        for line in trim_metrics(os.path.join(run_dir, "metrics.jsonl"), progress["saved_step"]):
+            Logger(line)
     writer = MetricsWriter(run_dir, args.use_wandb, args.wandb_project, os.path.basename(run_dir), vars(args),
                            wandb_id=progress.get("wandb_id"), tracker=args.tracker)
     return run_dir, writer
+
+
+def new_run_dir(save_dir, save_weight):
+    """A metrics folder no other run has: ``{save_dir}/runs/{save_weight}-YYYYmmdd-HHMMSS``, with ``-2``, ``-3``, ...
+    when that exists (created by an exclusive ``mkdir``, so two runs started in the same second get two folders).
+    A collective: rank 0 creates it, every rank returns its path. Raises OSError naming the folder."""
+    base = os.path.join(save_dir, "runs", f"{save_weight}-{time.strftime('%Y%m%d-%H%M%S')}")
+    created = {}
+
+    def create():
+        os.makedirs(os.path.dirname(base), exist_ok=True)
+        for n in itertools.count(1):
+            candidate = base if n == 1 else f"{base}-{n}"
+            try:
+                os.mkdir(candidate)
+            except FileExistsError:
+                continue
+            created["path"] = candidate
+            return
+
+    run_on_rank0(create, f"creating a metrics folder under {os.path.dirname(base)}")
+    return broadcast_from_rank0(created.get("path"))
+
+
+def trim_metrics(path, last_step):
+    """Drop what a resumed run writes again from the metrics file at ``path``: the rows past ``last_step`` (written
+    after the checkpoint it resumes from) and a cut or unreadable line (a crash or a full disk mid-row). The dropped
+    lines are kept, unchanged, in ``{path}.dropped-after-step-{last_step}`` (``-2``, ... when that exists).
+
+    Returns:
+        lines to print (empty when nothing was dropped or there is no file).
+    Raises:
+        OSError: naming the file when it cannot be rewritten.
+    """
+    if not os.path.isfile(path):
+        return []
+    with open(path, "rb") as f:
+        raw_lines = f.read().splitlines(keepends=True)
+    kept, dropped, dropped_steps = [], [], []
+    for raw in raw_lines:
+        try:
+            row = json.loads(raw) if raw.endswith(b"\n") else None
+        except ValueError:
+            row = None
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= last_step:
+            kept.append(raw)
+            continue
+        dropped.append(raw)
+        dropped_steps.append(row.get("step") if isinstance(row, dict) else "a cut line")
+    if not dropped:
+        return []
+    for n in itertools.count(1):
+        copy = f"{path}.dropped-after-step-{last_step}" + ("" if n == 1 else f"-{n}")
+        if not os.path.exists(copy):
+            break
+
+    def write_lines(lines, tmp):
+        with open(tmp, "wb") as f:
+            f.writelines(lines)
+    atomic_write({copy: functools.partial(write_lines, dropped), path: functools.partial(write_lines, kept)})
+    return [f"{path}: {len(dropped)} rows after the checkpoint's step {last_step} (steps "
+            f"{', '.join(map(str, dropped_steps[:8]))}) moved to {copy}; this run writes those steps again"]
 
 
 class StepLog:

@@ -8,6 +8,7 @@ import glob
 import hashlib
 import json
 import os
+import pickle
 import re
 
 import torch
@@ -85,6 +86,23 @@ def check_state_dict_fits(path, own, state_dict, flag_hint, may_be_missing=()):
                          f"check {flag_hint}{found}")
 
 
+def load_tensors_only(path, mmap=False):
+    """``torch.load(path, weights_only=True)`` on the CPU (``mmap``: tensors read when used).
+
+    Raises:
+        ValueError: naming ``path`` when the file holds pickled Python objects besides tensors (never run: unpickling
+            them could run any code), with the way on.
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"Unsupported global: GLOBAL [\w.]+", str(err))
+        raise ValueError(f"{path} holds Python objects besides tensors "
+                         f"({found[0] if found else 'a pickle weights_only refuses'});"
+                         f" it is not loaded, since unpickling it could run code. If you trust the file, load it once "
+                         f"with torch.load(weights_only=False) and torch.save its state_dict()") from None
+
+
 def load_weights(model, path, flag_hint="--hidden_size / --num_hidden_layers / --use_moe"):
     """Load a ``.pth`` state dict into ``model`` strictly (weights_only=True), refusing a damaged file.
 
@@ -99,7 +117,9 @@ def load_weights(model, path, flag_hint="--hidden_size / --num_hidden_layers / -
         found = sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "*.pth")))
         raise FileNotFoundError(f"weights not found: {path} (in {folder}: {found or 'no .pth files'})")
     try:
-        state_dict = torch.load(path, map_location="cpu", weights_only=True)
+        state_dict = load_tensors_only(path)
+    except ValueError:
+        raise
     except Exception as err:  # torch raises RuntimeError, pickle errors, EOFError... for a damaged file
         raise ValueError(f"{path} cannot be read as MiniMind weights ({type(err).__name__}: {err}); the file is "
                          f"truncated or not a .pth state dict: copy it again or pass another --from_weight") from err
@@ -263,9 +283,9 @@ def embedding_rows(checkpoint_path):
     """Rows of ``model.embed_tokens.weight`` in a MiniMind ``.pth`` state dict (memory-mapped where the file allows,
     so the tensors are not read), or None when the file has no such tensor (the strict load names that later)."""
     try:
-        state_dict = torch.load(checkpoint_path, map_location="cpu", weights_only=True, mmap=True)
+        state_dict = load_tensors_only(checkpoint_path, mmap=True)
     except RuntimeError:  # a file in torch's legacy (non-zip) format cannot be memory-mapped
-        state_dict = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
+        state_dict = load_tensors_only(checkpoint_path)
     tensor = state_dict.get(EMBEDDING_KEY) if isinstance(state_dict, dict) else None
     return None if tensor is None else tensor.shape[0]
 
