@@ -4,7 +4,8 @@
 
 The first part of the request path picks the reply, e.g. ``POST /id_outside_vocab/generate``; every batch element
 gets the same reply, built from one well-formed SGLang answer (output_ids [5, 2], log-probs -0.25 and -0.5,
-stopped on EOS 2). ``/hang/...`` takes the request and never answers; ``/html/...`` answers an HTML page with 200.
+stopped on EOS 2). ``/hang/generate`` takes the request and never answers; ``/html/generate`` answers an HTML page
+with 200. ``/health`` and ``/update_weights_from_disk`` answer as a healthy server does, in every mode.
 """
 import json
 import sys
@@ -48,9 +49,15 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
+    def do_GET(self):  # /health: a server that is up
+        self.reply(b"", "text/plain")
+
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
         mode = self.path.strip("/").split("/")[0]
+        if self.path.endswith("/update_weights_from_disk"):  # every mode takes weights; only /generate misbehaves
+            self.reply(json.dumps({"success": True, "message": "loaded"}).encode(), "application/json")
+            return
         if mode == "hang":
             time.sleep(3600)
             return
