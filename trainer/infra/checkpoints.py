@@ -480,11 +480,11 @@ def check_resume_data(args, path, checkpoint):
     saved = checkpoint.get("data")
     if not saved:  # a resume file without the record
         return
-    now = data_digest(args.data_path)
-    if now == dict(saved):
+    current = data_digest(args.data_path)
+    if current == dict(saved):
         return
-    what = (f"{saved['size']} -> {now['size']} bytes" if saved["size"] != now["size"] else
-            f"same size, sha256 {saved['sha256'][:12]}... -> {now['sha256'][:12]}...")
+    what = (f"{saved['size']} -> {current['size']} bytes" if saved["size"] != current["size"] else
+            f"same size, sha256 {saved['sha256'][:12]}... -> {current['sha256'][:12]}...")
     if getattr(args, "allow_data_change", 0):
         Logger(f"warning: --data_path {args.data_path} changed since {path} was saved ({what}); "
                f"--allow_data_change 1: the run continues at the saved position, counted in prompts of this file")
