@@ -361,3 +361,36 @@ def test_beta_0_builds_no_reference_and_runs_no_reference_forward(tiny_weights, 
                                             "2", "--beta", "0", "--run_dir", str(tmp_path / "run")], monkeypatch)
     assert deep_copies["n"] == 0 and forwards == 2  # the policy's forward of each step, nothing else
     assert all("kl_ref" not in row for row in rows) and len(rows) == 2
+
+
+def test_two_real_processes_log_global_means_and_take_the_window_token_mean(tmp_path):
+    """torchrun, 2 gloo processes: the logged means count every process's tokens (answers at the sequence level),
+    the extremes are global, and a dapo window of two steps through DDP gives the gradient of the token mean over
+    all four batches (Yu et al. 2025, eq. 8), here computed in one process on the concatenated rows."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from dist_family_worker import DAPO, TokenLogps, rank_data
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             "tests/dist_family_worker.py", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0] == ranks[1]
+    values = torch.cat([rank_data(r, 0)[0] for r in range(2)])  # [6, 5]
+    mask = torch.cat([rank_data(r, 0)[3] for r in range(2)]).bool()  # 15 + 4 tokens
+    assert ranks[0]["mean"] == pytest.approx(values[mask].mean().item(), abs=1e-6)
+    assert ranks[0]["per_sequence"] == pytest.approx(values[:, 0].mean().item(), abs=1e-6)  # 6 answers
+    assert ranks[0]["extremes"] == pytest.approx([values[mask].min().item(), values[mask].max().item()])
+    model = TokenLogps()  # the global token mean of the window, in one process
+    batches = [rank_data(r, s) for r in range(2) for s in range(2)]
+    total_tokens = sum(int(batch[3].sum()) for batch in batches)
+    loss = sum(family_loss(model(offsets), old, None, advantages, mask, DAPO, 1.0)[0]
+               for offsets, old, advantages, mask in batches) / total_tokens
+    loss.backward()
+    assert ranks[0]["grad"] == pytest.approx(model.theta.grad.tolist(), abs=1e-7)
+    assert model.theta.grad.abs().max() > 0
