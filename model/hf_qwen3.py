@@ -1,29 +1,24 @@
-"""MiniMind weights <-> a transformers ``Qwen3ForCausalLM`` folder (config.json + safetensors).
+"""MiniMind weights <-> a transformers ``Qwen3ForCausalLM`` folder (config.json + safetensors), the one mapping
+between the two formats, used by ``scripts/convert_model.py`` and ``SGLangRolloutEngine`` (every weight sync).
 
-This is the one place that maps between the two formats; ``scripts/convert_model.py`` (for users) and
-``SGLangRolloutEngine.update_policy`` (every weight sync) both use it.
-
-The mapping: MiniMind's dense model is the Qwen3 layout and its parameter names are those of
-``Qwen3ForCausalLM`` (``tests/test_model.py`` checks equal logits), so the state-dict keys pass through
-unchanged. Two things differ:
-  * with tied embeddings the folder holds no ``lm_head.weight`` (transformers and SGLang tie it to
-    ``model.embed_tokens.weight`` from ``tie_word_embeddings``); loading adds it back;
-  * the config: ``MiniMindConfig`` fields become ``Qwen3Config`` fields (``qwen3_config_from_minimind``).
-The MoE variant (``use_moe``) has no ``Qwen3ForCausalLM`` counterpart and is refused.
-
-Folders are written with the project's one atomic write (``trainer/infra/files.py``): into a temporary sibling folder,
-files fsynced, then renamed into place.
+MiniMind's dense model is the Qwen3 layout with ``Qwen3ForCausalLM``'s parameter names (``tests/test_model.py``
+checks equal logits), so the state-dict keys pass through unchanged. Two things differ: with tied embeddings the
+folder holds no ``lm_head.weight`` (transformers and SGLang tie it from ``tie_word_embeddings``; loading adds it
+back), and ``MiniMindConfig`` fields become ``Qwen3Config`` fields (``qwen3_config_from_minimind``). The MoE
+variant (``use_moe``) has no ``Qwen3ForCausalLM`` counterpart and is refused. Folders appear complete or not at
+all (``write_folder_atomically``).
 """
 import glob
 import json
 import os
+import shutil
+import uuid
 
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
 from model.model_minimind import MiniMindConfig
-from trainer.infra.files import atomic_write
 
 TIED_LM_HEAD_KEY = "lm_head.weight"
 EMBED_KEY = "model.embed_tokens.weight"
@@ -97,18 +92,12 @@ def minimind_state_dict(qwen3_tensors, tie_word_embeddings):
 
 
 def save_qwen3_folder(state_dict, config, path, tokenizer=None, dtype=torch.float32):
-    """Write a transformers ``Qwen3ForCausalLM`` folder (config.json, model.safetensors[, tokenizer]) atomically.
+    """Write a transformers ``Qwen3ForCausalLM`` folder (config.json, model.safetensors[, tokenizer]) at ``path``,
+    created or replaced atomically (``write_folder_atomically``); returns its absolute path.
 
-    Args:
-        state_dict: MiniMind state dict (any device / dtype).
-        config: the ``MiniMindConfig`` of those weights.
-        path: the folder to create or replace.
-        tokenizer: optional tokenizer saved alongside (SGLang loads it from the model folder).
-        dtype: storage dtype of the weights (torch.float32 keeps them exact).
-    Returns:
-        the absolute folder path.
-    Raises:
-        ValueError: for a MoE config; OSError: see ``atomic_write``.
+    ``state_dict``: MiniMind weights (any device / dtype) of ``config`` (a ``MiniMindConfig``); ``tokenizer``: saved
+    alongside when given (SGLang loads it from the model folder); ``dtype``: the stored dtype (float32 keeps the
+    weights exact). Raises ValueError for a MoE config, OSError when the folder cannot be written.
     """
     qwen_config = qwen3_config_from_minimind(config)
     qwen_config.dtype = dtype
@@ -129,8 +118,33 @@ def save_qwen3_folder(state_dict, config, path, tokenizer=None, dtype=torch.floa
             tokenizer.save_pretrained(folder)
 
     path = os.path.abspath(path)
-    atomic_write({path: write})
+    write_folder_atomically(path, write)
     return path
+
+
+def write_folder_atomically(path, write):
+    """``write(tmp)`` creates the folder's content at a temporary sibling ``tmp`` (it makes the folder itself);
+    every file is fsynced, then the folder is swapped in for ``path`` by two renames (the old one removed after), so
+    a crash leaves the old folder or the new one, never part of one. On an error the temporary folder is removed;
+    folders a killed writer left (``{path}.tmp*``, ``{path}.old-*``) are removed by the next write to ``path``."""
+    for stale in glob.glob(glob.escape(path) + ".tmp*") + glob.glob(glob.escape(path) + ".old-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = f"{path}.tmp{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write(tmp)
+        for root, _, names in os.walk(tmp):
+            for name in names:
+                with open(os.path.join(root, name), "rb") as f:
+                    os.fsync(f.fileno())
+        old = f"{path}.old-{uuid.uuid4().hex[:8]}"
+        if os.path.exists(path):
+            os.rename(path, old)
+        os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def load_qwen3_folder(path):
