@@ -105,20 +105,14 @@ HISTORY_HEADER = "以上是对话历史。我的新问题是："  # MiniMind's L
 
 
 def reward_model_messages(messages, response):
-    """The two-turn conversation that the external reward model scores (chapter 8.3, MiniMind's LMForRewardModel).
+    """The two-turn conversation the external reward model scores (chapter 8.3), upstream MiniMind's text exactly.
 
-    Exactly upstream MiniMind's text: every turn before the last becomes a "role: content" line (contents as
-    they are, thinking included, as upstream does), and the user turn is
-    ``f"{history}\\n以上是对话历史。我的新问题是：\\n{last query}"``, or the last query alone when there is
-    no history.
+    Every turn of ``messages`` (``prompt_to_messages``, may be empty) before the last becomes a "role: content"
+    line (contents as they are, thinking included), and the user turn is
+    ``f"{history}\\n以上是对话历史。我的新问题是：\\n{last query}"``, or the last query alone without history.
     The assistant turn is the final answer of ``response`` (the text after '</think>', ``split_thinking``);
     ``LMForRewardModel`` gives models with upstream's interface upstream's text instead (``answer_text``).
-
-    Args:
-        messages: list of {"role", "content"} of the prompt (``prompt_to_messages``); may be empty.
-        response: the sampled completion (str), with or without a thinking part.
-    Returns:
-        [{"role": "user", "content": str}, {"role": "assistant", "content": str}].
+    Returns [{"role": "user", "content": str}, {"role": "assistant", "content": str}].
     """
     history_text = "\n".join(f"{m['role']}: {m['content']}" for m in messages[:-1])
     last_query = messages[-1]["content"] if messages else ""
@@ -176,28 +170,13 @@ def read_reward_model_config(path, trust_remote_code):
 class LMForRewardModel:
     """External reward model of chapter 8.3: ``get_scores`` -> one score per answer, clipped to [-3, 3].
 
-    Three kinds load:
-      (a) a transformers sequence-classification model with one label (``AutoModelForSequenceClassification``,
-          e.g. ``Qwen3ForSequenceClassification`` as written by ``trainer/train_reward.py``): the conversation of
-          ``reward_model_messages`` is rendered with the reward model's own chat template and scored in
-          right-padded forwards of at most ``batch_size`` answers; the score is the logit at the last non-pad token;
-      (b) an InternLM2 reward model (``auto_map`` naming ``InternLM2ForRewardModel``: upstream MiniMind's default
-          ``internlm2-1_8b-reward``): loaded into transformers' ``LlamaModel`` without running its remote code
-          (``trainer/infra/internlm2_reward.py``) and scored as its ``get_scores`` scores, in chunks of ``batch_size``;
-      (c) another remote-code model exposing ``get_score(tokenizer, messages)`` (and optionally the batched
-          ``get_scores(tokenizer, list of messages)``, whose result may be a bare float for one conversation);
-          loaded with ``AutoModel.from_pretrained(..., trust_remote_code=True)`` only when ``trust_remote_code``.
-    Kinds (b) and (c), upstream's interface, score upstream's text (``answer_text``); kind (a) scores the stripped
-    final answer, the text ``train_reward.py`` trains on.
-
-    Args:
-        path: model folder. device: e.g. "cpu", "cuda:0". dtype: torch dtype of the weights.
-        batch_size: answers per forward (``--reward_batch_size``). max_length: tokens kept per answer (from the right,
-            so the answer is never cut). trust_remote_code: allow kind (c).
-    Raises:
-        FileNotFoundError / ValueError: see ``read_reward_model_config`` (and ``InternLM2RewardModel.from_pretrained``
-            for kind (b)); ValueError also for a sequence-classification model with more than one label, or a
-            remote-code model without ``get_score``.
+    Three kinds of ``path`` load (docs/reward_model.md): a sequence-classification model with one label (the
+    ``reward_model_messages`` conversation in its own chat template, the logit at the last non-pad token), an
+    InternLM2 reward model (upstream MiniMind's default, without its remote code: ``trainer/infra/internlm2_reward.py``)
+    and a remote-code model with ``get_score`` (only with ``trust_remote_code``); the last two score upstream's text
+    (``answer_text``). ``batch_size``: answers per forward; ``max_length``: tokens kept per answer, from the right.
+    Raises FileNotFoundError / ValueError as ``read_reward_model_config`` does; ValueError also for a classifier with
+    more than one label or a remote-code model without ``get_score``.
     """
 
     def __init__(self, path, device="cpu", dtype=torch.float32, batch_size=16, max_length=2048,
