@@ -1,22 +1,20 @@
 """MiniMind causal language model and the PPO critic.
 
 Architecture (the MiniMind-3 / Qwen3 layout): token embedding, ``num_hidden_layers`` pre-norm blocks of
-grouped-query attention (RMSNorm on q and k per head, rotary position embedding) and a SwiGLU MLP
-(or a routed mixture of SwiGLU experts when ``use_moe``), a final RMSNorm and an LM head tied to the
-embedding.
+grouped-query attention (RMSNorm on q and k per head, rotary position embedding) and a SwiGLU MLP (or a routed
+mixture of SwiGLU experts when ``use_moe``), a final RMSNorm and an LM head tied to the embedding. Parameter names
+are those of MiniMind's published ``.pth`` checkpoints and of transformers' ``Qwen3ForCausalLM``
+(``tests/test_model.py`` checks that both give the same logits).
 
-Parameter names are those of MiniMind's published ``.pth`` checkpoints, which are also the names of
-transformers' ``Qwen3ForCausalLM``; ``tests/test_model.py`` checks that both give the same logits.
-
-Shapes used in the docstrings: B batch, T tokens in this call, S tokens attended to (cache + T),
-H attention heads, Hkv key/value heads, D head_dim, V vocabulary size.
+Shapes in the docstrings: B batch, T tokens in this call, S tokens attended to (cache + T), H attention heads,
+Hkv key/value heads, D head_dim, V vocabulary size.
 """
 import math
 import torch
 import torch.nn.functional as F
 from torch import nn
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
@@ -417,26 +415,17 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel):
 
     @torch.no_grad()
     def generate(self, input_ids, attention_mask=None, max_new_tokens=256, do_sample=True, temperature=1.0,
-                 top_p=1.0, top_k=0, eos_token_id=2, pad_token_id=0, generator=None, ignore_eos=False,
-                 return_logps=False):
-        """Sample continuations of a batch of left-padded prompts with a KV cache allocated once.
+                 top_p=1.0, top_k=0, eos_token_id=2, pad_token_id=0, generator=None):
+        """Sample continuations of left-padded prompts with a KV cache allocated once (chapter 8.2).
 
-        Args:
-            input_ids: long [B, P], left-padded; attention_mask: [B, P] (1 = real token) or None.
-            max_new_tokens: R_max, the most tokens to add. do_sample=False is greedy decoding.
-            temperature, top_p, top_k: logits / temperature, then keep the top_k most likely tokens
-                (0 = all) and the smallest set whose probability reaches top_p (1.0 = all).
-            eos_token_id: a row stops after it emits this token; later positions get ``pad_token_id``.
-            generator: a ``torch.Generator`` for reproducible sampling.
-            ignore_eos: keep generating past EOS (benchmarks that need full-length work).
-            return_logps: also return the log-prob of each sampled token, recorded at sampling time
-                (chapter 8.2): log_softmax(logits / temperature) in fp32, before top-k / top-p truncation
-                (the convention of ``trainer/rollout_engine.py``); 0 after a row's EOS.
-        Returns:
-            long [B, P + R] with R <= max_new_tokens: the prompts followed by the completions; decoding
-            stops early once every row has finished. With ``return_logps``: (that tensor, fp32 [B, R]).
-        Raises:
-            ValueError: if temperature <= 0 while sampling, or top_p is not in (0, 1].
+        input_ids: long [B, P]; attention_mask: [B, P] (1 = real token) or None. Each step takes logits /
+        temperature, keeps the top_k most likely tokens (0 = all) and the smallest set reaching top_p
+        (``sample_next_token``; do_sample=False is greedy). A row stops after ``eos_token_id``; its later
+        positions get ``pad_token_id``; decoding stops once every row has. ``generator``: reproducible sampling.
+        Returns ``Generation``: output_ids long [B, P + R], R <= max_new_tokens, and per_token_logps fp32 [B, R],
+        log_softmax(logits / temperature) of each sampled token before top-k / top-p truncation (the convention of
+        ``trainer/rollout_engine.py``), 0 after a row's EOS.
+        Raises ValueError if temperature <= 0 while sampling, or top_p is not in (0, 1].
         """
         if do_sample and temperature <= 0:
             raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
@@ -457,24 +446,25 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel):
             next_token = sample_next_token(last_logits, do_sample, temperature, top_p, top_k, generator)  # [B]
             next_token = torch.where(finished, torch.full_like(next_token, pad_token_id), next_token)
             new_tokens.append(next_token)
-            if return_logps:
-                row_logps = torch.log_softmax(last_logits.float() / (temperature if do_sample else 1.0), dim=-1)
-                picked = row_logps.gather(-1, next_token.unsqueeze(-1)).squeeze(-1)  # [B]
-                new_logps.append(torch.where(finished, torch.zeros_like(picked), picked))
-            if not ignore_eos:
-                finished = finished | (next_token == eos_token_id)
-                if bool(finished.all()):
-                    break
-            if step + 1 == max_new_tokens:
+            row_logps = torch.log_softmax(last_logits.float() / (temperature if do_sample else 1.0), dim=-1)  # [B, V]
+            picked = row_logps.gather(-1, next_token.unsqueeze(-1)).squeeze(-1)  # [B]
+            new_logps.append(torch.where(finished, torch.zeros_like(picked), picked))
+            finished = finished | (next_token == eos_token_id)
+            if bool(finished.all()) or step + 1 == max_new_tokens:
                 break
             full_mask[:, prompt_len + step] = (~finished).to(full_mask.dtype)
             logits = self(next_token.unsqueeze(1), attention_mask=full_mask[:, :prompt_len + step + 1],
                           past_key_values=cache).logits
-        output_ids = torch.cat([input_ids, torch.stack(new_tokens, dim=1)], dim=1) if new_tokens else input_ids
-        if not return_logps:
-            return output_ids
-        logps = torch.stack(new_logps, dim=1) if new_logps else input_ids.new_zeros((batch, 0), dtype=torch.float32)
-        return output_ids, logps  # [B, P + R], [B, R]
+        if not new_tokens:
+            return Generation(input_ids, input_ids.new_zeros((batch, 0), dtype=torch.float32))
+        output_ids = torch.cat([input_ids, torch.stack(new_tokens, dim=1)], dim=1)  # [B, P + R]
+        return Generation(output_ids, torch.stack(new_logps, dim=1))  # [B, P + R], [B, R]
+
+
+class Generation(NamedTuple):
+    """What ``MiniMindForCausalLM.generate`` returns."""
+    output_ids: torch.Tensor  # long [B, P + R], the prompts followed by the completions
+    per_token_logps: torch.Tensor  # fp32 [B, R], log pi of each sampled token at sampling time, 0 after EOS
 
 
 def sample_next_token(logits, do_sample, temperature, top_p, top_k, generator=None):
@@ -525,11 +515,8 @@ class CriticModel(MiniMindPreTrainedModel):
     forward(input_ids, attention_mask) -> ``CriticOutput`` (values fp32 [B, T], aux_loss). It is initialised
     from the actor's SFT weights with ``load_actor_state_dict``, which loads strictly except for the new
     ``value_head.weight`` / ``value_head.bias`` (and ignores the LM head, which the critic does not have).
-    The value head starts at zero, so the critic predicts V = 0 until it has learned something.
-
-    The final RMSNorm is applied once: ``MiniMindModel`` already ends with it. The chapter's critic calls
-    ``self.model.norm(outputs[0])`` on that normed output again, which normalises twice (a second RMSNorm of a
-    unit-RMS vector is a no-op up to the gain, applied twice); this code keeps the single, correct norm.
+    The value head starts at zero, so the critic predicts V = 0 until it has learned something. The final RMSNorm
+    is applied once, ``MiniMindModel``'s own (the chapter's critic applies it twice: docs/departures.md).
     """
 
     def __init__(self, config=None):

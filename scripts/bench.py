@@ -5,9 +5,10 @@ settings, so that peak resident memory is its own and one contestant's caches do
 
 Our step contestants run the training scripts as they are: ``ours_grpo`` calls ``trainer.train_grpo.main(argv)``
 and ``ours_ppo`` ``trainer.train_ppo.main(argv)`` in the worker, for ``--warmup`` + ``--steps`` steps, with flags
-for this workload (``ours_argv``: the prompt file below, ``--ignore_eos 1``, ``--eval_interval 0``, a log line
-every step, checkpoints only at the end). Nothing of the training modules is replaced or copied: the bench passes
-the arguments ``main`` takes (``argv`` and ``reward_fn``) and reads what the run writes. A step's time is the
+for this workload (``ours_argv``: the prompt file below, ``--eval_interval 0``, a log line every step, checkpoints
+only at the end), with full-length answers (``scripts/full_length.py``: ``generate`` gets an EOS id no token has).
+Nothing else of the training modules is replaced or copied: the bench passes the arguments ``main`` takes (``argv``
+and ``reward_fn``) and reads what the run writes. A step's time is the
 difference of consecutive ``elapsed_s`` values in the run's metrics.jsonl (the loop's own clock; step 1 counts
 from the start of the loop); the final save comes after the last value and is not in any step. TRL's contestants
 are ``trl.GRPOTrainer.train`` on the same weights exported as ``Qwen3ForCausalLM``, and TRL 1.9.2's
@@ -23,7 +24,7 @@ of chosen functions, found by their code objects, and adds the wall time in betw
     rollout            ours: TorchRolloutEngine.rollout; TRL GRPO: GRPOTrainer._generate; TRL PPO: batch_generation
     reward             the reward function the bench passes in (``calculate_rewards``; TRL PPO: a reward model, in
                        "other")
-    reference_forward  ours GRPO: rollout_per_token_logps, PPO: policy_forward; TRL GRPO:
+    reference_forward  ours GRPO: rollout_per_token_logps, PPO: compute_per_token_logps; TRL GRPO:
     policy_forward       _get_per_token_logps_and_entropies -- the policy's when grad is on and the model has
                        trainable weights, else the reference's (``forward_phase``); TRL PPO: its forwards (the
                        policy and value models in one wrapper) are in "other"
@@ -97,6 +98,7 @@ sys.path.insert(0, ROOT)
 import requests
 import torch
 
+from scripts.full_length import full_length_answers
 from scripts.sglang_cpu.server import launch_cpu_server, stop_server
 from trainer.infra.files import atomic_write
 
@@ -442,11 +444,11 @@ def without_flag(flags, name):
     return kept
 
 
-def ours_argv(workload, script, steps, data_path, save_dir, run_dir, flags=(), natural_eos=False):
+def ours_argv(workload, script, steps, data_path, save_dir, run_dir, flags=()):
     """The command-line flags of ``trainer/train_{script}.py`` (grpo or ppo) for ``workload`` (a dict with pth,
-    hidden_size, num_hidden_layers, gen_len, dtype, device, torch_logprobs) and ``steps`` steps: rule rewards only
+    hidden_size, num_hidden_layers, gen_len, dtype, device) and ``steps`` steps: rule rewards only
     (``--reward_model_path none``), no evaluation, a log line and a metrics.jsonl row every step, no save before
-    the last step, full-length answers unless ``natural_eos``, then ``flags`` (``--shared_prefix`` is GRPO's and
+    the last step, then ``flags`` (``--shared_prefix`` is GRPO's and
     left out of PPO's). GRPO: 2 prompts x 6 answers, beta 0.1, CISPO (epsilon_high 5). PPO: the 12 rows of
     ``data_path`` in one step, one answer each, minibatches of 2, GAE lambda 0.95 (as TRL's PPOConfig below)."""
     common = [
@@ -455,9 +457,8 @@ def ours_argv(workload, script, steps, data_path, save_dir, run_dir, flags=(), n
         "--max_steps", str(steps), "--epochs", str(steps), "--max_gen_len", str(workload["gen_len"]),
         "--max_seq_len", "512", "--temperature", "1.0", "--top_k", "0", "--top_p", "1.0",
         "--reward_model_path", "none", "--dtype", workload["dtype"], "--device", workload["device"],
-        "--torch_logprobs", workload.get("torch_logprobs", "sampler"), "--eval_interval", "0",
-        "--save_interval", str(steps + 1), "--log_interval", "1", "--use_compile", "0", "--use_wandb", "0",
-        "--save_dir", save_dir, "--run_dir", run_dir, *([] if natural_eos else ["--ignore_eos", "1"]),
+        "--eval_interval", "0", "--save_interval", str(steps + 1), "--log_interval", "1", "--use_compile", "0",
+        "--use_wandb", "0", "--save_dir", save_dir, "--run_dir", run_dir,
     ]
     if script == "grpo":
         return common + ["--batch_size", str(NUM_PROMPTS), "--num_generations", str(NUM_GENERATIONS),
@@ -508,19 +509,20 @@ def run_ours(spec, tracer, script):
     """
     from trainer.infra.metrics import StepLog
     from trainer.infra.optimizer import project_scale_only_gradients
-    from trainer.rollout_engine import TorchRolloutEngine, policy_forward
+    from trainer.rollout_engine import TorchRolloutEngine, compute_per_token_logps
     from trainer.infra.weights import build_config
     module = importlib.import_module(f"trainer.train_{script}")
     watch_update(tracer)
     tracer.watch(project_scale_only_gradients, "optimizer")
     tracer.watch(TorchRolloutEngine.rollout, "rollout")
-    tracer.watch(module.rollout_per_token_logps if script == "grpo" else policy_forward, forward_phase)
+    tracer.watch(module.rollout_per_token_logps if script == "grpo" else compute_per_token_logps, forward_phase)
     tracer.at_entry(StepLog.write, tracer.end_step)
     steps = spec["warmup"] + spec["steps"]
     save_dir, run_dir = os.path.join(spec["tmp_dir"], "save"), os.path.join(spec["tmp_dir"], "run")
     data_path = spec["data_path"] if script == "grpo" else spec["ppo_data_path"]
-    argv = ours_argv(spec, script, steps, data_path, save_dir, run_dir, spec["ours_flags"], spec["natural_eos"])
-    with tracer.tracing(spec["phases"]):
+    argv = ours_argv(spec, script, steps, data_path, save_dir, run_dir, spec["ours_flags"])
+    answers = contextlib.nullcontext() if spec["natural_eos"] else full_length_answers()
+    with tracer.tracing(spec["phases"]), answers:
         module.main(argv, reward_fn=timed_reward(tracer))
     shutil.rmtree(save_dir, ignore_errors=True)
     elapsed = elapsed_seconds(run_dir)
@@ -607,11 +609,10 @@ def run_rollouts(spec, tokenizer, tracer, contestant):
     if contestant == "ours_rollout":
         from trainer.rollout_engine import TorchRolloutEngine
         model, config = load_minimind(spec)
-        engine = TorchRolloutEngine(model, tokenizer, generator=torch.Generator(spec["device"]).manual_seed(0),
-                                    logprobs_mode=spec["torch_logprobs"], ignore_eos=True)
+        engine = TorchRolloutEngine(model, tokenizer, generator=torch.Generator(spec["device"]).manual_seed(0))
 
         def rollout():
-            with tracer.phase("rollout"), autocast_context(spec["device"], spec["dtype"]):
+            with tracer.phase("rollout"), autocast_context(spec["device"], spec["dtype"]), full_length_answers():
                 return engine.rollout(prompt_ids, attention_mask, NUM_GENERATIONS, spec["gen_len"]).completion_ids
     else:
         from transformers import Qwen3ForCausalLM
@@ -858,7 +859,6 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="auto: float32, and bfloat16 too where the machine has bf16 units (has_bf16_units)")
     parser.add_argument("--device", default="cpu", help="where every contestant runs: cpu or cuda[:N]")
-    parser.add_argument("--torch_logprobs", default="sampler", choices=["sampler", "recompute"])
     parser.add_argument("--ours_flags", default="",
                         help="extra flags of our training scripts for our step contestants, e.g. \"--shared_prefix 0\" "
                              "(a lever switched off); TRL's contestants are not affected")
@@ -941,7 +941,7 @@ def main(argv=None):
                             qwen3_folder=folder, gen_len=gen_len, prompts=prompts, answers=answers,
                             ppo_prompts=ppo_prompts, data_path=data_path, ppo_data_path=ppo_data_path,
                             prompt_len=prompt_len, steps=args.steps, warmup=args.warmup, dtype=dtype,
-                            torch_logprobs=args.torch_logprobs, threads=args.threads, peaks=peaks,
+                            threads=args.threads, peaks=peaks,
                             device=args.device, phases=bool(args.phases),
                             tmp_dir=os.path.join(work_dir, f"{contestant}_{size}_{gen_len}_{dtype}_{repeat + 1}"),
                             trl_ppo_path=args.trl_ppo_path, ours_flags=args.ours_flags.split(),
@@ -973,7 +973,7 @@ def main(argv=None):
               "command": shlex.join(["python", "scripts/bench.py", *(sys.argv[1:] if argv is None else argv)]),
               "prompt_tokens": prompt_len, "prompts": prompts,
               "num_prompts": NUM_PROMPTS, "num_generations": NUM_GENERATIONS, "matmul_peak_gflops": peaks,
-              "torch_logprobs": args.torch_logprobs, "ours_flags": args.ours_flags, "results": results,
+              "ours_flags": args.ours_flags, "results": results,
               "table": table}
     atomic_write({args.json: lambda tmp: write_json(report, tmp)})
     print(f"wrote {args.json}")

@@ -15,8 +15,8 @@ times: the table gives the median and min-max over the repeats of each contestan
 ours / TRL taken repeat by repeat.
 
 The contestants, on the same work:
-  * ours: ``python trainer/train_grpo.py`` with ``--ignore_eos 1`` (every answer is ``--gen_len`` tokens),
-    ``--loss_type cispo --epsilon_high 5 --beta 0.1 --temperature 1 --top_k 0 --top_p 1``, no reward model
+  * ours: ``python scripts/full_length.py grpo``: ``trainer/train_grpo.py``'s ``main`` with every answer ``--gen_len``
+    tokens, ``--loss_type cispo --epsilon_high 5 --beta 0.1 --temperature 1 --top_k 0 --top_p 1``, no reward model
     (``--reward_model_path none``: the rule reward and the answer reward), ``--eval_interval 0``, a
     ``--save_interval`` beyond the last step, no ``--use_compile``, no tracker, ``--dtype`` of the row, and the
     learning rates of ``scripts/bench.py``'s ``ours_grpo`` (the script's defaults).
@@ -58,7 +58,7 @@ figure, and it is in every whole-process time):
     after the run: nothing); ``train()`` prints a dict of metrics per step and a summary at the end.
 
 Also measured, per repeat: ``scripts/bench.py``'s ``ours_grpo`` worker on the same weights, prompts, lengths, EOS
-ignored, ``--torch_logprobs sampler`` and flags: the same ``train_grpo.py`` loop run in-process for
+ignored, and flags: the same ``train_grpo.py`` loop run in-process for
 ``--bench_warmup`` + ``--bench_steps`` steps, its step the median difference of consecutive ``elapsed_s`` values of
 its metrics.jsonl (the loop's own clock) after the warm-up. ``command / in-process`` = ours' whole-process per-step
 time / that step time: 1 when the loop's own clock holds every per-step cost of the command, more when the command
@@ -151,11 +151,11 @@ def describe_machine(info):
 
 # ----------------------------------------------------------------------------- one timed run
 def ours_command(workload, steps, data_path, save_dir, run_dir):
-    """The command line of our contestant: ``train_grpo.py`` on ``workload`` for ``steps`` steps, with the flags
-    ``scripts/bench.py`` gives its ``ours_grpo`` (``ours_argv``)."""
+    """The command line of our contestant: ``train_grpo.py`` on ``workload`` for ``steps`` steps with full-length
+    answers (``scripts/full_length.py``) and the flags ``scripts/bench.py`` gives its ``ours_grpo`` (``ours_argv``)."""
     from scripts.bench import ours_argv
-    return [sys.executable, os.path.join(ROOT, "trainer", "train_grpo.py"),
-            *ours_argv(dict(workload, torch_logprobs="sampler"), "grpo", steps, data_path, save_dir, run_dir)]
+    return [sys.executable, os.path.join(ROOT, "scripts", "full_length.py"), "grpo",
+            *ours_argv(workload, "grpo", steps, data_path, save_dir, run_dir)]
 
 
 def trl_spec(workload, steps, output_dir):
@@ -406,7 +406,7 @@ def bench_step(workload, args, peaks, work_dir, name):
                 num_hidden_layers=workload["num_hidden_layers"], pth=workload["pth"],
                 qwen3_folder=workload["qwen3_folder"], gen_len=workload["gen_len"], prompts=workload["prompts"],
                 answers=workload["answers"], data_path=workload["data_path"], prompt_len=workload["prompt_len"],
-                steps=args.bench_steps, warmup=args.bench_warmup, dtype=workload["dtype"], torch_logprobs="sampler",
+                steps=args.bench_steps, warmup=args.bench_warmup, dtype=workload["dtype"],
                 threads=torch.get_num_threads(), peaks=peaks, device=workload["device"], phases=True,
                 tmp_dir=os.path.join(work_dir, name), trl_ppo_path="", ours_flags=[], natural_eos=False)
     return bench.run_worker(spec, args.timeout)

@@ -48,7 +48,7 @@ def step_zero_ratio(device, dtype, num_prompts=8, num_generations=4, max_gen_len
     with torch.no_grad(), autocast_context(device, dtype):
         rollout = engine.rollout(prompt_ids, attention_mask, num_generations, max_gen_len)
         new_logps = compute_per_token_logps(model, rollout.output_ids, rollout.completion_ids.size(1),
-                                            rollout.attention_mask)  # [N, R]
+                                            rollout.attention_mask).per_token_logps  # [N, R]
     mask = rollout.completion_mask  # [N, R]
     difference = (new_logps - rollout.per_token_logps).abs() * mask  # [N, R]
     ratio = torch.exp(new_logps - rollout.per_token_logps)  # [N, R]

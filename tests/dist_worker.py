@@ -53,7 +53,7 @@ def ppo_one_rank_kl(local_rank, device, early_stop_kl):
     full_mask = torch.ones_like(output_ids)  # [B, P+R]
     completion_mask = torch.ones(batch, gen_len)  # [B, R]
     with torch.no_grad():
-        per_token_logps = compute_per_token_logps(actor, output_ids, gen_len, full_mask)  # [B, R]
+        per_token_logps = compute_per_token_logps(actor, output_ids, gen_len, full_mask).per_token_logps  # [B, R]
     offset = 2.0 if dist.get_rank() == 0 else 0.0
     data = PPORolloutBatch(
         output_ids=output_ids, full_mask=full_mask, completion_mask=completion_mask,

@@ -2,6 +2,7 @@
 mode end to end (step times against the runs' own metrics.jsonl; no speed asserted), and that the benchmarks run
 the training code as it is (no patching, no copy of the update)."""
 import ast
+import contextlib
 import json
 import os
 import statistics
@@ -82,7 +83,7 @@ def test_untraced_worker_reports_the_loops_step_times_only(tmp_path, tokenizer):
     pth, folder = prepare_weights("tiny", str(tmp_path), tokenizer)
     spec = dict(contestant="ours_grpo", hidden_size=64, num_hidden_layers=2, pth=pth, qwen3_folder=folder,
                 gen_len=4, prompts=prompts, answers=answers, data_path=data_path, prompt_len=16, steps=2, warmup=1,
-                dtype="float32", torch_logprobs="sampler", threads=1, peaks={"float32": 1.0}, device="cpu",
+                dtype="float32", threads=1, peaks={"float32": 1.0}, device="cpu",
                 phases=False, tmp_dir=str(tmp_path / "worker"), ours_flags=[], natural_eos=False)
     figures = run_worker(spec, 600)
     assert "error" not in figures, figures
@@ -176,10 +177,14 @@ def root_name(node):
     return node.id if isinstance(node, ast.Name) else None
 
 
-@pytest.mark.parametrize("script", ["bench.py", "bench_process.py", "bench_levers.py"])
-def test_benchmarks_patch_no_training_module_and_copy_no_update(script):
-    """No assignment, setattr or del on anything imported from trainer/ or model/, and no call of the update's
-    operations (backward, optimizer / scheduler step, clipping, zero_grad): the training loop does those."""
+@pytest.mark.parametrize("script, replaced", [
+    ("bench.py", []), ("bench_process.py", []), ("bench_levers.py", []),
+    ("full_length.py", ["MiniMindForCausalLM.generate"] * 2),  # set, then restored
+])
+def test_benchmarks_patch_no_training_module_and_copy_no_update(script, replaced):
+    """No assignment, setattr or del on anything imported from trainer/ or model/ (but ``generate`` in
+    scripts/full_length.py), and no call of the update's operations (backward, optimizer / scheduler step, clipping,
+    zero_grad): the training loop does those."""
     tree = ast.parse(open(os.path.join(ROOT, "scripts", script), encoding="utf-8").read())
     training = imported_training_names(tree)
     patched, update_calls = [], []
@@ -196,7 +201,38 @@ def test_benchmarks_patch_no_training_module_and_copy_no_update(script):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in (
                 "backward", "step", "clip_grad_norm_", "zero_grad"):
             update_calls.append(ast.unparse(node))
-    assert patched == [] and update_calls == []
+    assert patched == replaced and update_calls == []
+
+
+def test_full_length_answers_sample_to_the_limit_and_keep_the_mask(policy, tokenizer):
+    """scripts/full_length.py: every row samples max_new_tokens tokens; through its first EOS a row holds the tokens
+    and log-probs of a plain rollout with the same generator, and its completion mask ends there. On leaving the
+    block ``generate`` is the model's own again."""
+    from model.model_minimind import MiniMindForCausalLM
+    from scripts.full_length import full_length_answers
+    from trainer.rollout_engine import TorchRolloutEngine, tokenize_prompts
+    own_generate = MiniMindForCausalLM.generate
+    eos_bias = torch.zeros(policy.config.vocab_size)  # [V]
+    eos_bias[tokenizer.eos_token_id] = 8.0  # p(EOS) ~ 30% per token: every row emits EOS within the limit
+    policy.lm_head.register_forward_hook(lambda module, inputs, logits: logits + eos_bias)
+    prompts = ["<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n"] * 2
+    prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, prompts, 256, "cpu")
+    results = []
+    for full_length in (False, True):
+        engine = TorchRolloutEngine(policy, tokenizer, generator=torch.Generator().manual_seed(3))
+        with full_length_answers() if full_length else contextlib.nullcontext():
+            results.append(engine.rollout(prompt_ids, attention_mask, 4, 24, temperature=0.9))
+    plain, full = results
+    assert MiniMindForCausalLM.generate is own_generate
+    assert full.completion_ids.size(1) == 24 and plain.completion_ids.size(1) < 24
+    assert torch.equal(full.completion_mask, torch.cat(
+        [plain.completion_mask, plain.completion_mask.new_zeros((8, 24 - plain.completion_ids.size(1)))], dim=1))
+    mask = plain.completion_mask.bool()  # [8, R]
+    width = plain.completion_ids.size(1)
+    assert 0 < (~mask).sum() and torch.equal(full.completion_ids[:, :width][mask], plain.completion_ids[mask])
+    assert (full.per_token_logps[:, :width][mask] - plain.per_token_logps[mask]).abs().max() <= 1e-5
+    assert (full.completion_ids[:, width:] != tokenizer.pad_token_id).any()  # sampled past EOS, not padded
+    assert full.completions == plain.completions
 
 
 def test_bf16_units_are_read_from_the_cpu_flags(tmp_path, monkeypatch):

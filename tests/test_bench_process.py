@@ -73,7 +73,8 @@ def test_ours_wall_time_covers_its_own_metrics_and_the_final_save(tiny_run):
     assert runs
     for run in runs:
         command = run["command"]
-        for flag, value in (("--ignore_eos", "1"), ("--thinking_ratio", "1"), ("--eval_interval", "0"),
+        assert shlex.split(command)[1:3] == [os.path.join(ROOT, "scripts", "full_length.py"), "grpo"]
+        for flag, value in (("--thinking_ratio", "1"), ("--eval_interval", "0"),
                             ("--loss_type", "cispo"), ("--reward_model_path", "none"), ("--dtype", "float32"),
                             ("--max_gen_len", "8"), ("--max_steps", str(run["steps"]))):
             assert flag_value(command, flag) == value, (flag, command)

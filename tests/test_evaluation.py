@@ -8,6 +8,7 @@ import torch
 from conftest import ROOT
 
 from dataset.lm_dataset import RLAIFDataset
+from model.model_minimind import Generation
 from trainer.infra.evaluation import HeldOutEvaluator, evaluate
 
 VAL_PATH = os.path.join(ROOT, "dataset", "rlaif_val.jsonl")
@@ -26,8 +27,7 @@ class ScriptedAnswerer(torch.nn.Module):
         self.answer_for = answer_for
         self.anchor = torch.nn.Parameter(torch.zeros(1))  # so that .parameters() is not empty
 
-    def generate(self, input_ids, attention_mask=None, max_new_tokens=96, eos_token_id=2, pad_token_id=0,
-                 return_logps=False, **unused):
+    def generate(self, input_ids, attention_mask=None, max_new_tokens=96, eos_token_id=2, pad_token_id=0, **unused):
         rows = []
         for ids, mask in zip(input_ids.tolist(), attention_mask.tolist()):
             prompt = self.tokenizer.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
@@ -38,7 +38,7 @@ class ScriptedAnswerer(torch.nn.Module):
         for i, row in enumerate(rows):
             completion[i, :len(row)] = torch.tensor(row)
         output_ids = torch.cat([input_ids, completion], dim=1)  # [B, P + R]
-        return (output_ids, torch.zeros(completion.shape)) if return_logps else output_ids
+        return Generation(output_ids, torch.zeros(completion.shape))
 
 
 def reference_of(prompt, references):

@@ -23,7 +23,6 @@ def test_upstream_sglang_base_url_is_the_sglang_url(script):
 @pytest.mark.parametrize("argv, names", [
     (["--dtype", "float16"], ["--dtype float16", "loss scaler", "bfloat16"]),
     (["--dtype", "fp8"], ["--dtype fp8", "auto, float32, bfloat16"]),
-    (["--sglang_model_path", "../model"], ["--sglang_model_path", "--tokenizer_path", "--sglang_shared_path"]),
 ])
 def test_upstream_flags_with_another_meaning_are_errors_that_name_ours(argv, names, capsys):
     with pytest.raises(SystemExit):
@@ -58,10 +57,13 @@ def test_a_run_on_other_data_says_it_does_not_evaluate(tiny_weights, small_data,
 
 
 @pytest.mark.parametrize("script", ["grpo", "ppo"])
-def test_ignore_eos_reaches_the_torch_engine_and_is_refused_for_sglang(script, capsys):
+def test_the_torch_engine_gets_the_sampling_flags_only(script):
     from trainer.infra.flags import rollout_engine_kwargs
-    assert rollout_engine_kwargs(parse(script, []))["ignore_eos"] is False
-    assert rollout_engine_kwargs(parse(script, ["--ignore_eos"]))["ignore_eos"] is True
+    assert rollout_engine_kwargs(parse(script, ["--top_k", "5", "--top_p", "0.9"])) == {"top_p": 0.9, "top_k": 5}
+
+
+@pytest.mark.parametrize("flag", ["--sglang_model_path", "--ignore_eos", "--torch_logprobs"])
+def test_flags_the_scripts_do_not_have_are_refused_by_argparse(flag, capsys):
     with pytest.raises(SystemExit):
-        parse(script, ["--ignore_eos", "1", "--rollout_engine", "sglang"])
-    assert "--ignore_eos 1 needs --rollout_engine torch" in capsys.readouterr().err
+        parse("grpo", [flag, "1"])
+    assert f"unrecognized arguments: {flag} 1" in capsys.readouterr().err

@@ -86,7 +86,7 @@ def test_greedy_generate_with_cache_equals_recomputing_everything(tiny_config):
     model = make_model(tiny_config)
     input_ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
     attention_mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
-    out = model.generate(input_ids, attention_mask, max_new_tokens=6, do_sample=False, eos_token_id=-1)
+    out = model.generate(input_ids, attention_mask, max_new_tokens=6, do_sample=False, eos_token_id=-1).output_ids
     for i in range(2):
         row = input_ids[i][attention_mask[i].bool()].tolist()
         for _ in range(6):
@@ -101,8 +101,9 @@ def test_finished_rows_stay_finished(tiny_config):
     with torch.no_grad():
         first = model(input_ids).logits[:, -1].argmax(-1)
     eos = int(first[0])  # row 0 emits "EOS" at its first greedy step
-    out = model.generate(input_ids, max_new_tokens=5, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    out, logps = model.generate(input_ids, max_new_tokens=5, do_sample=False, eos_token_id=eos, pad_token_id=0)
     completion = out[:, 4:]
+    assert logps.shape == completion.shape and (logps[0, 1:] == 0).all()  # no log-prob after a row's EOS
     assert completion[0, 0] == eos
     assert (completion[0, 1:] == 0).all()
     for row in completion.tolist():  # after the first EOS only padding
@@ -117,9 +118,9 @@ def test_sampling_respects_top_k_and_is_reproducible(tiny_config):
         logits = model(input_ids).logits[:, -1]
     top2 = logits.topk(2, dim=-1).indices
     out1 = model.generate(input_ids, max_new_tokens=1, top_k=2, generator=torch.Generator().manual_seed(0),
-                          eos_token_id=-1)
+                          eos_token_id=-1).output_ids
     out2 = model.generate(input_ids, max_new_tokens=1, top_k=2, generator=torch.Generator().manual_seed(0),
-                          eos_token_id=-1)
+                          eos_token_id=-1).output_ids
     assert torch.equal(out1, out2)
     assert all(int(out1[i, -1]) in top2[i].tolist() for i in range(4))
     with pytest.raises(ValueError, match="top_p"):

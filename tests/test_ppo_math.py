@@ -158,7 +158,7 @@ def make_update_inputs(tokenizer):
     gen_len = rollout.completion_ids.size(1)
     with torch.no_grad():
         values = critic(rollout.output_ids, rollout.attention_mask).values[:, -gen_len - 1:-1]
-        ref = compute_per_token_logps(actor, rollout.output_ids, gen_len, rollout.attention_mask)
+        ref = compute_per_token_logps(actor, rollout.output_ids, gen_len, rollout.attention_mask).per_token_logps
     data = PPORolloutBatch(output_ids=rollout.output_ids, full_mask=rollout.attention_mask,
                            completion_mask=rollout.completion_mask, old_per_token_logps=rollout.per_token_logps,
                            ref_per_token_logps=ref, old_resp_values=values,

@@ -9,11 +9,9 @@ PROMPTS = ["<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\
            "<|im_start|>user\n5 加 7 是多少？<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"]
 
 
-@pytest.mark.parametrize("logprobs_mode", ["sampler", "recompute"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_rollout_logps_equal_plain_per_row_forward(policy, tokenizer, temperature, logprobs_mode):
-    engine = TorchRolloutEngine(policy, tokenizer, generator=torch.Generator().manual_seed(1),
-                                logprobs_mode=logprobs_mode)
+def test_rollout_logps_equal_plain_per_row_forward(policy, tokenizer, temperature):
+    engine = TorchRolloutEngine(policy, tokenizer, generator=torch.Generator().manual_seed(1))
     prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, PROMPTS, 256, "cpu")
     result = engine.rollout(prompt_ids, attention_mask, num_generations=3, max_new_tokens=12,
                             temperature=temperature)
@@ -21,7 +19,7 @@ def test_rollout_logps_equal_plain_per_row_forward(policy, tokenizer, temperatur
     assert n == 6 and result.per_token_logps.shape == (6, r)
     assert torch.equal(result.output_ids[0, :prompt_ids.size(1)], result.output_ids[2, :prompt_ids.size(1)])
     assert torch.equal(result.output_ids[3, :prompt_ids.size(1)], prompt_ids[1])  # P0,P0,P0,P1,P1,P1
-    assert result.prompt_lens.tolist() == [attention_mask[0].sum().item()] * 3 + [attention_mask[1].sum().item()] * 3
+    assert torch.equal(result.prompt_mask, attention_mask.repeat_interleave(3, dim=0))  # [6, P]
     for i in range(n):  # each row alone, unpadded, scored by a plain log_softmax
         prompt = prompt_ids[i // 3][attention_mask[i // 3].bool()]
         completion = result.completion_ids[i][result.completion_mask[i].bool()]
@@ -41,21 +39,15 @@ def test_sampler_logps_equal_recomputed_logps_with_eos_and_padding(policy, token
     eos_bias = torch.zeros(policy.config.vocab_size)
     eos_bias[tokenizer.eos_token_id] = 6.0  # p(EOS) ~ 6% per token: most rows finish early and get padded
     policy.lm_head.register_forward_hook(lambda module, inputs, logits: logits + eos_bias)
-    results = {}
-    for mode in ("sampler", "recompute"):
-        engine = TorchRolloutEngine(policy, tokenizer, generator=torch.Generator().manual_seed(5), logprobs_mode=mode)
-        results[mode] = engine.rollout(prompt_ids, attention_mask, 4, 24, temperature=0.9)
-    sampler, recompute = results["sampler"], results["recompute"]
-    assert torch.equal(sampler.output_ids, recompute.output_ids)  # same generator, same samples
+    engine = TorchRolloutEngine(policy, tokenizer, generator=torch.Generator().manual_seed(5))
+    sampler = engine.rollout(prompt_ids, attention_mask, 4, 24, temperature=0.9)
+    with torch.no_grad():
+        recomputed = compute_per_token_logps(policy, sampler.output_ids, sampler.completion_ids.size(1),
+                                             sampler.attention_mask, temperature=0.9).per_token_logps  # [N, R]
     mask = sampler.completion_mask.bool()
     assert 0 < (~mask).sum() and mask.all(dim=1).sum() < mask.size(0) - 2  # rows of several lengths
-    assert (sampler.per_token_logps - recompute.per_token_logps)[mask].abs().max() <= 1e-5
+    assert (sampler.per_token_logps - recomputed)[mask].abs().max() <= 1e-5
     assert torch.all(sampler.per_token_logps[~mask] == 0)
-
-
-def test_unknown_torch_logprobs_mode(policy, tokenizer):
-    with pytest.raises(ValueError, match="--torch_logprobs 'server'.*sampler, recompute"):
-        TorchRolloutEngine(policy, tokenizer, logprobs_mode="server")
 
 
 def test_ratio_is_one_before_any_update(policy, tokenizer):
@@ -64,9 +56,10 @@ def test_ratio_is_one_before_any_update(policy, tokenizer):
     result = engine.rollout(prompt_ids, attention_mask, 4, 16, temperature=0.8)
     assert not result.per_token_logps.requires_grad
     policy.train()
-    per_token_logps = compute_per_token_logps(policy, result.output_ids, result.completion_ids.size(1),
-                                              result.attention_mask, temperature=0.8)
-    assert per_token_logps.requires_grad
+    forward = compute_per_token_logps(policy, result.output_ids, result.completion_ids.size(1),
+                                      result.attention_mask, temperature=0.8)
+    per_token_logps = forward.per_token_logps  # [N, R]
+    assert per_token_logps.requires_grad and forward.entropies is None  # entropies only when asked for
     ratio = torch.exp(per_token_logps - result.per_token_logps)
     mask = result.completion_mask.bool()
     assert (ratio[mask] - 1).abs().max() <= 1e-5
@@ -92,9 +85,9 @@ def test_bf16_autocast_logps_are_fp32_and_near_the_fp32_ones(policy, tokenizer):
     result = TorchRolloutEngine(policy, tokenizer, generator=torch.Generator().manual_seed(3)).rollout(
         prompt_ids, attention_mask, 2, 8)
     args = (policy, result.output_ids, result.completion_ids.size(1), result.attention_mask)
-    fp32_logps = compute_per_token_logps(*args)  # [N, R]
+    fp32_logps = compute_per_token_logps(*args).per_token_logps  # [N, R]
     with autocast_context("cpu", "bfloat16"):
-        bf16_logps = compute_per_token_logps(*args)  # [N, R]
+        bf16_logps = compute_per_token_logps(*args).per_token_logps  # [N, R]
     assert bf16_logps.dtype == torch.float32
     # bf16 keeps 8 bits of mantissa: logits of this size (|logit| < 4) move by ~0.02, log-probs by ~0.05
     assert 0 < (bf16_logps - fp32_logps).abs().max() < 0.15

@@ -82,7 +82,7 @@ def test_batched_request_group_order_and_result(start_standin, tokenizer, tmp_pa
 
     n, r = result.completion_ids.shape
     assert n == 6 and result.output_ids.shape == (6, prompt_ids.size(1) + r)
-    assert result.prompt_lens.tolist() == [len(own_ids[0])] * 3 + [len(own_ids[1])] * 3
+    assert result.prompt_mask.sum(dim=1).tolist() == [len(own_ids[0])] * 3 + [len(own_ids[1])] * 3
     for i in range(n):
         assert torch.equal(result.output_ids[i, :prompt_ids.size(1)], prompt_ids[i // 3])
         completion = result.completion_ids[i][result.completion_mask[i].bool()].tolist()
@@ -95,11 +95,9 @@ def test_batched_request_group_order_and_result(start_standin, tokenizer, tmp_pa
     assert result.metrics["logprob_gap"] < 1e-3  # the server holds the trainer's weights (pushed at start-up)
 
 
-def test_server_logps_match_after_update_policy_and_differ_before(start_standin, tokenizer, tmp_path):
+def test_server_logps_match_after_each_sync_and_differ_before(start_standin, tokenizer, tmp_path):
     server = start_standin(make_policy(0))
     trainer_policy = make_policy(1)
-    engine = SGLangRolloutEngine(trainer_policy, tokenizer, server.url, str(tmp_path / "shared"), sync_at_start=False,
-                                 **FAST)
     prompt = tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"]
 
     def server_vs_trainer_gap():
@@ -110,13 +108,18 @@ def test_server_logps_match_after_update_policy_and_differ_before(start_standin,
         server_logps = torch.tensor([triple[0] for triple in answer["meta_info"]["output_token_logprobs"]])
         return (server_logps - plain_logps(trainer_policy, prompt, completion, 0.8)).abs().max().item()
 
+    assert server_vs_trainer_gap() > 0.1  # the server was launched on another policy
+    engine = SGLangRolloutEngine(trainer_policy, tokenizer, server.url, str(tmp_path / "shared"), **FAST)
+    assert server_vs_trainer_gap() < 1e-3  # the start-up push
+    assert engine.client.server_weight_version == f"{engine.client.version_label}-v0"
+    trainer_policy.load_state_dict(make_policy(2).state_dict())  # the trainer's weights move on
     assert server_vs_trainer_gap() > 0.1
     engine.update_policy(trainer_policy)
     assert server_vs_trainer_gap() < 1e-3
-    assert server.loaded_paths[-1] == os.path.join(str(tmp_path / "shared"), "policy_v0")
+    assert server.loaded_paths[-1] == os.path.join(str(tmp_path / "shared"), "policy_v1")
     assert server.requests[-2][1] == {"model_path": server.loaded_paths[-1], "flush_cache": True,
                                       "weight_version": engine.client.server_weight_version}
-    assert engine.client.server_weight_version == f"{engine.client.version_label}-v0"
+    assert engine.client.server_weight_version == f"{engine.client.version_label}-v1"
 
 
 def test_sync_interval_pushes_every_nth_update(start_standin, tokenizer, tmp_path):
@@ -357,8 +360,8 @@ def push_on_two_ranks(rank, init_file, url, shared_path, bad_folder, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
     policy = make_policy(1)
-    engine = SGLangRolloutEngine(policy, tokenizer, url, shared_path, sync_at_start=False, **FAST)
-    engine.update_policy(policy)
+    engine = SGLangRolloutEngine(policy, tokenizer, url, shared_path, **FAST)  # rank 0 pushes policy_v0
+    engine.update_policy(policy)  # and policy_v1
     try:
         engine.push_weights(policy, folder=bad_folder)
         outcome = "no error"
@@ -375,7 +378,8 @@ def test_two_ranks_rank0_syncs_and_every_rank_learns_a_failure(start_standin, tm
     torch.multiprocessing.spawn(push_on_two_ranks, args=(str(tmp_path / "init"), server.url, shared, bad,
                                                          str(tmp_path)), nprocs=2)
     updates = [payload["model_path"] for path, payload in server.requests if path == "/update_weights_from_disk"]
-    assert updates == [os.path.join(shared, "policy_v0"), bad]  # rank 0 alone talks to /update_weights_from_disk
+    # rank 0 alone talks to /update_weights_from_disk
+    assert updates == [os.path.join(shared, "policy_v0"), os.path.join(shared, "policy_v1"), bad]
     rank0 = (tmp_path / "rank0.txt").read_text()
     rank1 = (tmp_path / "rank1.txt").read_text()
     assert "update_weights_from_disk failed" in rank0 and "no config.json" in rank0

@@ -82,9 +82,9 @@ def server_vs_trainer(engine, model, prompt_ids, attention_mask, temperature, ma
     gen_len = result.completion_ids.size(1)
     with torch.no_grad():
         ours = compute_per_token_logps(model, result.output_ids, gen_len, result.attention_mask,
-                                       temperature)  # [N, R] float32
+                                       temperature).per_token_logps  # [N, R] float32
         exact = compute_per_token_logps(copy.deepcopy(model).double(), result.output_ids, gen_len,
-                                        result.attention_mask, temperature)  # [N, R] float64
+                                        result.attention_mask, temperature).per_token_logps  # [N, R] float64
     mask = result.completion_mask.bool()
     assert mask.sum() > 0
     server_error = (result.per_token_logps.double() - exact)[mask].abs().max().item()
@@ -107,7 +107,7 @@ def test_server_logps_are_float32_exact_at_t1_and_t07_before_and_after_updates(s
         result = engine.rollout(prompt_ids, attention_mask, 2, 16, 1.0)
         model.train()
         logps = compute_per_token_logps(model, result.output_ids, result.completion_ids.size(1),
-                                        result.attention_mask)  # [N, R]
+                                        result.attention_mask).per_token_logps  # [N, R]
         loss = -(logps * result.completion_mask).sum() / result.completion_mask.sum()
         optimizer.zero_grad()
         loss.backward()
@@ -120,7 +120,7 @@ def test_server_logps_are_float32_exact_at_t1_and_t07_before_and_after_updates(s
             assert server_error <= TOLERANCE + trainer_error, (update, temperature, server_error, trainer_error)
     with torch.no_grad():  # the updates took effect: the server's numbers are no longer the starting policy's
         old = compute_per_token_logps(frozen, result.output_ids, result.completion_ids.size(1),
-                                      result.attention_mask, 0.7)
+                                      result.attention_mask, 0.7).per_token_logps
     assert (result.per_token_logps - old)[result.completion_mask.bool()].abs().max().item() > 100 * TOLERANCE
 
 

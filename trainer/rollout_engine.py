@@ -10,7 +10,7 @@ import os
 import shutil
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -83,37 +83,29 @@ def token_entropies(logits, temperature=1.0):
 
 
 class PolicyForward(NamedTuple):
-    """What a training forward returns: the completion's log-probs, the MoE router loss and the token entropies."""
+    """What ``compute_per_token_logps`` returns: the completion's log-probs, the MoE router loss, the entropies."""
     per_token_logps: torch.Tensor  # fp32 [B, R], log pi of each completion token (with grad when the model has it)
     aux_loss: torch.Tensor  # scalar, the MoE load-balancing loss (0 for a dense model)
-    entropies: torch.Tensor  # fp32 [B, R], the distribution's entropy at each completion position (no grad)
+    entropies: Optional[torch.Tensor]  # fp32 [B, R], each position's entropy (no grad); None unless asked for
 
 
-def compute_per_token_logps(model, input_ids, n_keep, attention_mask=None, temperature=1.0):
-    """Log-probs fp32 [B, R] of the last ``n_keep`` = R tokens of each row (chapter 8.2): ``policy_forward``'s
-    ``per_token_logps``. Entries after a row's EOS are finite but meaningless; callers mask them."""
-    return policy_forward(model, input_ids, n_keep, attention_mask, temperature).per_token_logps
+def compute_per_token_logps(model, input_ids, n_keep, attention_mask=None, temperature=1.0, compute_entropy=False):
+    """Log-probs of the last ``n_keep`` = R tokens of each row in one forward (chapter 8.2; TRL's
+    ``_get_per_token_logps_and_entropies``): the logits of the last R + 1 positions, position t predicting t + 1.
 
-
-def policy_forward(model, input_ids, n_keep, attention_mask=None, temperature=1.0):
-    """Log-probs of the last ``n_keep`` tokens of each row, with the forward's router loss and entropies (8.2):
-    one forward keeps the logits of the last n_keep + 1 positions; position t predicts token t + 1.
-
-    Args:
-        model: a MiniMind causal LM (or its DDP wrapper: the call goes through it, so DDP sees the forward).
-        input_ids: long [B, P + R]; attention_mask: [B, P + R] (1 = real token) or None.
-        n_keep: R, the number of completion tokens to score.
-        temperature: the sampling temperature (see the module docstring).
-    Returns:
-        ``PolicyForward`` (per_token_logps fp32 [B, R], aux_loss, entropies fp32 [B, R]).
+    model: a MiniMind causal LM or its DDP wrapper (the call goes through it). input_ids: long [B, P + R];
+    attention_mask: [B, P + R] (1 = real token) or None; temperature: the sampling temperature (module docstring).
+    Returns ``PolicyForward``: per_token_logps fp32 [B, R] (finite but meaningless after a row's EOS: callers mask
+    them), the forward's aux_loss, and the token entropies fp32 [B, R] with ``compute_entropy`` (else None).
     """
     if n_keep <= 0:
-        empty = torch.zeros((input_ids.size(0), 0), dtype=torch.float32, device=input_ids.device)
-        return PolicyForward(empty, torch.zeros((), device=input_ids.device), empty)
+        empty = torch.zeros((input_ids.size(0), 0), dtype=torch.float32, device=input_ids.device)  # [B, 0]
+        return PolicyForward(empty, torch.zeros((), device=input_ids.device), empty if compute_entropy else None)
     out = model(input_ids, attention_mask=attention_mask, logits_to_keep=n_keep + 1)
     logits = out.logits[:, :-1, :]  # [B, R, V]
     per_token_logps = selective_log_softmax(logits, input_ids[:, -n_keep:], temperature)  # [B, R]
-    return PolicyForward(per_token_logps, out.aux_loss, token_entropies(logits, temperature))
+    entropies = token_entropies(logits, temperature) if compute_entropy else None  # [B, R]
+    return PolicyForward(per_token_logps, out.aux_loss, entropies)
 
 
 @dataclass
@@ -123,7 +115,6 @@ class RolloutResult:
     completion_ids: torch.Tensor  # long [N, R]
     per_token_logps: torch.Tensor  # fp32 [N, R], log pi_old of each completion token at sampling time (no grad)
     completions: list  # N decoded completions up to (not including) the first EOS
-    prompt_lens: torch.Tensor  # long [N], real (unpadded) prompt lengths
     completion_mask: torch.Tensor  # long [N, R], 1 through the first EOS (``completion_mask_from_ids``)
     prompt_mask: torch.Tensor  # long [N, P], the prompts' attention mask
     metrics: dict = field(default_factory=dict)  # floats the engine measured (SGLang: ``logprob_gap``)
@@ -180,28 +171,17 @@ class RolloutEngine(ABC):
         """Restore ``resume_state()``'s result (resume)."""
 
 
-TORCH_LOGPROB_MODES = ("sampler", "recompute")
-
-
 class TorchRolloutEngine(RolloutEngine):
-    """Rollouts with the policy's own ``generate`` (KV cache allocated once per rollout) (chapter 8.2).
+    """Rollouts with the policy's own ``generate`` (KV cache allocated once per rollout) (chapter 8.2): log pi_old
+    is recorded while sampling, as the chapter describes (equal to a recomputation within 1e-5 in fp32,
+    ``tests/test_rollout.py``)."""
 
-    ``logprobs_mode``: "sampler" (default) records log pi_old while sampling, as the chapter describes (equal to a
-    recomputation within 1e-5 in fp32, ``tests/test_rollout.py``); "recompute" runs one more no-grad forward.
-    ``ignore_eos`` keeps sampling past EOS (timing full-length work; the completion mask still ends at the first EOS).
-    """
-
-    def __init__(self, policy_model, tokenizer, top_p=1.0, top_k=0, generator=None, logprobs_mode="sampler",
-                 ignore_eos=False):
-        if logprobs_mode not in TORCH_LOGPROB_MODES:
-            raise ValueError(f"unknown --torch_logprobs {logprobs_mode!r}; valid: {', '.join(TORCH_LOGPROB_MODES)}")
+    def __init__(self, policy_model, tokenizer, top_p=1.0, top_k=0, generator=None):
         self.policy_model = policy_model
         self.tokenizer = tokenizer
         self.top_p = top_p
         self.top_k = top_k
         self.generator = generator
-        self.logprobs_mode = logprobs_mode
-        self.ignore_eos = ignore_eos
 
     @torch.no_grad()
     def rollout(self, prompt_ids, attention_mask, num_generations, max_new_tokens, temperature=1.0):
@@ -210,28 +190,19 @@ class TorchRolloutEngine(RolloutEngine):
         model.eval()
         prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
         prompt_mask = attention_mask.repeat_interleave(num_generations, dim=0)  # [N, P]
-        record_logps = self.logprobs_mode == "sampler"
-        generated = model.generate(
+        output_ids, per_token_logps = model.generate(
             prompt_ids, attention_mask=prompt_mask, max_new_tokens=max_new_tokens, do_sample=True,
             temperature=temperature, top_p=self.top_p, top_k=self.top_k, eos_token_id=self.tokenizer.eos_token_id,
-            pad_token_id=self.tokenizer.pad_token_id, generator=self.generator, ignore_eos=self.ignore_eos,
-            return_logps=record_logps,
-        )
-        output_ids = generated[0] if record_logps else generated  # [N, P + R]
+            pad_token_id=self.tokenizer.pad_token_id, generator=self.generator,
+        )  # [N, P + R], [N, R] recorded while sampling
         completion_ids = output_ids[:, prompt_ids.size(1):]  # [N, R]
         completion_mask = completion_mask_from_ids(completion_ids, self.tokenizer.eos_token_id)  # [N, R]
-        if record_logps:
-            per_token_logps = generated[1]  # [N, R], recorded while sampling
-        else:
-            full_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [N, P + R]
-            per_token_logps = compute_per_token_logps(model, output_ids, completion_ids.size(1), full_mask,
-                                                      temperature)  # [N, R]
         model.train(was_training)
         return RolloutResult(
             output_ids=output_ids, completion_ids=completion_ids, per_token_logps=per_token_logps,
             completions=decode_completions(self.tokenizer, completion_ids, completion_mask,
                                            self.tokenizer.eos_token_id),
-            prompt_lens=prompt_mask.sum(dim=1), completion_mask=completion_mask, prompt_mask=prompt_mask,
+            completion_mask=completion_mask, prompt_mask=prompt_mask,
         )
 
     def update_policy(self, model):
@@ -249,18 +220,16 @@ class SGLangRolloutEngine(RolloutEngine):
     checks every answer, including its ``weight_version`` (a server serving other weights stops the run). Old
     log-probs: "recompute" (default) takes the local policy's; "server" the server's, checked on the first batch
     against the local ones (masked mean |gap| <= ``logprob_tolerance``, reported as ``metrics["logprob_gap"]``).
-    ``update_policy`` saves the policy as a Qwen3ForCausalLM folder ``{shared_path}/policy_v{n}`` (rank 0) and asks
-    the server to load it, every ``sync_interval``-th call; ``sync_at_start`` pushes the starting policy at
-    construction. ``client_options`` (url, retries, timeouts, ``resume_hint``, session) go to ``SGLangClient``.
-
-    Raises:
-        ValueError: an unknown ``logprobs_mode``, ``sync_interval`` < 1, prompts the server cannot take.
-        RuntimeError: no server answers /health at start-up, or an answer fails the checks.
+    The constructor pushes the starting policy; ``update_policy`` saves it as a Qwen3ForCausalLM folder
+    ``{shared_path}/policy_v{n}`` (rank 0) and asks the server to load it, every ``sync_interval``-th call.
+    ``client_options`` (url, retries, timeouts, ``resume_hint``, session) go to ``SGLangClient``.
+    Raises ValueError (an unknown ``logprobs_mode``, ``sync_interval`` < 1, prompts the server cannot take) and
+    RuntimeError (no server answers /health at start-up, or an answer fails the checks).
     """
 
     def __init__(self, policy_model, tokenizer, url, shared_path, logprobs_mode="recompute", sync_interval=1,
                  top_p=1.0, top_k=0, export_dtype=torch.float32, logprob_tolerance=0.05, health_retries=5,
-                 sync_at_start=True, **client_options):
+                 **client_options):
         if logprobs_mode not in SGLANG_LOGPROB_MODES:
             raise ValueError(f"unknown SGLang log-prob mode {logprobs_mode!r}; "
                              f"valid: {', '.join(SGLANG_LOGPROB_MODES)}")
@@ -277,11 +246,10 @@ class SGLangRolloutEngine(RolloutEngine):
         self.sync_interval = sync_interval
         self.num_update_calls = 0
         launch_folder = os.path.join(self.shared_path, "policy_v0")
-        if sync_at_start and is_main_process():
+        if is_main_process():
             self.export_policy(policy_model, launch_folder)
         self.client.wait_for_server(health_retries, launch_folder)
-        if sync_at_start:
-            self.push_weights(policy_model, launch_folder)
+        self.push_weights(policy_model, launch_folder)
 
     @torch.no_grad()
     def rollout(self, prompt_ids, attention_mask, num_generations, max_new_tokens, temperature=1.0):
@@ -313,7 +281,7 @@ class SGLangRolloutEngine(RolloutEngine):
             output_ids=output_ids, completion_ids=completion_ids, per_token_logps=per_token_logps,
             completions=decode_completions(self.tokenizer, completion_ids, completion_mask,
                                            self.tokenizer.eos_token_id),
-            prompt_lens=prompt_mask.sum(dim=1), completion_mask=completion_mask, prompt_mask=prompt_mask,
+            completion_mask=completion_mask, prompt_mask=prompt_mask,
             metrics=metrics,
         )
 
@@ -326,7 +294,7 @@ class SGLangRolloutEngine(RolloutEngine):
         was_training = model.training
         model.eval()
         local_per_token_logps = compute_per_token_logps(model, output_ids, completion_mask.size(1), full_mask,
-                                                        temperature)  # [N, R]
+                                                        temperature).per_token_logps  # [N, R]
         model.train(was_training)
         gap = masked_mean((server_per_token_logps - local_per_token_logps).abs(), completion_mask).item()
         if self.logprobs_mode == "recompute":

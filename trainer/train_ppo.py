@@ -3,16 +3,12 @@
 One step, in chapter order: ``ppo_rollout`` samples one answer per prompt with its old log-probs (8.2), scores it
 (8.3), takes the reference log-probs and the critic's old values, puts the reward on the last real token and runs
 GAE with whitened advantages (8.4.2); ``ppo_update`` runs epochs of shuffled minibatches of the clipped surrogate
-+ k3 KL (8.4.3, 8.6) and the clipped value loss (8.4.4), clipping and stepping both models. GAE's lambda defaults to
-1.0, not the chapter's 0.95 (``--lam``): the reward sits on the last token, and 0.95 would decay it towards the
-first. ``main`` builds what the step uses, in numbered blocks, then runs the loop. "The learner's article" below
-is the walk-through of MiniMind's PPO code listed in the README's Sources.
++ k3 KL (8.4.3, 8.6) and the clipped value loss (8.4.4), clipping and stepping both models. ``--lam`` is 1.0, not
+the chapter's 0.95 (docs/departures.md). ``main`` builds what the step uses, in numbered blocks, then runs the loop.
+"The learner's article" is the walk-through of MiniMind's PPO code listed in the README's Sources.
 
-Run (the embedded default, CPU):
-    python trainer/train_ppo.py
-Other examples:
-    python trainer/train_ppo.py --max_steps 50 --kl_coef 0.05
-    torchrun --nproc_per_node 2 trainer/train_ppo.py
+Run: ``python trainer/train_ppo.py`` (the embedded default, CPU); ``--max_steps 50 --kl_coef 0.05``;
+``torchrun --nproc_per_node 2 trainer/train_ppo.py``.
 """
 import argparse
 import copy
@@ -46,7 +42,7 @@ from trainer.infra.optimizer import (
     accumulation_window_size, adamw, build_cosine_scheduler, build_policy_optimizer, project_scale_only_gradients,
 )
 from trainer.rollout_engine import (
-    compute_per_token_logps, create_rollout_engine, policy_forward, tokenize_prompts,
+    compute_per_token_logps, create_rollout_engine, tokenize_prompts,
 )
 from trainer.infra.stopping import BadStepGuard, StopSignal, nonfinite_parts
 from trainer.trainer_utils import (
@@ -202,7 +198,7 @@ def parse_args(argv=None):
                              "added to every token's reward before GAE (InstructGPT, the learner's article, TRL)")
     parser.add_argument("--gamma", type=float, default=1.0, help="discount of GAE (8.4.2)")
     parser.add_argument("--lam", type=float, default=1.0,
-                        help="GAE lambda (the chapter: 0.95; the module docstring says why 1.0)")
+                        help="GAE lambda (the chapter: 0.95; docs/departures.md says why 1.0)")
     parser.add_argument("--cliprange_value", type=float, default=0.2,
                         help="clip range of the new values around the old ones (8.4.4)")
     parser.add_argument("--ppo_update_iters", type=int, default=2, help="epochs over each rollout's minibatches")
@@ -285,7 +281,7 @@ def ppo_rollout(batch, ref_model, critic, rollout_engine, reward_fn, reward_mode
     critic.eval()
     with autocast:
         ref_per_token_logps = compute_per_token_logps(ref_model, output_ids, gen_len, full_mask,
-                                                      args.temperature)  # [B, R]
+                                                      args.temperature).per_token_logps  # [B, R]
         old_resp_values = critic(output_ids, attention_mask=full_mask).values[:, -gen_len - 1:-1]  # [B, R], V(s_t)
     critic.train()
 
@@ -347,7 +343,7 @@ def ppo_update(rollout_batch, actor, critic, actor_optimizer, critic_optimizer, 
             inds = permutation[start:start + args.mini_batch_size].to(device)
             mask = rollout_batch.completion_mask[inds]  # [mb, R]
             with autocast:
-                per_token_logps, aux_loss, _ = policy_forward(
+                per_token_logps, aux_loss, _ = compute_per_token_logps(
                     actor, rollout_batch.output_ids[inds], gen_len, rollout_batch.full_mask[inds],
                     args.temperature)  # [mb, R], the chapter's mb_resp_logp; the MoE router loss
             policy_loss, stats = ppo_policy_loss(

@@ -67,7 +67,8 @@ def evaluate(model, tokenizer, dataset, num_prompts, batch_size, max_gen_len, te
         prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, prompts, max_seq_len, device)
         if greedy:
             output_ids = model.generate(prompt_ids, attention_mask, max_new_tokens=max_gen_len, do_sample=False,
-                                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                                        eos_token_id=tokenizer.eos_token_id,
+                                        pad_token_id=tokenizer.pad_token_id).output_ids  # [b, P + R]
             completion_ids = output_ids[:, prompt_ids.size(1):]  # [b, R]
             completion_mask = completion_mask_from_ids(completion_ids, tokenizer.eos_token_id)  # [b, R]
             completions = decode_completions(tokenizer, completion_ids, completion_mask, tokenizer.eos_token_id)

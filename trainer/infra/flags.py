@@ -11,7 +11,7 @@ from trainer.infra.checkpoints import sglang_folder
 from trainer.infra.files import check_writable_dir
 from trainer.infra.dtypes import DTYPE_CHOICES, DTYPES
 from trainer.infra.metrics import TRACKERS
-from trainer.rollout_engine import ROLLOUT_ENGINES, SGLANG_LOGPROB_MODES, TORCH_LOGPROB_MODES
+from trainer.rollout_engine import ROLLOUT_ENGINES, SGLANG_LOGPROB_MODES
 from trainer.trainer_utils import read_reward_model_config
 from trainer.infra.weights import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, ROOT, build_config
 
@@ -72,11 +72,6 @@ def add_common_rl_args(parser):
                   help="1: torch.compile the training forwards (policy; PPO's critic too), not the rollout's decode")
     parser.add_argument("--num_workers", type=int, default=0,
                         help="DataLoader worker processes that read the prompts (0 = in the training process)")
-    parser.add_argument("--torch_logprobs", default="sampler", choices=TORCH_LOGPROB_MODES,
-                        help="old log-probs of --rollout_engine torch: recorded while sampling, or one more forward")
-    add_bool_flag(parser, "--ignore_eos",
-                  help="1: --rollout_engine torch samples --max_gen_len tokens past EOS (timing full-length work, "
-                       "scripts/bench_process.py); the completion mask still ends at the first EOS")
     parser.add_argument("--thinking_ratio", type=float, default=0.9, help="share of prompts that open <think>")
     parser.add_argument("--reward_model_path", default=DEFAULT_REWARD_MODEL_PATH,
                         help="reward model folder (sequence classification, or get_score remote code), or none")
@@ -92,9 +87,6 @@ def add_common_rl_args(parser):
     parser.add_argument("--rollout_engine", default="torch", help=f"one of {', '.join(ROLLOUT_ENGINES)}")
     parser.add_argument("--sglang_url", "--sglang_base_url", default="http://127.0.0.1:30000",
                         help="server of --rollout_engine sglang (--sglang_base_url: upstream MiniMind's name)")
-    parser.add_argument("--sglang_model_path", default=None,
-                        help="upstream MiniMind's tokenizer folder for SGLang: not a flag here (the engine uses "
-                             "--tokenizer_path and the weights it syncs to --sglang_shared_path)")
     parser.add_argument("--sglang_shared_path", default="",
                         help="folder the trainer writes synced weights to and the server reads "
                              "(default {save_dir}/sglang_{save_weight}_{hidden}: one per run; one run per folder)")
@@ -156,12 +148,6 @@ def check_common_rl_args(parser, args):
                     if args.dtype == "float16" else "")
         parser.error(f"--dtype {args.dtype} is not supported{upstream}; use one of {', '.join(DTYPE_CHOICES)} "
                      f"(bfloat16 on a GPU: its range needs no loss scaler)")
-    if args.sglang_model_path is not None:
-        parser.error("--sglang_model_path is upstream MiniMind's tokenizer folder for SGLang; here the engine "
-                     "tokenizes with --tokenizer_path and the server loads what the trainer writes to "
-                     "--sglang_shared_path: drop --sglang_model_path (and see docs/sglang.md)")
-    if args.ignore_eos and args.rollout_engine != "torch":
-        parser.error(f"--ignore_eos 1 needs --rollout_engine torch, got --rollout_engine {args.rollout_engine}")
     if args.learning_rate <= 0:
         parser.error(f"--learning_rate must be > 0, got {args.learning_rate}")
     if args.final_norm_learning_rate < 0:
@@ -230,8 +216,6 @@ def check_common_rl_args(parser, args):
 def rollout_engine_kwargs(args):
     """Constructor arguments of the ``--rollout_engine`` chosen (chapter 8.2)."""
     kwargs = dict(top_p=args.top_p, top_k=args.top_k)
-    if args.rollout_engine == "torch":
-        kwargs.update(logprobs_mode=args.torch_logprobs, ignore_eos=bool(args.ignore_eos))
     if args.rollout_engine == "sglang":
         kwargs.update(
             url=args.sglang_url, shared_path=sglang_folder(args),
