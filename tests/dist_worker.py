@@ -64,8 +64,8 @@ def ppo_one_rank_kl(local_rank, device, early_stop_kl):
     args = argparse.Namespace(ppo_update_iters=2, mini_batch_size=2, temperature=1.0, clip_epsilon=0.2, kl_coef=0.02,
                               early_stop_kl=early_stop_kl, cliprange_value=0.2, vf_coef=0.5,
                               minibatch_accumulation_steps=1, kl_placement="loss", grad_clip=1.0, dtype="float32")
-    result = ppo_update(data, ddp_actor, ddp_critic, actor_optimizer, critic_optimizer,
-                        build_cosine_scheduler(actor_optimizer, 10), build_cosine_scheduler(critic_optimizer, 10),
+    result = ppo_update(data, ddp_actor, ddp_critic, (actor_optimizer, critic_optimizer),
+                        (build_cosine_scheduler(actor_optimizer, 10), build_cosine_scheduler(critic_optimizer, 10)),
                         args, device, torch.Generator().manual_seed(0),
                         autocast_context(device, args.dtype))
     return {"early_stop": result["early_stop"], "optimizer_steps": result["optimizer_steps"]}

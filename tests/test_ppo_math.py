@@ -186,9 +186,9 @@ def test_early_stop_means_no_further_optimizer_step(tokenizer, early_stop_kl, ex
     args.early_stop_kl = early_stop_kl
     CountingAdamW.steps = 0
     actor_opt, critic_opt = CountingAdamW(actor.parameters(), lr=1e-2), CountingAdamW(critic.parameters(), lr=1e-2)
-    result = ppo_update(data, actor, critic, actor_opt, critic_opt, build_cosine_scheduler(actor_opt, 10),
-                        build_cosine_scheduler(critic_opt, 10), args, "cpu", torch.Generator().manual_seed(0),
-                        autocast_context("cpu", args.dtype))
+    result = ppo_update(data, actor, critic, (actor_opt, critic_opt),
+                        (build_cosine_scheduler(actor_opt, 10), build_cosine_scheduler(critic_opt, 10)), args, "cpu",
+                        torch.Generator().manual_seed(0), autocast_context("cpu", args.dtype))
     assert result["optimizer_steps"] == expected_steps  # 2 epochs x 4 minibatches without a stop
     assert CountingAdamW.steps == 2 * expected_steps  # actor + critic
     assert result["early_stop"] == float(expected_steps == 1)
@@ -253,8 +253,8 @@ def test_ppo_last_partial_accumulation_window_gets_its_own_size():
                                  kl_placement="loss", dtype="float32",
                                  temperature=1.0, clip_epsilon=0.2, kl_coef=0.0, early_stop_kl=100.0,
                                  cliprange_value=0.2, vf_coef=0.5, grad_clip=1e9)
-    result = ppo_update(data, actor, critic, actor_optimizer, critic_optimizer,
-                        build_cosine_scheduler(actor_optimizer, 10), build_cosine_scheduler(critic_optimizer, 10),
+    result = ppo_update(data, actor, critic, (actor_optimizer, critic_optimizer),
+                        (build_cosine_scheduler(actor_optimizer, 10), build_cosine_scheduler(critic_optimizer, 10)),
                         args, "cpu", torch.Generator().manual_seed(0), autocast_context("cpu", args.dtype))
     assert result["optimizer_steps"] == 3.0
     assert len(actor_optimizer.norms) == 3
@@ -296,7 +296,7 @@ def test_kl_placement_reward_takes_the_kl_out_of_the_loss(tokenizer):
         actor_opt = torch.optim.SGD(actor.parameters(), lr=0.0)
         critic_opt = torch.optim.SGD(critic.parameters(), lr=0.0)
         schedules = build_cosine_scheduler(actor_opt, 10), build_cosine_scheduler(critic_opt, 10)
-        results.append(ppo_update(data, actor, critic, actor_opt, critic_opt, *schedules, args, "cpu",
+        results.append(ppo_update(data, actor, critic, (actor_opt, critic_opt), schedules, args, "cpu",
                                   torch.Generator().manual_seed(0), autocast_context("cpu", args.dtype)))
     assert results[1]["policy_loss"] == pytest.approx(results[0]["policy_loss"], abs=1e-7)
     assert results[1]["kl_ref"] > 0.1  # still logged
@@ -340,9 +340,9 @@ def test_moe_critic_routers_get_the_load_balancing_gradient():
     actor_optimizer = torch.optim.SGD(actor.parameters(), lr=0.0)
     critic_optimizer = GateGradRecorder(critic.named_parameters())
     assert len(critic_optimizer.gates) == 2  # one router per layer
-    ppo_update(data, actor, critic, actor_optimizer, critic_optimizer, build_cosine_scheduler(actor_optimizer, 10),
-               build_cosine_scheduler(critic_optimizer, 10), args, "cpu", torch.Generator().manual_seed(0),
-               autocast_context("cpu", args.dtype))
+    ppo_update(data, actor, critic, (actor_optimizer, critic_optimizer),
+               (build_cosine_scheduler(actor_optimizer, 10), build_cosine_scheduler(critic_optimizer, 10)), args, "cpu",
+               torch.Generator().manual_seed(0), autocast_context("cpu", args.dtype))
     assert critic_optimizer.gate_norms[0] > 0.0
     router_inputs = []  # what each layer's MoE block received, [2*8, hidden]
     hooks = [layer.mlp.register_forward_hook(lambda module, args, out: router_inputs.append(args[0].reshape(-1, 64)))

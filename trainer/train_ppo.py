@@ -316,20 +316,16 @@ def clip_and_step(models, optimizers, grad_clip, device):
     return not skipped
 
 
-def ppo_update(rollout_batch, actor, critic, actor_optimizer, critic_optimizer, actor_scheduler, critic_scheduler,
-               args, device, generator, autocast):
-    """Step 5: ``ppo_update_iters`` epochs over shuffled minibatches (chapter 8.4.3-8.4.4).
+def ppo_update(rollout_batch, actor, critic, optimizers, schedulers, args, device, generator, autocast):
+    """Step 5: ``ppo_update_iters`` epochs over shuffled minibatches of ``rollout_batch`` (chapter 8.4.3-8.4.4).
 
-    Every rank draws the same permutation, and the approx-KL early stop uses the mean over ranks, so all
-    ranks stop on the same minibatch. ``--minibatch_accumulation_steps`` minibatches make one optimizer step
-    (``clip_and_step``); each minibatch's loss is divided by the size of its window (the last one may be shorter:
-    ``accumulation_window_size``), so every optimizer step applies a mean gradient; an early stop drops the
-    window it interrupts. The schedules step once per rollout that made at least one optimizer step.
-
-    Args:
-        rollout_batch: ``PPORolloutBatch``; generator: ``torch.Generator`` of the minibatch permutations;
-        autocast: the forwards' context under ``--dtype``.
-    Returns a dict of stats averaged over minibatches, early_stop (0/1), optimizer_steps, skipped_steps.
+    ``optimizers``, ``schedulers``: (the actor's, the critic's). Every rank draws the same permutation from
+    ``generator``, and the approx-KL early stop uses the mean over ranks, so all ranks stop on the same minibatch.
+    ``--minibatch_accumulation_steps`` minibatches make one optimizer step (``clip_and_step``); each minibatch's
+    loss is divided by the size of its window (``accumulation_window_size``), so every optimizer step applies a
+    mean gradient; an early stop drops the window it interrupts. The schedules step once per rollout that made an
+    optimizer step. ``autocast``: the forwards' context under ``--dtype``. Returns a dict of stats averaged over
+    minibatches, early_stop (0/1), optimizer_steps, skipped_steps.
     """
     batch_size = rollout_batch.output_ids.size(0)
     gen_len = rollout_batch.completion_mask.size(1)
@@ -364,8 +360,8 @@ def ppo_update(rollout_batch, actor, critic, actor_optimizer, critic_optimizer, 
             micro += 1
             (loss / accumulation_window_size(micro, total_micro, accumulation)).backward()
             if micro % accumulation == 0 or micro == total_micro:  # the update
-                project_scale_only_gradients(actor_optimizer)  # the final norm gain learns one number (own group)
-                stepped = clip_and_step([actor, critic], [actor_optimizer, critic_optimizer], args.grad_clip, device)
+                project_scale_only_gradients(optimizers[0])  # the actor's final norm gain learns one number
+                stepped = clip_and_step([actor, critic], optimizers, args.grad_clip, device)
                 optimizer_steps += int(stepped)
                 skipped_steps += int(not stepped)
             for key, value in {"policy_loss": policy_loss, "value_loss": value_loss, "value_clipfrac": value_clipfrac,
@@ -375,11 +371,11 @@ def ppo_update(rollout_batch, actor, critic, actor_optimizer, critic_optimizer, 
             count += 1
         if stop_ppo:
             break
-    actor_optimizer.zero_grad(set_to_none=True)  # an early stop drops its partial accumulation
-    critic_optimizer.zero_grad(set_to_none=True)
+    for optimizer in optimizers:
+        optimizer.zero_grad(set_to_none=True)  # an early stop drops its partial accumulation
     if optimizer_steps:  # a rollout whose every update was skipped leaves the schedules where they were
-        actor_scheduler.step()
-        critic_scheduler.step()
+        for scheduler in schedulers:
+            scheduler.step()
     result = {k: v / max(count, 1) for k, v in sums.items()}
     result["early_stop"] = float(stop_ppo)
     result["optimizer_steps"] = float(optimizer_steps)
@@ -452,6 +448,7 @@ def main(argv=None, reward_fn=calculate_rewards):
     actor_optimizer = build_policy_optimizer(actor, args.learning_rate, args.weight_decay,
                                              args.final_norm_learning_rate)
     critic_optimizer = adamw(critic.parameters(), lr=args.critic_learning_rate, weight_decay=args.weight_decay)
+    optimizers = (actor_optimizer, critic_optimizer)  # ppo_update steps both
     ddp_actor = compile_for_training(wrap_ddp(actor, device, local_rank), args.use_compile)
     ddp_critic = compile_for_training(wrap_ddp(critic, device, local_rank), args.use_compile)
     minibatch_generator = torch.Generator().manual_seed(args.seed)  # the minibatch order, the same on every rank
@@ -463,6 +460,7 @@ def main(argv=None, reward_fn=calculate_rewards):
     progress, engine_state = start_or_resume(args, "ppo", trained, len(loader), device, rank, world_size)
     actor_scheduler = build_cosine_scheduler(actor_optimizer, total_steps, progress["lr_schedule_step"])
     critic_scheduler = build_cosine_scheduler(critic_optimizer, total_steps, progress["lr_schedule_step"])
+    schedulers = (actor_scheduler, critic_scheduler)
 
     # 6. the rollout engine (8.2), made after the resume: the SGLang engine pushes the policy to its server
     rollout_engine = create_rollout_engine(args.rollout_engine, actor, tokenizer, **rollout_engine_kwargs(args))
@@ -502,8 +500,8 @@ def main(argv=None, reward_fn=calculate_rewards):
         if skipped:
             update = {"optimizer_steps": 0.0, "skipped_steps": float(args.ppo_update_iters)}
         else:
-            update = ppo_update(rollout_batch, ddp_actor, ddp_critic, actor_optimizer, critic_optimizer,
-                                actor_scheduler, critic_scheduler, args, device, minibatch_generator, autocast)
+            update = ppo_update(rollout_batch, ddp_actor, ddp_critic, optimizers, schedulers, args, device,
+                                minibatch_generator, autocast)
             skipped = bool(update["skipped_steps"])
             problems = ["gradients"] if skipped else []
         metrics = ppo_metrics(rollout_batch, update, skipped)
