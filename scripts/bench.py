@@ -24,7 +24,7 @@ of chosen functions, found by their code objects, and adds the wall time in betw
     rollout            ours: TorchRolloutEngine.rollout; TRL GRPO: GRPOTrainer._generate; TRL PPO: batch_generation
     reward             the reward function the bench passes in (``calculate_rewards``; TRL PPO: a reward model, in
                        "other")
-    reference_forward  ours GRPO: rollout_per_token_logps, PPO: compute_per_token_logps; TRL GRPO:
+    reference_forward  ours GRPO: group_policy_forward, PPO: compute_per_token_logps; TRL GRPO:
     policy_forward       _get_per_token_logps_and_entropies -- the policy's when grad is on and the model has
                        trainable weights, else the reference's (``forward_phase``); TRL PPO: its forwards (the
                        policy and value models in one wrapper) are in "other"
@@ -515,7 +515,7 @@ def run_ours(spec, tracer, script):
     watch_update(tracer)
     tracer.watch(project_scale_only_gradients, "optimizer")
     tracer.watch(TorchRolloutEngine.rollout, "rollout")
-    tracer.watch(module.rollout_per_token_logps if script == "grpo" else compute_per_token_logps, forward_phase)
+    tracer.watch(module.group_policy_forward if script == "grpo" else compute_per_token_logps, forward_phase)
     tracer.at_entry(StepLog.write, tracer.end_step)
     steps = spec["warmup"] + spec["steps"]
     save_dir, run_dir = os.path.join(spec["tmp_dir"], "save"), os.path.join(spec["tmp_dir"], "run")
