@@ -75,3 +75,48 @@ def test_every_training_flag_has_help(module_name, monkeypatch):
     importlib.import_module(module_name).parse_args(["--reward_model_path", "none"])
     undocumented = [action.dest for action in parsers[0]._actions if not action.help]
     assert not undocumented, f"{module_name}: flags without help: {undocumented}"
+
+
+FLAG_VALUE = re.compile(r"`(--[a-z_]+)` ([^\s,()`]+)")
+
+
+def readme_flag_table():
+    """(script, flag, documented default) of every "`--flag` value" in the README's table of the flags people change
+    most: the GRPO column is train_grpo.py's, the PPO column train_ppo.py's ("the same": the GRPO column's)."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    table = text.split("## The flags people change most", 1)[1].split("\n\n", 2)[1]
+    rows = []
+    for line in table.splitlines()[2:]:
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        grpo, ppo = cells[1], cells[2] if cells[2] != "the same" else cells[1]
+        rows += [("train_grpo", *pair) for pair in FLAG_VALUE.findall(grpo)]
+        rows += [("train_ppo", *pair) for pair in FLAG_VALUE.findall(ppo)]
+    return rows
+
+
+def test_the_readmes_flag_table_gives_each_scripts_defaults():
+    """What the table says a flag defaults to is what the script parses with no flags (the chapter's loss settings
+    resolved as the loop resolves them)."""
+    import importlib
+
+    from trainer.grpo_family import build_loss_config
+    rows = readme_flag_table()
+    assert len(rows) >= 30, rows
+    assert ("train_ppo", "--lam", "1.0") in rows  # GAE lambda 1.0 (the chapter's 0.95 is --lam 0.95)
+    defaults = {}
+    for script in ("train_grpo", "train_ppo"):
+        args = importlib.import_module(f"trainer.{script}").parse_args([])
+        defaults[script] = vars(args)
+    defaults["train_grpo"].update({key: value for key, value in vars(build_loss_config(
+        importlib.import_module("trainer.train_grpo").parse_args([]))).items() if key in ("epsilon", "epsilon_high")})
+    wrong = []
+    for script, flag, documented in rows:
+        actual = defaults[script][flag[2:]]
+        try:
+            same = float(documented) == float(actual)
+        except (TypeError, ValueError):
+            same = str(actual) == documented or str(actual).endswith(os.sep + documented)
+        if not same:
+            wrong.append((script, flag, documented, actual))
+    assert wrong == []

@@ -1,12 +1,10 @@
 """PPO formulas (chapter 8.4) against hand-computed values and plain loops."""
 import math
-import os
 import random
 
 import pytest
 import torch
 
-from conftest import ROOT
 from trainer.train_ppo import (
     compute_gae, masked_whiten, place_sequence_rewards, ppo_policy_loss, ppo_value_loss,
 )
@@ -38,15 +36,6 @@ def test_gae_lambda_one_is_return_minus_value():
                                       torch.tensor([[1, 1, 1, 0, 0]]), gamma=1.0, lam=1.0)
     assert advantages[0].tolist() == pytest.approx([0.5, 0.6, 0.7, 0, 0], abs=1e-6)
     assert returns[0].tolist() == pytest.approx([1.0, 1.0, 1.0, 0, 0], abs=1e-6)
-
-
-def test_default_lambda_is_the_one_the_readme_documents():
-    # README's flag table and list of departures give GAE lambda 1.0 (the chapter's 0.95 is --lam 0.95)
-    from trainer.train_ppo import parse_args
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        readme = f.read()
-    assert "`--lam` 1.0 (chapter: 0.95)" in readme
-    assert parse_args(["--reward_model_path", "none"]).lam == 1.0
 
 
 def test_gae_chapter_lambda_leaves_the_first_token_8_percent_of_the_reward():
