@@ -5,6 +5,7 @@ SFT and RL lines are ``{"conversations": [{"role": "user" | "assistant" | "syste
 Files are parsed line by line (so a bad line is reported with its file and line number) and held in a
 ``datasets.Dataset``. ``ResumableBatchSampler`` gives the RL scripts a data order that a resumed run continues.
 """
+import functools
 import gzip
 import json
 import random
@@ -188,6 +189,22 @@ def sft_collate(batch, pad_token_id):
     return input_ids, labels, attention_mask
 
 
+@functools.lru_cache(maxsize=8)
+def longest_token_chars(tokenizer):
+    """Characters of the tokenizer's longest vocabulary entry (byte-level entries: one character per byte, so no
+    token covers more characters of a text than this)."""
+    return max(len(token) for token in tokenizer.get_vocab())
+
+
+def prompt_tail(text, max_seq_len, tokenizer):
+    """The end of ``text`` that keeps its last ``max_seq_len`` tokens, so that a huge prompt is never tokenized
+    whole: no token spans more than ``longest_token_chars`` characters, so the last (max_seq_len + 64) x that many
+    characters hold more than max_seq_len tokens, and the 64 spare tokens absorb the word the cut splits.
+    Shorter text is returned whole. tests/test_dataset.py checks the tokens against the whole text's."""
+    keep = (max_seq_len + 64) * longest_token_chars(tokenizer)
+    return text if len(text) <= keep else text[-keep:]
+
+
 class RLAIFDataset(torch.utils.data.Dataset):
     """RL prompts: ``{"prompt": chat-templated text ending in the generation prompt, "answer": str, "index": int}``.
 
@@ -232,7 +249,7 @@ class RLAIFDataset(torch.utils.data.Dataset):
 
     def count_longer_than(self, max_seq_len):
         """How many prompts are longer than ``max_seq_len`` tokens (a run cuts them from the left)."""
-        prompts = [self[i]["prompt"] for i in range(len(self))]
+        prompts = [prompt_tail(self[i]["prompt"], max_seq_len, self.tokenizer) for i in range(len(self))]
         lengths = [len(ids) for ids in self.tokenizer(prompts, add_special_tokens=False)["input_ids"]]
         return sum(length > max_seq_len for length in lengths)
 

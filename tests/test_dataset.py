@@ -97,3 +97,34 @@ def test_upstream_minimind_tokenizer_works_with_datasets(tmp_path):
     assert tokenizer.decode(input_ids[labels != -100]).endswith("你好！<|im_end|>")
     item = RLAIFDataset(path, tokenizer, thinking_ratio=1.0)[0]
     assert item["prompt"].endswith("<|im_start|>assistant\n<think>\n") and item["answer"].startswith("<think>")
+
+
+@pytest.mark.parametrize("tokenizer_path", [os.path.join(ROOT, "model"), MINIMIND_TOKENIZER],
+                         ids=["bundled", "upstream"])
+def test_a_huge_prompt_keeps_the_tokens_of_its_end_without_being_tokenized_whole(tokenizer_path, tmp_path):
+    """A one-line prompt of ~1 MB: the run tokenizes its end only, and gets the last --max_seq_len tokens that the
+    whole text's tokenization ends with; the dataset counts it as cut."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from dataset.lm_dataset import prompt_tail
+    from trainer.rollout_engine import tokenize_prompts
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    words = ["what", "is", "12", "plus", "30?", "计算", "一下", "(45 + 27) * 3", "\n", "  ", "<think>", "ok."]
+    text = " ".join(words[(i * 7 + i // 5) % len(words)] for i in range(120_000))  # ~0.8 MB, no period
+    path = tmp_path / "huge.jsonl"
+    path.write_text(json.dumps({"conversations": [{"role": "user", "content": "2+2=?"},
+                                                  {"role": "assistant", "content": "4"}]}) + "\n"
+                    + json.dumps({"conversations": [{"role": "user", "content": text},
+                                                    {"role": "assistant", "content": "42"}]}) + "\n")
+    dataset = RLAIFDataset(str(path), tokenizer, thinking_ratio=0.0)
+    prompt = dataset[1]["prompt"]
+    whole = tokenizer(prompt, add_special_tokens=False)["input_ids"]  # the reference: the whole text, once
+    for max_seq_len in (64, 512):
+        assert len(prompt_tail(prompt, max_seq_len, tokenizer)) < len(prompt) // 10
+        prompt_ids, attention_mask, truncated = tokenize_prompts(tokenizer, [dataset[0]["prompt"], prompt],
+                                                                 max_seq_len, "cpu")
+        assert truncated == 1 and prompt_ids.shape == (2, max_seq_len)
+        assert prompt_ids[1].tolist() == whole[-max_seq_len:]
+        assert attention_mask[0].sum() < max_seq_len and torch.equal(attention_mask[1], torch.ones(max_seq_len).long())
+        assert dataset.count_longer_than(max_seq_len) == 1

@@ -15,6 +15,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch.autograd.function import once_differentiable
 
+from dataset.lm_dataset import prompt_tail
 from model.hf_qwen3 import save_qwen3_folder
 from trainer.infra.distributed import is_main_process, run_on_rank0, unwrap_model
 from trainer.infra.sglang_client import SGLangClient, check_sglang_prompts, sglang_sampling_params
@@ -128,6 +129,7 @@ class RolloutResult:
 def tokenize_prompts(tokenizer, prompts, max_seq_len, device):
     """Left-padded prompt batch, each prompt cut to its last ``max_seq_len`` tokens (the generation prompt stays):
     (prompt_ids long [B, P], attention_mask long [B, P], number of prompts that were cut)."""
+    prompts = [prompt_tail(prompt, max_seq_len, tokenizer) for prompt in prompts]  # a huge prompt: its end only
     encoded = tokenizer(prompts, add_special_tokens=False)["input_ids"]  # one batched call
     truncated = sum(len(ids) > max_seq_len for ids in encoded)
     encoded = [ids[-max_seq_len:] for ids in encoded]
