@@ -1,0 +1,284 @@
+"""Batched multi-turn rollouts for agent RL: the model's turns and the tools' replies as one token sequence.
+
+``agent_rollout`` advances all B x G conversations together, one turn per batched ``generate`` call (left-padded).
+Each turn the model writes; ``agent_tools.parse_tool_calls`` reads its calls; a conversation without a call, or at
+``max_turns``, leaves the batch; the others get one ``tool`` message per call (``agent_tools.execute_call``) and the
+chat template (tools from the conversation's system turn) renders what follows the model's turn: the observation,
+tokens that are seen, never trained (``completion_mask`` 0, old log-prob 0). Source: upstream MiniMind's
+``trainer/train_agent.py`` (``rollout_single``), which rolls out one conversation at a time.
+
+Observation tokens: the rendered text after the model's closing ``<|im_end|>`` (from the template's own
+``<|im_end|>`` on where the turn stopped without one), tokenised alone. It begins at or right after a special
+token, so no BPE merge crosses the boundary; each turn is generated from exactly the tokens returned, so the
+recorded old log-probs equal a forward over the whole conversation. Upstream instead re-tokenises the whole
+conversation and keeps the tokens past the conversation's length; every turn checks that this re-tokenisation
+equals the conversation's tokens plus the observation. Where it does not (the model sampled a split BPE would
+merge, or the template rewrote its text, e.g. stripped leading newlines), the model's own tokens are kept and
+``metrics["prefix_mismatches"]`` counts it.
+
+Long conversations: upstream cuts prompt + completion from the left to ``max_total_len`` after the rollout, which
+drops the prompt from the context of the trained tokens (their log-probs then differ from the recorded ones).
+Here nothing after the prompt is ever cut: a prompt is cut from the left to its last ``max_total_len -
+max_new_tokens`` tokens (``metrics["prompts_cut"]``); a turn stops at the room left under ``max_total_len``; a
+conversation whose observation leaves no room for one more token ends there, unfinished (``metrics["length_stops"]``).
+"""
+import copy
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+from trainer.agent_tools import REGISTRY, check_arguments, execute_call, parse_tool_calls
+from trainer.infra.distributed import unwrap_model
+
+
+@dataclass
+class AgentRolloutResult:
+    """What ``agent_rollout`` returns: N = B * num_generations conversations, P prompt and R completion tokens."""
+    output_ids: torch.Tensor  # long [N, P + R], prompts (left-padded) then completions (right-padded)
+    completion_ids: torch.Tensor  # long [N, R], model turns and observations in order
+    old_per_token_logps: torch.Tensor  # fp32 [N, R], log pi_old of the model's tokens, 0 elsewhere
+    completion_mask: torch.Tensor  # long [N, R], 1 on the model's own tokens only (the loss mask)
+    attention_mask: torch.Tensor  # long [N, P + R], 1 on every real token (prompt, model turns, observations)
+    final_answers: list  # N texts: each conversation's last model turn, without its EOS
+    turn_texts: list  # N lists: every model turn's text, in order
+    num_tool_calls: torch.Tensor  # long [N], <tool_call> blocks over all turns (malformed ones included)
+    num_valid_calls: torch.Tensor  # long [N], calls to an offered tool whose arguments pass check_arguments
+    num_turns: torch.Tensor  # long [N], model turns
+    unfinished: torch.Tensor  # bool [N], the last turn called a tool (max_turns or max_total_len reached)
+    metrics: dict = field(default_factory=dict)  # prefix_mismatches, prompts_cut, length_stops (ints)
+
+    @property
+    def prompt_mask(self):
+        """long [N, P]: the prompts' attention mask."""
+        return self.attention_mask[:, :self.output_ids.size(1) - self.completion_ids.size(1)]
+
+
+def conversation_tools(messages):
+    """(messages without the ``tools`` key, tool schemas or None) of one upstream-format conversation.
+
+    messages: role/content dicts; a system turn may carry ``tools``, a JSON string (upstream's rows) or a list of
+    OpenAI function schemas, rendered as given. Raises ValueError when ``tools`` is not JSON, not a list of
+    function schemas, or names a tool that is not registered in ``agent_tools``.
+    """
+    tools = None
+    cleaned = [{key: value for key, value in message.items() if key != "tools"} for message in messages]
+    system = [m for m in messages if m.get("role") == "system" and m.get("tools")]
+    if system:
+        tools = system[0]["tools"]
+        if isinstance(tools, str):
+            try:
+                tools = json.loads(tools)
+            except ValueError as error:
+                raise ValueError(f"the system turn's tools are not JSON ({error}): {tools[:80]!r}") from error
+        if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("function"), dict)
+                                                  and isinstance(t["function"].get("name"), str) for t in tools):
+            raise ValueError(f"the system turn's tools must be a list of function schemas, got {str(tools)[:80]!r}")
+        unknown = [t["function"]["name"] for t in tools if t["function"]["name"] not in REGISTRY]
+        if unknown:
+            raise ValueError(f"unknown tools {unknown} in the data; registered: {sorted(REGISTRY)}")
+    return cleaned, tools
+
+
+class Conversation:
+    """One conversation's state during a rollout: its messages, its tokens (prompt, then the completion with its
+    mask and old log-probs) and its tool-call counts."""
+
+    def __init__(self, messages, tools, prompt_ids, prompt_cut):
+        self.messages = copy.deepcopy(messages)
+        self.tools = tools
+        self.prompt_ids = list(prompt_ids)
+        self.prompt_cut = prompt_cut  # tokens cut from the prompt's left
+        self.completion_ids, self.completion_mask, self.old_per_token_logps = [], [], []
+        self.turn_texts = []
+        self.num_tool_calls = self.num_valid_calls = 0
+        self.unfinished = False
+
+    @property
+    def token_ids(self):
+        """Prompt then completion: the context of the next turn."""
+        return self.prompt_ids + self.completion_ids
+
+    @property
+    def allowed(self):
+        return [tool["function"]["name"] for tool in self.tools or []]
+
+    def extend(self, ids, logps, trained):
+        self.completion_ids += ids
+        self.completion_mask += [int(trained)] * len(ids)
+        self.old_per_token_logps += logps if trained else [0.0] * len(ids)
+
+
+def render(tokenizer, messages, tools, add_generation_prompt, chat_template_kwargs):
+    """The chat template's text of ``messages`` with ``tools`` (None: no tools block)."""
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt, **chat_template_kwargs)
+
+
+def observation_ids(tokenizer, conversation, ended_with_eos, chat_template_kwargs):
+    """(observation token ids, whether re-tokenising the whole conversation gives its tokens + them).
+
+    The observation: the template's text after the model's last turn (its messages end with that ``assistant``
+    message and its ``tool`` messages), up to and including the next generation prompt (module docstring).
+    Raises ValueError for a template that renders earlier turns differently once later ones follow, or that does
+    not close an assistant turn with the tokenizer's EOS token.
+    """
+    messages, eos = conversation.messages, tokenizer.eos_token
+    last_assistant = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    partial = render(tokenizer, messages[:last_assistant + 1], conversation.tools, False, chat_template_kwargs)
+    full = render(tokenizer, messages, conversation.tools, True, chat_template_kwargs)
+    close = partial.rfind(eos)
+    if not full.startswith(partial) or close < 0:
+        raise ValueError(f"agent_rollout needs a chat template that only appends to earlier turns and closes an "
+                         f"assistant turn with {eos!r}; this one renders {partial[-60:]!r} then {full[-60:]!r}")
+    start = close + len(eos) if ended_with_eos else close
+    ids = tokenizer(full[start:], add_special_tokens=False)["input_ids"]
+    retokenized = tokenizer(full, add_special_tokens=False)["input_ids"][conversation.prompt_cut:]
+    return ids, retokenized == conversation.token_ids + ids
+
+
+@torch.no_grad()
+def generate_turn(model, contexts, budgets, temperature, eos_token_id, pad_token_id, generator):
+    """One batched ``generate`` over left-padded contexts -> a (token ids, old log-probs) pair per row.
+
+    contexts: A lists of token ids; budgets: A ints >= 1, each row's most new tokens. Sampling at ``temperature``
+    without top-p / top-k, log-probs log_softmax(logits / temperature) recorded while sampling (``generate``).
+    Each row keeps its tokens up to and including its first EOS, at most its budget.
+    """
+    device = next(model.parameters()).device
+    width = max(len(ids) for ids in contexts)
+    input_ids = torch.full((len(contexts), width), pad_token_id, dtype=torch.long)  # [A, L]
+    attention_mask = torch.zeros((len(contexts), width), dtype=torch.long)  # [A, L]
+    for row, ids in enumerate(contexts):
+        input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[row, width - len(ids):] = 1
+    output_ids, per_token_logps = model.generate(
+        input_ids.to(device), attention_mask=attention_mask.to(device), max_new_tokens=max(budgets), do_sample=True,
+        temperature=temperature, top_p=1.0, top_k=0, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+        generator=generator)  # [A, L + T], [A, T]
+    turns = []
+    for row, budget in enumerate(budgets):
+        ids = output_ids[row, width:].tolist()[:budget]
+        logps = per_token_logps[row].tolist()[:budget]
+        end = ids.index(eos_token_id) + 1 if eos_token_id in ids else len(ids)
+        turns.append((ids[:end], logps[:end]))
+    return turns
+
+
+def agent_rollout(model, tokenizer, conversations, num_generations, *, max_new_tokens, max_total_len,
+                  temperature=1.0, max_turns=3, generator=None, chat_template_kwargs=None):
+    """Roll out ``num_generations`` multi-turn tool-using answers to each conversation, all rows batched per turn.
+
+    model: a MiniMind causal LM (or DDP wrapper) with ``generate``; tokenizer: a chat template taking ``tools``.
+    conversations: B prompt conversations (role/content dicts in upstream's format, tools on the system turn, last
+    turn not the assistant's). max_new_tokens: per turn; max_total_len: prompt + completion, > max_new_tokens.
+    chat_template_kwargs: extra template arguments (e.g. ``open_thinking``). Returns ``AgentRolloutResult`` with
+    N = B * num_generations rows ordered P0, P0, ..., P1, ... on the model's device. Raises ValueError for bad
+    conversations or tools (``start_conversations``), no conversations, a count < 1, ``max_total_len`` <=
+    ``max_new_tokens``.
+    """
+    if not conversations or num_generations < 1 or max_turns < 1 or max_new_tokens < 1 \
+            or max_total_len <= max_new_tokens:
+        raise ValueError(f"need conversations, num_generations >= 1, max_turns >= 1, max_new_tokens >= 1 and "
+                         f"max_total_len > max_new_tokens, got {len(conversations)} conversations, "
+                         f"{num_generations}, {max_turns}, {max_new_tokens}, {max_total_len}")
+    chat_template_kwargs = chat_template_kwargs or {}
+    metrics = {"prefix_mismatches": 0, "prompts_cut": 0, "length_stops": 0}
+    rows = start_conversations(tokenizer, conversations, num_generations, max_total_len - max_new_tokens,
+                               chat_template_kwargs, metrics)
+    generating_model = unwrap_model(model)
+    was_training = generating_model.training
+    generating_model.eval()
+    try:
+        active = list(range(len(rows)))
+        for turn in range(max_turns):
+            if not active:
+                break
+            budgets = [min(max_new_tokens, max_total_len - len(rows[i].token_ids)) for i in active]
+            generated = generate_turn(generating_model, [rows[i].token_ids for i in active], budgets, temperature,
+                                      tokenizer.eos_token_id, tokenizer.pad_token_id, generator)
+            still_active = []
+            for i, budget, (ids, logps) in zip(active, budgets, generated):
+                cut_at_room = budget < max_new_tokens and len(ids) == budget and ids[-1] != tokenizer.eos_token_id
+                if take_turn(tokenizer, rows[i], ids, logps, cut_at_room, turn == max_turns - 1, max_total_len,
+                             chat_template_kwargs, metrics):
+                    still_active.append(i)
+            active = still_active
+    finally:
+        generating_model.train(was_training)
+    return batch_conversations(rows, tokenizer.pad_token_id, next(generating_model.parameters()).device, metrics)
+
+
+def start_conversations(tokenizer, conversations, num_generations, max_prompt_len, chat_template_kwargs, metrics):
+    """num_generations ``Conversation`` copies of each prompt, rendered with its tools and cut from the left to
+    ``max_prompt_len`` tokens (the generation prompt stays). Raises ValueError naming a conversation that ends with
+    the assistant, has bad tools, or whose tools the chat template does not render."""
+    rows = []
+    for index, messages in enumerate(conversations):
+        if not messages or messages[-1].get("role") == "assistant":
+            raise ValueError(f"conversation {index} is empty or ends with an assistant turn: pass the prompt turns "
+                             f"(upstream's AgentRLDataset drops a row's last turn)")
+        messages, tools = conversation_tools(messages)
+        prompt = render(tokenizer, messages, tools, True, chat_template_kwargs)
+        if tools and not all(json.dumps(tool["function"]["name"]) in prompt for tool in tools):
+            raise ValueError(f"the tokenizer's chat template does not render the tools of conversation {index}: "
+                             f"use a template that takes tools= (upstream MiniMind's tokenizer has one)")
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        cut = max(len(prompt_ids) - max_prompt_len, 0)
+        metrics["prompts_cut"] += int(cut > 0) * num_generations
+        rows += [Conversation(messages, tools, prompt_ids[cut:], cut) for _ in range(num_generations)]
+    return rows
+
+
+def take_turn(tokenizer, row, ids, logps, cut_at_room, last_turn, max_total_len, chat_template_kwargs, metrics):
+    """Record one model turn (mask 1) in ``row``; True when the conversation goes on, its observation (mask 0)
+    appended: the turn called a tool, it is not the last turn, was not cut at ``max_total_len`` and the
+    observation leaves room for a token of the next turn. ``metrics`` counts length stops and prefix mismatches."""
+    ended_with_eos = bool(ids) and ids[-1] == tokenizer.eos_token_id
+    row.extend(ids, logps, trained=True)
+    text = tokenizer.decode(ids[:-1] if ended_with_eos else ids, skip_special_tokens=False)
+    row.turn_texts.append(text)
+    calls = parse_tool_calls(text)
+    row.num_tool_calls += len(calls)
+    row.num_valid_calls += sum(call.error is None and call.name in row.allowed
+                               and check_arguments(call.name, call.arguments) is None for call in calls)
+    row.unfinished = bool(calls)
+    metrics["length_stops"] += int(cut_at_room)
+    if not calls or cut_at_room or last_turn:
+        return False
+    row.messages.append({"role": "assistant", "content": text})
+    row.messages += [{"role": "tool", "content": execute_call(call, allowed=row.allowed)} for call in calls]
+    obs_ids, prefix_kept = observation_ids(tokenizer, row, ended_with_eos, chat_template_kwargs)
+    metrics["prefix_mismatches"] += int(not prefix_kept)
+    if len(row.token_ids) + len(obs_ids) + 1 > max_total_len:
+        metrics["length_stops"] += 1
+        return False
+    row.extend(obs_ids, [], trained=False)
+    row.unfinished = False
+    return True
+
+
+def batch_conversations(rows, pad_token_id, device, metrics):
+    """Pad the conversations into an ``AgentRolloutResult`` on ``device``: prompts left, completions right."""
+    prompt_width = max(len(row.prompt_ids) for row in rows)  # P
+    width = max(len(row.completion_ids) for row in rows)  # R
+    output_ids = torch.full((len(rows), prompt_width + width), pad_token_id, dtype=torch.long)  # [N, P + R]
+    attention_mask = torch.zeros((len(rows), prompt_width + width), dtype=torch.long)  # [N, P + R]
+    completion_mask = torch.zeros((len(rows), width), dtype=torch.long)  # [N, R]
+    old_per_token_logps = torch.zeros((len(rows), width), dtype=torch.float32)  # [N, R]
+    for n, row in enumerate(rows):
+        start, length = prompt_width - len(row.prompt_ids), len(row.completion_ids)
+        output_ids[n, start:prompt_width + length] = torch.tensor(row.token_ids, dtype=torch.long)
+        attention_mask[n, start:prompt_width + length] = 1
+        completion_mask[n, :length] = torch.tensor(row.completion_mask, dtype=torch.long)
+        old_per_token_logps[n, :length] = torch.tensor(row.old_per_token_logps, dtype=torch.float32)
+    counts = torch.tensor([[row.num_tool_calls, row.num_valid_calls, len(row.turn_texts)] for row in rows],
+                          dtype=torch.long)  # [N, 3]
+    return AgentRolloutResult(
+        output_ids=output_ids.to(device), completion_ids=output_ids[:, prompt_width:].to(device),
+        old_per_token_logps=old_per_token_logps.to(device), completion_mask=completion_mask.to(device),
+        attention_mask=attention_mask.to(device), final_answers=[row.turn_texts[-1] for row in rows],
+        turn_texts=[list(row.turn_texts) for row in rows], num_tool_calls=counts[:, 0].to(device),
+        num_valid_calls=counts[:, 1].to(device), num_turns=counts[:, 2].to(device),
+        unfinished=torch.tensor([row.unfinished for row in rows], dtype=torch.bool, device=device),
+        metrics=metrics)
