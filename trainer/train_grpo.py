@@ -38,7 +38,9 @@ from trainer.infra.distributed import (
 )
 from trainer.infra.dtypes import autocast_context, resolve_train_dtype, reward_model_dtype
 from trainer.infra.evaluation import build_evaluator, evaluate_if_due
-from trainer.infra.flags import add_bool_flag, add_common_rl_args, check_common_rl_args, rollout_engine_kwargs
+from trainer.infra.flags import (
+    add_bool_flag, add_common_rl_args, check_common_rl_args, check_ranges, rollout_engine_kwargs,
+)
 from trainer.infra.metrics import StepLog, gpu_memory_metrics, open_metrics, print_samples
 from trainer.infra.optimizer import (
     accumulation_window_size, build_cosine_scheduler, build_policy_optimizer, project_scale_only_gradients,
@@ -148,19 +150,13 @@ def parse_args(argv=None):
     parser.set_defaults(shared_prefix=0 if parser.parse_known_args(argv)[0].use_moe else 1)
     args = parser.parse_args(argv)
     check_common_rl_args(parser, args)
+    check_ranges(parser, args, at_least_1=("accumulation_steps", "num_iterations"), at_least_2=("num_generations",),
+                 non_negative=("beta",))
     if args.shared_prefix and args.use_moe:
         parser.error("--shared_prefix 1 is for dense models: with --use_moe 1 the router loss of its two forwards "
                      "(prompts, then answers) is not the loss of the full rows; leave --shared_prefix out (or 0)")
-    if args.accumulation_steps < 1:
-        parser.error(f"--accumulation_steps must be >= 1, got {args.accumulation_steps}")
-    if args.num_generations < 2:
-        parser.error(f"--num_generations must be >= 2 for group advantages, got {args.num_generations}")
-    if args.num_iterations < 1:
-        parser.error(f"--num_iterations must be >= 1, got {args.num_iterations}")
     if args.num_iterations > 1 and args.accumulation_steps > 1:
         parser.error("--num_iterations > 1 updates once per iteration: use it with --accumulation_steps 1")
-    if args.beta < 0:
-        parser.error(f"--beta must be >= 0, got {args.beta}")
     check_family_args(parser, args)  # the loss's flags: a flag the chosen member ignores is refused
     return args
 

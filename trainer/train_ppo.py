@@ -22,7 +22,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # `python trainer/x.py` from any folder imports this checkout's packages
 
 import torch
-
 from torch.utils.data import DataLoader
 
 from dataset.lm_dataset import (
@@ -36,14 +35,14 @@ from trainer.infra.distributed import (
 )
 from trainer.infra.dtypes import autocast_context, resolve_train_dtype, reward_model_dtype
 from trainer.infra.evaluation import build_evaluator, evaluate_if_due
-from trainer.infra.flags import add_bool_flag, add_common_rl_args, check_common_rl_args, rollout_engine_kwargs
+from trainer.infra.flags import (
+    add_bool_flag, add_common_rl_args, check_common_rl_args, check_ranges, rollout_engine_kwargs,
+)
 from trainer.infra.metrics import StepLog, gpu_memory_metrics, open_metrics, print_samples
 from trainer.infra.optimizer import (
     accumulation_window_size, adamw, build_cosine_scheduler, build_policy_optimizer, project_scale_only_gradients,
 )
-from trainer.rollout_engine import (
-    compute_per_token_logps, create_rollout_engine, tokenize_prompts,
-)
+from trainer.rollout_engine import compute_per_token_logps, create_rollout_engine, tokenize_prompts
 from trainer.infra.stopping import BadStepGuard, StopSignal, nonfinite_parts
 from trainer.trainer_utils import (
     calculate_rewards, explained_variance, k3_kl, load_reward_model, masked_mean, masked_std,
@@ -213,17 +212,9 @@ def parse_args(argv=None):
                        "(the chapter)")
     args = parser.parse_args(argv)
     check_common_rl_args(parser, args)
-    for flag in ("mini_batch_size", "ppo_update_iters", "minibatch_accumulation_steps"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
-    for flag in ("gamma", "lam"):
-        if not 0.0 <= getattr(args, flag) <= 1.0:
-            parser.error(f"--{flag} must be in [0, 1], got {getattr(args, flag)}")
-    for flag in ("clip_epsilon", "cliprange_value", "critic_learning_rate", "early_stop_kl"):
-        if getattr(args, flag) <= 0:
-            parser.error(f"--{flag} must be > 0, got {getattr(args, flag)}")
-    if args.kl_coef < 0 or args.vf_coef < 0:
-        parser.error("--kl_coef and --vf_coef must be >= 0")
+    check_ranges(parser, args, at_least_1=("mini_batch_size", "ppo_update_iters", "minibatch_accumulation_steps"),
+                 unit_interval=("gamma", "lam"), non_negative=("kl_coef", "vf_coef"),
+                 positive=("clip_epsilon", "cliprange_value", "critic_learning_rate", "early_stop_kl"))
     return args
 
 
@@ -240,10 +231,7 @@ def build_critic(lm_config, actor, from_sft, device):
 # ----------------------------------------------------------------------------- the loop
 @dataclass
 class PPORolloutBatch:
-    """What ``ppo_rollout`` hands to ``ppo_update``: one rollout of B prompts, one answer each (R answer tokens).
-
-    The tensors ``ppo_update`` reads come first; the rest is for metrics and ``--debug_mode``.
-    """
+    """What ``ppo_rollout`` hands to ``ppo_update``: B prompts, one answer each (R tokens); then metrics, debug."""
     output_ids: torch.Tensor  # [B, P+R] long, prompt (left-padded) + answer (right-padded)
     full_mask: torch.Tensor  # [B, P+R] 0/1, real prompt and answer tokens
     completion_mask: torch.Tensor  # [B, R] 0/1, answer tokens through the first EOS
@@ -418,8 +406,8 @@ def main(argv=None, reward_fn=calculate_rewards):
     local_rank, device = init_distributed_mode(args.device)
     rank, world_size = rank_and_world_size()
     setup_seed(args.seed)  # identical initial weights on every rank
-    args.dtype = resolve_train_dtype(args.dtype, device)  # "auto": bfloat16 on a GPU that has it, else float32
-    autocast = autocast_context(device, args.dtype)  # the context of every training forward
+    train_dtype = resolve_train_dtype(args.dtype, device)  # "auto": bfloat16 on a GPU that has it, else float32
+    autocast = autocast_context(device, train_dtype)  # the context of every training forward
 
     # 2. tokenizer, prompts and their loader
     start_weight = None if args.from_weight == "none" else weight_path(args.from_weight, args.save_dir,
@@ -442,7 +430,7 @@ def main(argv=None, reward_fn=calculate_rewards):
     setup_seed(args.seed + rank)  # from here on every rank draws its own samples
     critic = build_critic(lm_config, actor, args.from_weight != "none", device)  # V(s_t): actor weights + new head
     Logger(f"PPO: {sum(p.numel() for p in actor.parameters()) / 1e6:.2f}M parameters, {len(train_ds)} prompts, "
-           f"world size {world_size}, device {device}, dtype {args.dtype}")
+           f"world size {world_size}, device {device}, dtype {train_dtype}")
 
     # 4. optimizers
     actor_optimizer = build_policy_optimizer(actor, args.learning_rate, args.weight_decay,

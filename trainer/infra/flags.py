@@ -125,6 +125,21 @@ def add_common_rl_args(parser):
                        "is kept as a count of prompts)")
 
 
+RANGES = {"at_least_1": (lambda v: v >= 1, ">= 1"), "at_least_2": (lambda v: v >= 2, ">= 2"),
+          "positive": (lambda v: v > 0, "> 0"), "non_negative": (lambda v: v >= 0, ">= 0"),
+          "unit_interval": (lambda v: 0 <= v <= 1, "in [0, 1]")}
+
+
+def check_ranges(parser, args, **flags_by_range):
+    """``parser.error`` (exit 2) naming the first flag outside its range: ``flags_by_range`` maps a key of
+    ``RANGES`` (at_least_1, at_least_2, positive, non_negative, unit_interval) to the flags that must lie in it."""
+    for range_name, flags in flags_by_range.items():
+        inside, text = RANGES[range_name]
+        for flag in flags:
+            if not inside(getattr(args, flag)):
+                parser.error(f"--{flag} must be {text}, got {getattr(args, flag)}")
+
+
 def check_common_rl_args(parser, args):
     """argparse-style errors (exit 2) for out-of-range shared flags, before any model is built. Also records whether
     ``--tokenizer_path`` was named (``args.tokenizer_path_named``) before filling in its default."""
