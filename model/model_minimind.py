@@ -2,9 +2,9 @@
 
 Architecture (the MiniMind-3 / Qwen3 layout): token embedding, ``num_hidden_layers`` pre-norm blocks of
 grouped-query attention (RMSNorm on q and k per head, rotary position embedding) and a SwiGLU MLP (or a routed
-mixture of SwiGLU experts when ``use_moe``), a final RMSNorm and an LM head tied to the embedding. Parameter names
-are those of MiniMind's published ``.pth`` checkpoints and of transformers' ``Qwen3ForCausalLM``
-(``tests/test_model.py`` checks that both give the same logits).
+mixture of SwiGLU experts when ``use_moe``, ``model/model_moe.py``), a final RMSNorm and an LM head tied to the
+embedding. Parameter names are those of MiniMind's published ``.pth`` checkpoints and of transformers'
+``Qwen3ForCausalLM`` (``tests/test_model.py`` checks that both give the same logits).
 
 Shapes in the docstrings: B batch, T tokens in this call, S tokens attended to (cache + T), H attention heads,
 Hkv key/value heads, D head_dim, V vocabulary size.
@@ -20,6 +20,8 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 from transformers.utils import ModelOutput
 
+from model.model_moe import MOEFeedForward
+
 
 class MiniMindConfig(PretrainedConfig):
     """Hyper-parameters of a MiniMind model; defaults are MiniMind-3's (hidden 768, 8 layers).
@@ -34,33 +36,12 @@ class MiniMindConfig(PretrainedConfig):
 
     model_type = "minimind"
 
-    def __init__(
-        self,
-        hidden_size=768,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=None,
-        intermediate_size=None,
-        vocab_size=6400,
-        hidden_act="silu",
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-6,
-        rope_theta=1e6,
-        dropout=0.0,
-        initializer_range=0.02,
-        use_moe=False,
-        num_experts=4,
-        num_experts_per_tok=1,
-        moe_intermediate_size=None,
-        norm_topk_prob=True,
-        router_aux_loss_coef=5e-4,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=True,
-        **kwargs,
-    ):
+    def __init__(self, hidden_size=768, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                 head_dim=None, intermediate_size=None, vocab_size=6400, hidden_act="silu",
+                 max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1e6, dropout=0.0,
+                 initializer_range=0.02, use_moe=False, num_experts=4, num_experts_per_tok=1,
+                 moe_intermediate_size=None, norm_topk_prob=True, router_aux_loss_coef=5e-4,
+                 bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True, **kwargs):
         if head_dim is None and hidden_size % num_attention_heads != 0:
             raise ValueError(
                 f"hidden_size={hidden_size} is not divisible by num_attention_heads={num_attention_heads}"
@@ -89,13 +70,8 @@ class MiniMindConfig(PretrainedConfig):
         self.moe_intermediate_size = moe_intermediate_size or self.intermediate_size
         self.norm_topk_prob = norm_topk_prob
         self.router_aux_loss_coef = router_aux_loss_coef
-        super().__init__(
-            bos_token_id=bos_token_id,
-            eos_token_id=eos_token_id,
-            pad_token_id=pad_token_id,
-            tie_word_embeddings=tie_word_embeddings,
-            **kwargs,
-        )
+        super().__init__(bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                         tie_word_embeddings=tie_word_embeddings, **kwargs)
 
 
 class RMSNorm(nn.Module):
@@ -228,49 +204,6 @@ class FeedForward(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class MOEFeedForward(nn.Module):
-    """Top-k routed mixture of SwiGLU experts with the Switch-Transformer load-balancing loss.
-
-    aux_loss = router_aux_loss_coef * E * sum_e f_e * P_e, where f_e is the fraction of routed slots
-    that picked expert e and P_e the mean router probability of e (Fedus et al. 2021, eq. 4).
-    The loss of the last forward is kept in ``self.aux_loss`` (a scalar tensor).
-    """
-
-    def __init__(self, config):
-        super().__init__()
-        self.num_experts = config.num_experts
-        self.top_k = config.num_experts_per_tok
-        self.norm_topk_prob = config.norm_topk_prob
-        self.aux_coef = config.router_aux_loss_coef
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = nn.ModuleList(
-            [FeedForward(config, config.moe_intermediate_size) for _ in range(config.num_experts)]
-        )
-        self.aux_loss = torch.zeros(())
-
-    def forward(self, x):
-        batch, seq, hidden = x.shape
-        x_flat = x.reshape(-1, hidden)  # [N, hidden]
-        router_probs = F.softmax(self.gate(x_flat).float(), dim=-1)  # [N, E]
-        topk_weight, topk_idx = torch.topk(router_probs, self.top_k, dim=-1)  # [N, k]
-        if self.norm_topk_prob:
-            topk_weight = topk_weight / topk_weight.sum(dim=-1, keepdim=True).clamp(min=1e-20)
-        y = torch.zeros_like(x_flat)
-        for expert_id, expert in enumerate(self.experts):
-            token_idx, slot = (topk_idx == expert_id).nonzero(as_tuple=True)
-            if token_idx.numel() == 0:
-                continue
-            weight = topk_weight[token_idx, slot].unsqueeze(-1).to(x.dtype)
-            y.index_add_(0, token_idx, expert(x_flat[token_idx]) * weight)
-        if self.training and self.aux_coef > 0:
-            routed_fraction = F.one_hot(topk_idx, self.num_experts).float().mean(dim=(0, 1))  # [E]
-            mean_prob = router_probs.mean(dim=0)  # [E]
-            self.aux_loss = self.aux_coef * self.num_experts * (routed_fraction * mean_prob).sum()
-        else:
-            self.aux_loss = router_probs.new_zeros(())
-        return y.view(batch, seq, hidden)
-
-
 class MiniMindBlock(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
@@ -279,7 +212,7 @@ class MiniMindBlock(nn.Module):
         self.self_attn = Attention(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = MOEFeedForward(config) if config.use_moe else FeedForward(config)
+        self.mlp = MOEFeedForward(config, FeedForward) if config.use_moe else FeedForward(config)
 
     def forward(self, x, cos, sin, attn_mask, past_key_values=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, past_key_values)

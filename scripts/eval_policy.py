@@ -24,7 +24,8 @@ from dataset.lm_dataset import RLAIFDataset
 from trainer.infra.evaluation import evaluate
 from trainer.infra.weights import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, init_model
 from trainer.infra.flags import add_bool_flag
-from trainer.trainer_utils import LMForRewardModel, prompt_to_messages, read_reward_model_config
+from trainer.infra.reward_models import read_reward_model_config
+from trainer.trainer_utils import LMForRewardModel, prompt_to_messages
 
 
 def question_of(prompt):

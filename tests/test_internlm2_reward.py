@@ -20,7 +20,8 @@ from tiny_internlm2_reward import build_tiny_internlm2_reward, weights_digest
 from trainer.infra.internlm2_reward import (
     InternLM2RewardModel, InternLM2RewardTokenizer, is_internlm2_reward, split_wqkv,
 )
-from trainer.trainer_utils import LMForRewardModel, calculate_rewards, read_reward_model_config
+from trainer.infra.reward_models import read_reward_model_config
+from trainer.trainer_utils import LMForRewardModel, calculate_rewards
 
 SOURCE = os.path.join(SHARED, "compat", "internlm2-1_8b-reward")
 with open(os.path.join(ROOT, "tests", "reference_internlm2_reward.json"), encoding="utf-8") as f:

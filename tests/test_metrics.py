@@ -1,11 +1,14 @@
-"""trainer/infra/metrics.py: metrics.jsonl, and SwanLab (upstream MiniMind's tracker) offline, with the real package."""
+"""trainer/infra/metrics.py: metrics.jsonl, SwanLab (upstream MiniMind's tracker) offline with the real package, and
+the statistics PPO logs (explained variance, the advantages' std) against hand-computed values."""
 import glob
 import json
+import math
 import os
 
 import pytest
+import torch
 
-from trainer.infra.metrics import MetricsWriter
+from trainer.infra.metrics import MetricsWriter, explained_variance, masked_std
 
 
 def test_swanlab_offline_run_holds_the_config_and_the_metrics(tmp_path, monkeypatch):
@@ -31,3 +34,25 @@ def test_swanlab_offline_run_holds_the_config_and_the_metrics(tmp_path, monkeypa
 def test_unknown_tracker_is_refused(tmp_path):
     with pytest.raises(ValueError, match="wandb, swanlab"):
         MetricsWriter(str(tmp_path), tracker="tensorboard")
+
+
+def test_explained_variance():
+    mask = torch.tensor([[1, 1, 1, 0]])
+    returns = torch.tensor([[1.0, 2.0, 3.0, 50.0]])
+    assert explained_variance(returns, returns, mask) == pytest.approx(1.0)
+    assert explained_variance(torch.full((1, 4), 2.0), returns, mask) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_explained_variance_is_nan_when_returns_do_not_vary():
+    # all returns equal: a clamped denominator would report 1.0 (values equal) or -888.5 (values off)
+    returns = torch.full((2, 3), 1.5)
+    mask = torch.ones(2, 3)
+    assert math.isnan(explained_variance(returns.clone(), returns, mask))
+    assert math.isnan(explained_variance(torch.tensor([[0.0, 1, 2], [3, 4, 5]]), returns, mask))
+
+
+def test_advantages_std_metric_is_a_std_not_an_rms():
+    advantages = torch.tensor([[3.0, 5.0, 99.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    # real tokens 3 and 5: mean 4, population std 1 (the RMS would be sqrt(17) = 4.123)
+    assert masked_std(advantages, mask).item() == pytest.approx(1.0)

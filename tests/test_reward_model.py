@@ -12,9 +12,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Qwen
 from conftest import FIXTURES, MINIMIND_TOKENIZER, ROOT
 from dataset.lm_dataset import DataFormatError, parse_hh_transcript, read_preference_pairs
 from test_scripts import TINY, run_script
-from trainer.trainer_utils import (
-    LMForRewardModel, calculate_rewards, prompt_to_messages, read_reward_model_config, reward_model_messages,
-)
+from trainer.infra.reward_models import read_reward_model_config
+from trainer.trainer_utils import LMForRewardModel, calculate_rewards, prompt_to_messages, reward_model_messages
 from trainer.train_reward import bradley_terry_loss, build_reward_model, pairwise_accuracy
 
 # The first 100 pairs of HH-RLHF harmless-base test, as published (tests/fixtures/README.md).

@@ -127,7 +127,7 @@ def test_use_compile_wraps_the_same_parameters_and_0_leaves_the_module():
 TRAINER_CHAPTER_MODULES = {"trainer.train_grpo", "trainer.train_ppo", "trainer.trainer_utils", "trainer.rollout_engine",
                            "trainer.infra.evaluation"}
 LOWER_INFRASTRUCTURE = ("distributed", "dtypes", "checkpoints", "weights", "files", "optimizer", "metrics", "stopping",
-                        "sglang_client")
+                        "sglang_client", "reward_models", "internlm2_reward")
 
 
 def parse(path):

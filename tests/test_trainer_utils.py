@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from trainer.trainer_utils import (
-    answer_reward, calculate_rewards, completion_mask_from_ids, explained_variance, extract_final_number, k3_kl,
-    masked_mean, masked_std, prompt_to_messages, rep_penalty, rule_reward,
+    answer_reward, calculate_rewards, completion_mask_from_ids, extract_final_number, k3_kl, masked_mean,
+    prompt_to_messages, rep_penalty, rule_reward,
 )
 
 
@@ -93,25 +93,3 @@ def test_masked_k3_is_zero_with_zero_gradient_where_masked():
     # real token: k3 = e^-1 - (-1) - 1 = 0.36788, d/dlogp = 1 - exp(ref - logp) = 1 - e^-1 = 0.63212
     assert per_token_kl[0].tolist() == pytest.approx([math.exp(-1), 0.0], abs=1e-6)
     assert per_token_logps.grad[0].tolist() == pytest.approx([1 - math.exp(-1), 0.0], abs=1e-6)
-
-
-def test_explained_variance():
-    mask = torch.tensor([[1, 1, 1, 0]])
-    returns = torch.tensor([[1.0, 2.0, 3.0, 50.0]])
-    assert explained_variance(returns, returns, mask) == pytest.approx(1.0)
-    assert explained_variance(torch.full((1, 4), 2.0), returns, mask) == pytest.approx(0.0, abs=1e-6)
-
-
-def test_explained_variance_is_nan_when_returns_do_not_vary():
-    # all returns equal: a clamped denominator would report 1.0 (values equal) or -888.5 (values off)
-    returns = torch.full((2, 3), 1.5)
-    mask = torch.ones(2, 3)
-    assert math.isnan(explained_variance(returns.clone(), returns, mask))
-    assert math.isnan(explained_variance(torch.tensor([[0.0, 1, 2], [3, 4, 5]]), returns, mask))
-
-
-def test_advantages_std_metric_is_a_std_not_an_rms():
-    advantages = torch.tensor([[3.0, 5.0, 99.0]])
-    mask = torch.tensor([[1, 1, 0]])
-    # real tokens 3 and 5: mean 4, population std 1 (the RMS would be sqrt(17) = 4.123)
-    assert masked_std(advantages, mask).item() == pytest.approx(1.0)

@@ -13,62 +13,13 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from dataset.lm_dataset import prompt_tail
 from model.hf_qwen3 import save_qwen3_folder
 from trainer.infra.distributed import is_main_process, run_on_rank0, unwrap_model
 from trainer.infra.sglang_client import SGLangClient, check_sglang_prompts, sglang_sampling_params
+from trainer.selective_log_softmax import selective_log_softmax
 from trainer.trainer_utils import completion_mask_from_ids, masked_mean
-
-
-class SelectiveLogSoftmax(torch.autograd.Function):
-    """log_softmax(logits / T).gather(index) with a hand-written backward that keeps only the logits.
-
-    Autograd of the plain formula saves an fp32 copy of every row (``logits.float() / T``): a second
-    [B, n, V] tensor. This function saves the logits themselves (alive anyway as the model's output), the
-    index and the per-position logsumexp [B, n], and recomputes one row's softmax at a time in backward:
-    d logp / d logits = (onehot(index) - softmax(logits / T)) / T. Extra memory: one row's fp32 [n, V].
-    """
-
-    @staticmethod
-    def forward(ctx, logits, index, temperature):
-        """logits [B, n, V] any float dtype, index long [B, n], temperature float -> fp32 [B, n]."""
-        per_token_logps, logsumexps = [], []
-        for logits_row, index_row in zip(logits, index):  # [n, V], [n]
-            row = logits_row.to(torch.promote_types(logits_row.dtype, torch.float32))  # bf16/fp16 -> fp32
-            if temperature != 1.0:
-                row = row / temperature
-            logsumexp = torch.logsumexp(row, dim=-1)  # [n]
-            per_token_logps.append(row.gather(-1, index_row.unsqueeze(-1)).squeeze(-1) - logsumexp)
-            logsumexps.append(logsumexp)
-        ctx.save_for_backward(logits, index, torch.stack(logsumexps))
-        ctx.temperature = temperature
-        return torch.stack(per_token_logps)  # [B, n] fp32
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_output):
-        """grad_output fp32 [B, n] -> grad of the logits [B, n, V] in the logits' dtype (first order only)."""
-        logits, index, logsumexps = ctx.saved_tensors
-        temperature = ctx.temperature
-        grad_logits = torch.empty_like(logits)  # [B, n, V] in the logits' dtype
-        for b in range(logits.size(0)):
-            row = logits[b].to(logsumexps.dtype)
-            if temperature != 1.0:
-                row = row / temperature
-            probs = torch.exp(row - logsumexps[b].unsqueeze(-1))  # [n, V] softmax
-            grad_row = -probs * grad_output[b].unsqueeze(-1)
-            grad_row.scatter_add_(-1, index[b].unsqueeze(-1), grad_output[b].unsqueeze(-1))
-            grad_logits[b] = grad_row / temperature
-        return grad_logits, None, None
-
-
-def selective_log_softmax(logits, index, temperature=1.0):
-    """log_softmax(logits / temperature, -1).gather(-1, index) without a [B, n, V] log-softmax tensor (chapter 8.2).
-    logits: [B, n, V] any float dtype; index: long [B, n] -> fp32 [B, n] (fp64 for fp64 logits), computed per row
-    in fp32 (also under bf16 autocast): one row's [n, V] of extra memory (``SelectiveLogSoftmax``)."""
-    return SelectiveLogSoftmax.apply(logits, index, float(temperature))
 
 
 @torch.no_grad()

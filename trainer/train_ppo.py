@@ -38,15 +38,15 @@ from trainer.infra.evaluation import build_evaluator, evaluate_if_due
 from trainer.infra.flags import (
     add_bool_flag, add_common_rl_args, check_common_rl_args, check_ranges, rollout_engine_kwargs,
 )
-from trainer.infra.metrics import StepLog, gpu_memory_metrics, open_metrics, print_samples
+from trainer.infra.metrics import (
+    StepLog, explained_variance, gpu_memory_metrics, masked_std, open_metrics, print_samples,
+)
 from trainer.infra.optimizer import (
     accumulation_window_size, adamw, build_cosine_scheduler, build_policy_optimizer, project_scale_only_gradients,
 )
 from trainer.rollout_engine import compute_per_token_logps, create_rollout_engine, tokenize_prompts
 from trainer.infra.stopping import BadStepGuard, StopSignal, nonfinite_parts
-from trainer.trainer_utils import (
-    calculate_rewards, explained_variance, k3_kl, load_reward_model, masked_mean, masked_std,
-)
+from trainer.trainer_utils import calculate_rewards, k3_kl, load_reward_model, masked_mean
 from trainer.infra.weights import build_config, load_policy, load_tokenizer, weight_path
 
 

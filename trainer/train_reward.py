@@ -44,7 +44,8 @@ from trainer.infra.files import atomic_write
 from trainer.infra.dtypes import DTYPES, resolve_dtype
 from trainer.infra.flags import DEFAULT_REWARD_MODEL_PATH, add_bool_flag
 from trainer.infra.optimizer import build_cosine_scheduler
-from trainer.trainer_utils import render_reward_text, reward_model_messages
+from trainer.infra.reward_models import render_reward_text
+from trainer.trainer_utils import reward_model_messages
 from trainer.infra.metrics import MetricsWriter, StepTimer
 
 

@@ -1,21 +1,16 @@
 """What both RL scripts share from the chapter, in its order: the rewards of 8.3 (rule reward, repetition penalty,
 answer reward, the external reward model and its conversation, ``calculate_rewards``) and the KL and masks of 8.6
-(the completion mask, masked means and the statistics PPO logs from them, the k3 estimator).
+(the completion mask, masked means, the k3 estimator).
 
-Everything that is not in the chapter (processes, flags, weights and checkpoints on disk, dtypes, the optimizer,
-metrics) lives in modules named for it, which a learner can skip. Nothing here reads a global: every function takes what
-it needs as arguments.
+Everything that is not in the chapter (processes, flags, weights, checkpoints and reward-model folders on disk,
+dtypes, the optimizer, metrics) lives in trainer/infra/, which a learner can skip. Nothing here reads a global: every
+function takes what it needs as arguments.
 """
-import json
-import os
 import re
 
 import torch
-from transformers import AutoTokenizer
 
-from trainer.infra.internlm2_reward import (
-    InternLM2RewardModel, InternLM2RewardTokenizer, is_internlm2_reward, require_sentencepiece,
-)
+from trainer.infra.reward_models import load_reward_model_files, render_reward_text
 
 
 # ----------------------------------------------------------------------------- rewards (chapter 8.3)
@@ -120,53 +115,6 @@ def reward_model_messages(messages, response):
     return [{"role": "user", "content": context}, {"role": "assistant", "content": split_thinking(response)[1]}]
 
 
-def render_reward_text(tokenizer, conversation):
-    """(text, add_special_tokens) for a sequence-classification reward model.
-
-    With a chat template the text is ``apply_chat_template(conversation, tokenize=False)`` and the template already
-    holds any BOS token (add_special_tokens False); without one, "role: content" lines and the tokenizer's own
-    special tokens.
-    """
-    if tokenizer.chat_template:
-        return tokenizer.apply_chat_template(conversation, tokenize=False), False
-    return "\n".join(f"{m['role']}: {m['content']}" for m in conversation), True
-
-
-def read_reward_model_config(path, trust_remote_code):
-    """Check a reward-model folder before anything is loaded; returns its config.json as a dict.
-
-    An InternLM2 reward model (``auto_map`` naming ``InternLM2ForRewardModel``, upstream MiniMind's default
-    ``internlm2-1_8b-reward``) loads without running its code (``trainer/infra/internlm2_reward.py``), so it needs no
-    ``trust_remote_code``; it needs the sentencepiece package.
-
-    Raises:
-        FileNotFoundError: if ``path`` or its config.json does not exist.
-        ValueError: if config.json is not JSON, or the model needs remote code (an ``auto_map`` in config.json)
-            and ``trust_remote_code`` is false, or an InternLM2 reward model while sentencepiece is not installed
-            (the message gives the pip command).
-    """
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"--reward_model_path {path} does not exist (use 'none' to disable)")
-    config_path = os.path.join(path, "config.json")
-    if not os.path.isfile(config_path):
-        raise FileNotFoundError(f"--reward_model_path {path}: no config.json, not a transformers model folder")
-    try:
-        with open(config_path, encoding="utf-8") as f:
-            config = json.load(f)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{config_path}:{err.lineno}: invalid JSON ({err.msg})") from err
-    if is_internlm2_reward(config):
-        try:
-            require_sentencepiece(path)
-        except ModuleNotFoundError as err:
-            raise ValueError(str(err)) from err
-    elif config.get("auto_map") and not trust_remote_code:
-        raise ValueError(f"--reward_model_path {path} runs its own Python code (auto_map in config.json: "
-                         f"{sorted(config['auto_map'])}); pass --trust_remote_code to allow it "
-                         f"(after reading that code)")
-    return config
-
-
 class LMForRewardModel:
     """External reward model of chapter 8.3: ``get_scores`` -> one score per answer, clipped to [-3, 3].
 
@@ -175,42 +123,13 @@ class LMForRewardModel:
     InternLM2 reward model (upstream MiniMind's default, without its remote code: ``trainer/infra/internlm2_reward.py``)
     and a remote-code model with ``get_score`` (only with ``trust_remote_code``); the last two score upstream's text
     (``answer_text``). ``batch_size``: answers per forward; ``max_length``: tokens kept per answer, from the right.
-    Raises FileNotFoundError / ValueError as ``read_reward_model_config`` does; ValueError also for a classifier with
-    more than one label or a remote-code model without ``get_score``.
+    Loading and its checks: ``trainer/infra/reward_models.py`` (raises FileNotFoundError / ValueError for a missing
+    folder, remote code not allowed, a classifier with more than one label, a remote-code model without get_score).
     """
 
     def __init__(self, path, device="cpu", dtype=torch.float32, batch_size=16, max_length=2048,
                  trust_remote_code=False):
-        from transformers import AutoModel, AutoModelForSequenceClassification
-
-        config = read_reward_model_config(path, trust_remote_code)
-        auto_map = config.get("auto_map") or {}
-        if is_internlm2_reward(config):
-            self.kind = "internlm2"
-            self.tokenizer = InternLM2RewardTokenizer(path)
-            self.model = InternLM2RewardModel.from_pretrained(path, config, dtype=dtype)
-        elif auto_map and "AutoModelForSequenceClassification" not in auto_map:
-            self.kind = "remote"
-            self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-            self.model = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=True)
-            if not callable(getattr(self.model, "get_score", None)):
-                raise ValueError(f"--reward_model_path {path}: {type(self.model).__name__} has no "
-                                 f"get_score(tokenizer, messages) and is not a sequence-classification model")
-        else:
-            self.kind = "classifier"
-            self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-            self.model = AutoModelForSequenceClassification.from_pretrained(
-                path, dtype=dtype, trust_remote_code=trust_remote_code)
-            if self.model.config.num_labels != 1:
-                raise ValueError(f"--reward_model_path {path}: a reward model has one output label, this one has "
-                                 f"{self.model.config.num_labels}")
-            if self.tokenizer.pad_token_id is None:
-                self.tokenizer.pad_token = self.tokenizer.eos_token
-            self.tokenizer.padding_side = "right"  # real tokens keep their positions: batched == one by one
-            self.tokenizer.truncation_side = "left"  # a long history loses its start, never the answer
-            self.model.config.pad_token_id = self.tokenizer.pad_token_id  # the head reads the last non-pad token
-        self.model = self.model.to(device).eval()
-        self.model.requires_grad_(False)
+        self.kind, self.tokenizer, self.model = load_reward_model_files(path, device, dtype, trust_remote_code)
         self.device = device
         self.batch_size = batch_size
         self.max_length = max_length
@@ -356,24 +275,3 @@ def k3_kl(ref_per_token_logps, per_token_logps, mask=None):
     if mask is not None:
         log_ratio = torch.where(mask.bool(), log_ratio, torch.zeros_like(log_ratio))
     return torch.exp(log_ratio) - log_ratio - 1
-
-
-def masked_std(values, mask):
-    """Population standard deviation of ``values`` over positions where mask == 1 (a scalar tensor; 0 if none):
-    the spread of PPO's whitened advantages (chapter 8.4.2) over real tokens, as the loop logs it."""
-    return masked_mean((values - masked_mean(values, mask)) ** 2, mask).sqrt()
-
-
-def explained_variance(values, returns, mask):
-    """1 - Var[returns - values] / Var[returns] over real tokens (1 = perfect critic, <= 0 = no better than a constant):
-    how much of the returns PPO's critic (chapter 8.4.4) predicts. values, returns: fp32 [B, R]; mask: [B, R] 0/1.
-
-    NaN when the returns do not vary (e.g. every answer got the same reward): the ratio is undefined then, and a
-    clamped denominator would report 1.0 or a huge negative number. Plots and README means skip NaN.
-    """
-    var_returns = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
-    if var_returns.item() <= 1e-12:
-        return float("nan")
-    residual = returns - values
-    var_residual = masked_mean((residual - masked_mean(residual, mask)) ** 2, mask)
-    return (1.0 - var_residual / var_returns).item()

@@ -1,4 +1,5 @@
-"""Metrics of a run: metrics.jsonl (+ wandb), the time estimate of the log line, the debug printout.
+"""Metrics of a run: metrics.jsonl (+ wandb), the time estimate of the log line, the debug printout, and the
+statistics PPO logs beside its losses (explained variance, the advantages' std).
 
 Infrastructure, not RL: a learner can skip this file.
 """
@@ -232,3 +233,35 @@ def print_samples(step, prompts, completions, reward_parts, num_generations):
             Logger(f"[debug] answer {j - i}: reward {reward_parts['rewards'][j]:.3f} "
                    f"(rule {reward_parts['rule_rewards'][j]:.3f}, rm {reward_parts['reward_model_scores'][j]:.3f}, "
                    f"answer {reward_parts['answer_rewards'][j]:.0f})\n{completions[j]}")
+
+
+# ----------------------------------------------------------------------------- statistics PPO logs
+
+
+def masked_variance(values, mask):
+    """Population variance of ``values`` over positions where mask == 1, a scalar tensor (0 if none): the masked
+    mean of the squared deviations from the masked mean, each mean a sum over the mask / its count (at least 1)."""
+    mask = mask.to(values.dtype)
+    count = mask.sum().clamp(min=1)
+    mean = (values * mask).sum() / count
+    return ((values - mean) ** 2 * mask).sum() / count
+
+
+def masked_std(values, mask):
+    """Population standard deviation of ``values`` over positions where mask == 1 (a scalar tensor; 0 if none):
+    the spread of PPO's whitened advantages (chapter 8.4.2) over real tokens, as the loop logs it."""
+    return masked_variance(values, mask).sqrt()
+
+
+def explained_variance(values, returns, mask):
+    """1 - Var[returns - values] / Var[returns] over real tokens (1 = perfect critic, <= 0 = no better than a constant):
+    how much of the returns PPO's critic (chapter 8.4.4) predicts. values, returns: fp32 [B, R]; mask: [B, R] 0/1.
+
+    NaN when the returns do not vary (e.g. every answer got the same reward): the ratio is undefined then, and a
+    clamped denominator would report 1.0 or a huge negative number. Plots and README means skip NaN.
+    """
+    var_returns = masked_variance(returns, mask)
+    if var_returns.item() <= 1e-12:
+        return float("nan")
+    var_residual = masked_variance(returns - values, mask)
+    return (1.0 - var_residual / var_returns).item()
