@@ -103,6 +103,22 @@ def test_evaluation_leaves_the_global_random_state_and_training_mode(tiny_config
     assert [s["completion"] for s in first["samples"]] == [s["completion"] for s in second["samples"]]
 
 
+def test_a_stop_request_ends_the_evaluation_between_batches_with_an_empty_result(tiny_config, tokenizer):
+    from model.model_minimind import MiniMindForCausalLM
+    torch.manual_seed(0)
+    model = MiniMindForCausalLM(tiny_config).train()
+    dataset = RLAIFDataset(VAL_PATH, tokenizer, thinking_ratio=1.0)
+    checks = []
+
+    def stop_after_two_batches():
+        checks.append(1)
+        return len(checks) > 2
+
+    assert evaluate(model, tokenizer, dataset, 9, 3, 8, 1.0, False, seed=5, should_stop=stop_after_two_batches) == {}
+    assert len(checks) == 3 and model.training  # asked before each batch; training mode given back
+    assert len(evaluate(model, tokenizer, dataset, 9, 3, 8, 1.0, False, seed=5)["samples"]) == 9
+
+
 def test_validation_and_test_prompts_are_disjoint_from_every_other_file():
     def problems(path):
         keys = set()

@@ -37,12 +37,12 @@ def evaluate(model, tokenizer, dataset, num_prompts, batch_size, max_gen_len, te
         dataset: items {"prompt": str, "answer": str} (``RLAIFDataset``).
         temperature: sampling temperature (ignored when ``greedy``).
         should_stop: a function of no argument, checked between batches: when it returns True the evaluation
-            ends there and returns None (a stop request does not wait for the whole evaluation).
+            ends there and returns {} (a stop request does not wait for the whole evaluation).
     Returns:
         dict with accuracy (share of answers whose final number equals the reference, ``answer_reward``),
         reward (rule + reward model), rule_reward, reward_model_score, answer_reward, response_len (tokens),
         distinct_2, and "samples": one dict per prompt with prompt, completion, reference, rule_reward,
-        reward_model_score, answer_reward; None when ``should_stop`` ended it.
+        reward_model_score, answer_reward; {} when ``should_stop`` ended it.
     Raises:
         ValueError: ``num_prompts`` or ``batch_size`` < 1.
     """
@@ -60,7 +60,7 @@ def evaluate(model, tokenizer, dataset, num_prompts, batch_size, max_gen_len, te
     for start in range(0, count, batch_size):
         if should_stop is not None and should_stop():
             model.train(was_training)
-            return None
+            return {}
         rows = [dataset[i] for i in range(start, min(start + batch_size, count))]
         prompts = [r["prompt"] for r in rows]
         answers = [r["answer"] for r in rows]
@@ -125,8 +125,8 @@ class HeldOutEvaluator:
                       temperature=self.temperature, seed=self.seed, max_seq_len=self.max_seq_len,
                       device=self.device, should_stop=should_stop)
         sampled = evaluate(model, self.tokenizer, self.dataset, greedy=False, **common)
-        greedy = evaluate(model, self.tokenizer, self.dataset, greedy=True, **common) if sampled else None
-        if sampled is None or greedy is None:
+        greedy = evaluate(model, self.tokenizer, self.dataset, greedy=True, **common) if sampled else {}
+        if not sampled or not greedy:  # a stop request ended the evaluation
             return {}
         metrics = {"eval/accuracy_sampled": sampled["accuracy"], "eval/accuracy_greedy": greedy["accuracy"],
                    "eval/response_len": sampled["response_len"]}
