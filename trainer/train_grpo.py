@@ -306,7 +306,8 @@ def grpo_log_line(metrics, num_iterations=1):
 
 def main(argv=None, reward_fn=calculate_rewards):
     """Train with GRPO: the roles of chapter 8.1 without a critic, then rollout -> reward -> group advantage ->
-    loss -> update, step after step (8.5). ``reward_fn``: your own rewards, with calculate_rewards' arguments and result."""
+    loss -> update, step after step (8.5).
+    ``reward_fn``: your own rewards, with the arguments and result of ``calculate_rewards``."""
     args = parse_args(argv)
 
     # 1. processes, seed and dtype
