@@ -34,7 +34,7 @@ from trainer.infra.distributed import setup_seed
 from trainer.infra.files import atomic_write
 from trainer.infra.dtypes import autocast_context
 from trainer.infra.optimizer import adamw, build_cosine_scheduler, build_policy_optimizer, project_scale_only_gradients
-from trainer.trainer_utils import calculate_rewards, k3_kl, masked_mean
+from trainer.trainer_utils import calculate_rewards, grpo_advantages, k3_kl, masked_mean
 
 # Stage headings, in order; tests/test_learner.py checks that the document has all of them.
 GRPO_STAGES = (
@@ -225,7 +225,7 @@ def grpo_walkthrough(batch, grpo_args, model, ref_model, tokenizer, seed, stages
     lines += code_block(block)
 
     # 4. advantages
-    advantages = train_grpo.grpo_advantages(rewards, G)  # [B*G]
+    advantages = grpo_advantages(rewards, G)  # [B*G]
     grouped = rewards.view(-1, G)  # [B, G], for display
     lines += [f"### {stages[3]}", ""]
     lines += ["`grpo_advantages` (chapter 8.5.1, 组内标准化): A_i = (r_i − group mean) / (group std + 1e-4), "

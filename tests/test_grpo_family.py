@@ -12,7 +12,8 @@ from conftest import require_trl
 from trainer.grpo_family import (
     LossConfig, aggregate_loss, clip_fractions, family_loss, frac_reward_zero_std, importance_ratio, scale_gradients,
 )
-from trainer.train_grpo import grpo_advantages, grpo_loss, parse_args
+from trainer.train_grpo import grpo_loss, parse_args
+from trainer.trainer_utils import grpo_advantages
 
 MAX_COMPLETION_LENGTH = 6
 

@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from trainer.train_grpo import grpo_advantages, grpo_loss, sequence_mean_loss
+from trainer.train_grpo import grpo_loss, sequence_mean_loss
+from trainer.trainer_utils import grpo_advantages
 
 
 def test_group_advantages_hand_computed():

@@ -20,7 +20,7 @@ LOSS_TYPES = ("cispo", "grpo", "bnpo", "dr_grpo", "dapo", "sapo", "luspo", "vesp
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # PPO's clipped surrogate, with their own sums
 TOKEN_SUM_LOSS_TYPES = ("dapo", "vespo")  # a token sum over the accumulation window's tokens of every process
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-SCALE_REWARDS = ("group", "batch", "none")  # the advantage's scale (train_grpo.grpo_advantages)
+SCALE_REWARDS = ("group", "batch", "none")  # the advantage's scale (trainer_utils.grpo_advantages)
 DEFAULT_CISPO_EPSILON_HIGH = 5.0  # upstream MiniMind's --epsilon_high: CISPO's clamp of the ratio weight
 # the flags each member reads besides --loss_type and --beta (a member refuses a flag it would ignore)
 MEMBER_FLAGS = {

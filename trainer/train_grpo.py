@@ -28,7 +28,7 @@ from dataset.lm_dataset import (
     RLAIFDataset, ResumableBatchSampler, check_prompt_count, count_total_steps, resumable_batches,
 )
 from trainer.grpo_family import (
-    DEFAULT_CISPO_EPSILON_HIGH, LOSS_TYPES, SCALE_REWARDS, TOKEN_SUM_LOSS_TYPES, add_family_args, build_loss_config,
+    DEFAULT_CISPO_EPSILON_HIGH, LOSS_TYPES, TOKEN_SUM_LOSS_TYPES, add_family_args, build_loss_config,
     check_family_args, family_loss, frac_reward_zero_std, scale_gradients, update_metrics,
 )
 from trainer.infra.checkpoints import claim_save_dir, resume_command, save_checkpoint, start_or_resume
@@ -41,7 +41,9 @@ from trainer.infra.evaluation import build_evaluator, evaluate_if_due
 from trainer.infra.flags import (
     add_bool_flag, add_common_rl_args, check_common_rl_args, check_ranges, rollout_engine_kwargs,
 )
-from trainer.infra.metrics import StepLog, gpu_memory_metrics, open_metrics, print_samples
+from trainer.infra.metrics import (
+    StepLog, gpu_memory_metrics, grpo_log_line, grpo_metrics, open_metrics, print_samples,
+)
 from trainer.infra.optimizer import (
     accumulation_window_size, build_cosine_scheduler, build_policy_optimizer, project_scale_only_gradients,
 )
@@ -49,35 +51,10 @@ from trainer.infra.stopping import BadStepGuard, StopSignal, nonfinite_parts
 from trainer.infra.weights import build_config, load_policy, load_tokenizer, weight_path
 from trainer.rollout_engine import RolloutResult, compute_per_token_logps, create_rollout_engine, tokenize_prompts
 from trainer.shared_prefix import shared_prefix_forward
-from trainer.trainer_utils import calculate_rewards, k3_kl, load_reward_model, masked_mean
+from trainer.trainer_utils import calculate_rewards, grpo_advantages, k3_kl, load_reward_model, masked_mean
 
 
 # ----------------------------------------------------------------------------- the math (chapter 8.5)
-def grpo_advantages(rewards, num_generations, eps=1e-4, scale_rewards="group"):
-    """Group-relative advantages A_i = (r_i - mean(r_group)) / (std + eps) (chapter 8.5.1; Shao et al. 2024, eq. 3).
-
-    The std is the group's population std (``scale_rewards`` "group", the chapter's), the batch's ("batch"), or no
-    division ("none", Dr. GRPO). rewards: fp32 [B*G], each prompt's G rewards adjacent -> advantages [B*G] in the
-    rewards' dtype; statistics in fp64, so a group of equal rewards gives exactly 0.
-    Raises ValueError when rewards.numel() is not a multiple of G, or for an unknown ``scale_rewards``.
-    """
-    if rewards.numel() % num_generations != 0:
-        raise ValueError(f"{rewards.numel()} rewards cannot be split into groups of {num_generations}")
-    if scale_rewards not in SCALE_REWARDS:
-        raise ValueError(f"unknown scale_rewards {scale_rewards!r}; valid: {', '.join(SCALE_REWARDS)}")
-    # fp64 statistics: an fp32 mean of equal values can miss them by one ulp, and ulp / (ulp + eps) is not small
-    rewards_fp64 = rewards.double()  # [B*G]
-    grouped_rewards = rewards_fp64.view(-1, num_generations)  # [B, G]
-    mean_r = grouped_rewards.mean(dim=1).repeat_interleave(num_generations)  # [B*G]
-    if scale_rewards == "none":
-        return (rewards_fp64 - mean_r).to(rewards.dtype)  # [B*G]
-    if scale_rewards == "batch":
-        std_r = rewards_fp64.std(unbiased=False).expand_as(rewards_fp64)  # [B*G]
-    else:
-        std_r = grouped_rewards.std(dim=1, unbiased=False).repeat_interleave(num_generations)  # [B*G]
-    return ((rewards_fp64 - mean_r) / (std_r + eps)).to(rewards.dtype)  # [B*G]
-
-
 def sequence_mean_loss(per_token_loss, completion_mask):
     """Mean over each sequence's masked tokens, then mean over sequences (chapter 8.5.2).
 
@@ -261,47 +238,6 @@ def grpo_policy_loss(model, rollout_batch, loss_config, args, autocast):
     metrics.update(update_metrics(per_token_logps.detach(), old_per_token_logps, per_token_kl, ratio, entropies,
                                   rollout_batch, loss_config))  # KL, entropy, the ratio's range and clipping
     return loss, metrics
-
-
-def grpo_metrics(rollout_batch, updates):
-    """The step's metrics: the rollout's rewards and advantages, then the mean over the step's updates of each
-    update's metrics (one update per rollout: its own), except ``ratio_min`` / ``ratio_max``: the smallest and largest
-    ratio of any update; names as TRL's where TRL logs the same."""
-    update_mean = {key: sum(update[key] for update in updates) / len(updates) for key in updates[0]}
-    update_mean.update(ratio_min=min(update["ratio_min"] for update in updates),  # the step's spread of the ratio
-                       ratio_max=max(update["ratio_max"] for update in updates))
-    kl_ref = {"kl_ref": update_mean.pop("kl_ref")} if "kl_ref" in update_mean else {}
-    update_keys = ("policy_loss", "aux_loss", "ratio_mean")
-    return {
-        "reward": rollout_batch.rewards.mean().item(),
-        "rule_reward": rollout_batch.reward_parts["rule_rewards"].mean().item(),
-        "reward_model_score": rollout_batch.reward_parts["reward_model_scores"].mean().item(),
-        "answer_reward": rollout_batch.reward_parts["answer_rewards"].mean().item(),
-        **kl_ref,
-        "advantages_mean": rollout_batch.advantages.mean().item(),
-        "advantages_std": rollout_batch.advantages.std(unbiased=False).item(),
-        **{key: update_mean.pop(key) for key in update_keys},
-        "response_len": rollout_batch.rollout.completion_mask.sum(dim=1).float().mean().item(),
-        **rollout_batch.metrics,
-        **update_mean,
-    }
-
-
-def grpo_log_line(metrics, num_iterations=1):
-    """GRPO's part of the log line (after the rewards): KL, advantages, loss, entropy, clipping, length, rate; with
-    ``num_iterations`` > 1 also the ratio's range over the step's updates, the clipped shares and the approximate KL."""
-    kl_ref = f"kl_ref {metrics['kl_ref']:.4f} | " if "kl_ref" in metrics else ""
-    clip = next((f" | clipped {metrics[key]:.3f}" for key in ("clip_ratio/region_mean", "cispo_clip_ratio")
-                 if key in metrics), "")
-    if num_iterations > 1:
-        if "clip_ratio/low_mean" in metrics:
-            clip = f" | clipped low {metrics['clip_ratio/low_mean']:.4f} high {metrics['clip_ratio/high_mean']:.4f}"
-        elif "cispo_clip_ratio" in metrics:
-            clip = f" | clipped {metrics['cispo_clip_ratio']:.4f}"
-        clip += f" | ratio {metrics['ratio_min']:.3f}-{metrics['ratio_max']:.3f} | approx_kl {metrics['approx_kl']:.1e}"
-    return (f"{kl_ref}adv mean {metrics['advantages_mean']:.3f} std {metrics['advantages_std']:.3f} | "
-            f"policy_loss {metrics['policy_loss']:.4f} | entropy {metrics['entropy']:.3f}{clip} | "
-            f"len {metrics['response_len']:.1f} | lr {metrics['learning_rate']:.2e}")
 
 
 def main(argv=None, reward_fn=calculate_rewards):

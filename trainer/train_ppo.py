@@ -39,7 +39,7 @@ from trainer.infra.flags import (
     add_bool_flag, add_common_rl_args, check_common_rl_args, check_ranges, rollout_engine_kwargs,
 )
 from trainer.infra.metrics import (
-    StepLog, explained_variance, gpu_memory_metrics, masked_std, open_metrics, print_samples,
+    StepLog, gpu_memory_metrics, open_metrics, ppo_log_line, ppo_metrics, print_samples,
 )
 from trainer.infra.optimizer import (
     accumulation_window_size, adamw, build_cosine_scheduler, build_policy_optimizer, project_scale_only_gradients,
@@ -371,35 +371,10 @@ def ppo_update(rollout_batch, actor, critic, optimizers, schedulers, args, devic
     return result
 
 
-def ppo_metrics(rollout_batch, update, skipped):
-    """The step's metrics: reward parts, advantage and critic statistics, lengths, and ``update``'s stats."""
-    mask = rollout_batch.completion_mask  # [B, R]
-    return {
-        "reward": rollout_batch.rewards.mean().item(),
-        "rule_reward": rollout_batch.reward_parts["rule_rewards"].mean().item(),
-        "reward_model_score": rollout_batch.reward_parts["reward_model_scores"].mean().item(),
-        "answer_reward": rollout_batch.reward_parts["answer_rewards"].mean().item(),
-        "advantages_mean": masked_mean(rollout_batch.advantages, mask).item(),
-        "advantages_std": masked_std(rollout_batch.advantages, mask).item(),
-        "explained_variance": explained_variance(rollout_batch.old_resp_values, rollout_batch.returns, mask),
-        "response_len": mask.sum(dim=1).float().mean().item(),
-        **rollout_batch.rollout_metrics,  # truncated_prompts first
-        "skipped_update": float(skipped),
-        **update,
-    }
-
-
-def ppo_log_line(metrics):
-    """PPO's part of the log line (after the rewards): KLs, clipping, critic, length, learning rates."""
-    return (f"kl_ref {metrics.get('kl_ref', 0.0):.4f} | approx_kl {metrics.get('approx_kl', 0.0):.4f} | "
-            f"clipfrac {metrics.get('clipfrac', 0.0):.3f} | value_loss {metrics.get('value_loss', 0.0):.4f} | "
-            f"explained_var {metrics['explained_variance']:.3f} | len {metrics['response_len']:.1f} | "
-            f"lr {metrics['learning_rate']:.2e}/{metrics['critic_learning_rate']:.2e}")
-
-
 def main(argv=None, reward_fn=calculate_rewards):
     """Train with PPO: the four roles of chapter 8.1, then rollout -> reward -> GAE -> minibatch updates of actor
-    and critic, step after step (8.4). ``reward_fn`` replaces the chapter's rewards (tests)."""
+    and critic, step after step (8.4).
+    ``reward_fn``: your own rewards, with the arguments and result of ``calculate_rewards``."""
     args = parse_args(argv)
 
     # 1. processes, seed and dtype

@@ -239,6 +239,31 @@ def calculate_rewards(prompts, responses, answers, reward_model, answer_reward_w
 # ----------------------------------------------------------------------------- KL and masks (chapter 8.6)
 
 
+def grpo_advantages(rewards, num_generations, eps=1e-4, scale_rewards="group"):
+    """Group-relative advantages A_i = (r_i - mean(r_group)) / (std + eps) (chapter 8.5.1; Shao et al. 2024, eq. 3).
+
+    The std is the group's population std (``scale_rewards`` "group", the chapter's), the batch's ("batch"), or no
+    division ("none", Dr. GRPO). rewards: fp32 [B*G], each prompt's G rewards adjacent -> advantages [B*G] in the
+    rewards' dtype; statistics in fp64, so a group of equal rewards gives exactly 0.
+    Raises ValueError when rewards.numel() is not a multiple of G, or for an unknown ``scale_rewards``.
+    """
+    if rewards.numel() % num_generations != 0:
+        raise ValueError(f"{rewards.numel()} rewards cannot be split into groups of {num_generations}")
+    if scale_rewards not in ("group", "batch", "none"):
+        raise ValueError(f"unknown scale_rewards {scale_rewards!r}; valid: group, batch, none")
+    # fp64 statistics: an fp32 mean of equal values can miss them by one ulp, and ulp / (ulp + eps) is not small
+    rewards_fp64 = rewards.double()  # [B*G]
+    grouped_rewards = rewards_fp64.view(-1, num_generations)  # [B, G]
+    mean_r = grouped_rewards.mean(dim=1).repeat_interleave(num_generations)  # [B*G]
+    if scale_rewards == "none":
+        return (rewards_fp64 - mean_r).to(rewards.dtype)  # [B*G]
+    if scale_rewards == "batch":
+        std_r = rewards_fp64.std(unbiased=False).expand_as(rewards_fp64)  # [B*G]
+    else:
+        std_r = grouped_rewards.std(dim=1, unbiased=False).repeat_interleave(num_generations)  # [B*G]
+    return ((rewards_fp64 - mean_r) / (std_r + eps)).to(rewards.dtype)  # [B*G]
+
+
 def completion_mask_from_ids(completion_ids, eos_token_id):
     """Mask of the completion tokens that count: every token up to and including the first EOS.
 

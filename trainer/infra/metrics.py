@@ -265,3 +265,78 @@ def explained_variance(values, returns, mask):
         return float("nan")
     var_residual = masked_variance(returns - values, mask)
     return (1.0 - var_residual / var_returns).item()
+
+
+def masked_values_mean(values, mask):
+    """Mean of ``values`` over positions where mask == 1 (a sum over the mask / its count, at least 1), a scalar
+    tensor: the same operations as ``trainer_utils.masked_mean``, for the logged statistics."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+# ----------------------------------------------------------------------------- each script's step metrics and line
+def grpo_metrics(rollout_batch, updates):
+    """The step's metrics: the rollout's rewards and advantages, then the mean over the step's updates of each
+    update's metrics (one update per rollout: its own), except ``ratio_min`` / ``ratio_max``: the smallest and largest
+    ratio of any update; names as TRL's where TRL logs the same."""
+    update_mean = {key: sum(update[key] for update in updates) / len(updates) for key in updates[0]}
+    update_mean.update(ratio_min=min(update["ratio_min"] for update in updates),  # the step's spread of the ratio
+                       ratio_max=max(update["ratio_max"] for update in updates))
+    kl_ref = {"kl_ref": update_mean.pop("kl_ref")} if "kl_ref" in update_mean else {}
+    update_keys = ("policy_loss", "aux_loss", "ratio_mean")
+    return {
+        "reward": rollout_batch.rewards.mean().item(),
+        "rule_reward": rollout_batch.reward_parts["rule_rewards"].mean().item(),
+        "reward_model_score": rollout_batch.reward_parts["reward_model_scores"].mean().item(),
+        "answer_reward": rollout_batch.reward_parts["answer_rewards"].mean().item(),
+        **kl_ref,
+        "advantages_mean": rollout_batch.advantages.mean().item(),
+        "advantages_std": rollout_batch.advantages.std(unbiased=False).item(),
+        **{key: update_mean.pop(key) for key in update_keys},
+        "response_len": rollout_batch.rollout.completion_mask.sum(dim=1).float().mean().item(),
+        **rollout_batch.metrics,
+        **update_mean,
+    }
+
+
+def grpo_log_line(metrics, num_iterations=1):
+    """GRPO's part of the log line (after the rewards): KL, advantages, loss, entropy, clipping, length, rate; with
+    ``num_iterations`` > 1 also the ratio's range over the step's updates, the clipped shares and the approximate KL."""
+    kl_ref = f"kl_ref {metrics['kl_ref']:.4f} | " if "kl_ref" in metrics else ""
+    clip = next((f" | clipped {metrics[key]:.3f}" for key in ("clip_ratio/region_mean", "cispo_clip_ratio")
+                 if key in metrics), "")
+    if num_iterations > 1:
+        if "clip_ratio/low_mean" in metrics:
+            clip = f" | clipped low {metrics['clip_ratio/low_mean']:.4f} high {metrics['clip_ratio/high_mean']:.4f}"
+        elif "cispo_clip_ratio" in metrics:
+            clip = f" | clipped {metrics['cispo_clip_ratio']:.4f}"
+        clip += f" | ratio {metrics['ratio_min']:.3f}-{metrics['ratio_max']:.3f} | approx_kl {metrics['approx_kl']:.1e}"
+    return (f"{kl_ref}adv mean {metrics['advantages_mean']:.3f} std {metrics['advantages_std']:.3f} | "
+            f"policy_loss {metrics['policy_loss']:.4f} | entropy {metrics['entropy']:.3f}{clip} | "
+            f"len {metrics['response_len']:.1f} | lr {metrics['learning_rate']:.2e}")
+
+
+def ppo_metrics(rollout_batch, update, skipped):
+    """The step's metrics: reward parts, advantage and critic statistics, lengths, and ``update``'s stats."""
+    mask = rollout_batch.completion_mask  # [B, R]
+    return {
+        "reward": rollout_batch.rewards.mean().item(),
+        "rule_reward": rollout_batch.reward_parts["rule_rewards"].mean().item(),
+        "reward_model_score": rollout_batch.reward_parts["reward_model_scores"].mean().item(),
+        "answer_reward": rollout_batch.reward_parts["answer_rewards"].mean().item(),
+        "advantages_mean": masked_values_mean(rollout_batch.advantages, mask).item(),
+        "advantages_std": masked_std(rollout_batch.advantages, mask).item(),
+        "explained_variance": explained_variance(rollout_batch.old_resp_values, rollout_batch.returns, mask),
+        "response_len": mask.sum(dim=1).float().mean().item(),
+        **rollout_batch.rollout_metrics,  # truncated_prompts first
+        "skipped_update": float(skipped),
+        **update,
+    }
+
+
+def ppo_log_line(metrics):
+    """PPO's part of the log line (after the rewards): KLs, clipping, critic, length, learning rates."""
+    return (f"kl_ref {metrics.get('kl_ref', 0.0):.4f} | approx_kl {metrics.get('approx_kl', 0.0):.4f} | "
+            f"clipfrac {metrics.get('clipfrac', 0.0):.3f} | value_loss {metrics.get('value_loss', 0.0):.4f} | "
+            f"explained_var {metrics['explained_variance']:.3f} | len {metrics['response_len']:.1f} | "
+            f"lr {metrics['learning_rate']:.2e}/{metrics['critic_learning_rate']:.2e}")
