@@ -55,6 +55,7 @@ from trainer.trainer_utils import calculate_rewards, grpo_advantages, k3_kl, loa
 
 
 # ----------------------------------------------------------------------------- the math (chapter 8.5)
+# 8.5.1's group advantages are trainer_utils.grpo_advantages (train_agent.py uses them too); 8.5.2 follows.
 def sequence_mean_loss(per_token_loss, completion_mask):
     """Mean over each sequence's masked tokens, then mean over sequences (chapter 8.5.2).
 
