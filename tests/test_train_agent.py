@@ -284,3 +284,28 @@ def test_a_resumed_run_equals_an_uninterrupted_one(agent_files, tmp_path, restor
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
     assert not all(torch.equal(weights[0][k], v.half()) for k, v in
                    torch.load(os.path.join(save_dir, "tiny_64.pth"), weights_only=True).items())
+
+
+def test_ended_with_eos_reads_the_last_model_token_only():
+    """--mask_truncated_completions: a conversation whose last model turn was cut (no EOS) leaves the loss; EOS in an
+    observation (mask 0) or in an earlier turn does not count."""
+    from types import SimpleNamespace
+    eos = 2
+    completion_ids = torch.tensor([[5, eos, 7, 8, 9, eos, 0],    # turn, reply, turn ending in EOS
+                                   [5, eos, 7, eos, 9, 9, 0],    # turn, reply (EOS inside it), turn cut
+                                   [5, 6, 0, 0, 0, 0, 0]])       # one turn, cut
+    completion_mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [1, 1, 0, 0, 1, 1, 0], [1, 1, 0, 0, 0, 0, 0]])
+    rollout = SimpleNamespace(completion_ids=completion_ids, completion_mask=completion_mask)
+    assert train_agent.ended_with_eos(rollout, eos).tolist() == [True, False, False]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--rollout_engine", "sglang"], "--rollout_engine torch"), (["--top_p", "0.9"], "--top_p 1.0"),
+    (["--thinking_ratio", "0.5"], "--thinking_ratio is 0"), (["--max_total_len", "8"], "--max_total_len must be"),
+    (["--max_turns", "0"], "--max_turns must be >= 1"),
+])
+def test_flags_the_agent_rollout_cannot_honour_are_refused(agent_files, tmp_path, extra, message, capsys):
+    save_dir, train, _ = agent_files
+    with pytest.raises(SystemExit):
+        train_agent.parse_args(flags(save_dir, train, str(tmp_path / "run"), *extra))
+    assert message in capsys.readouterr().err
