@@ -230,6 +230,9 @@ def test_two_steps_on_upstream_rows_train_the_models_tokens_only(agent_files, tm
         assert all(key in row for row in rows[1:]), key
     assert rows[1]["tool_call_share"] == 1.0 and rows[1]["valid_call_share"] == 1.0 and rows[1]["turns"] == 2.0
     assert rows[1]["call_reward"] == 0.5  # one valid call for one gt value in every conversation
+    # the first update's policy is the sampler: the rollout's old log-probs equal the loss's forward on every
+    # trained token (a tool reply wrongly trained would hold old log-prob 0 and a ratio far from 1)
+    assert abs(rows[1]["ratio_min"] - 1) < 1e-4 and abs(rows[1]["ratio_max"] - 1) < 1e-4
     for row in (rows[0], rows[2]):  # the held-out evaluation before and after
         assert {f"eval/{key}_{kind}" for key in ("accuracy", "tool_call_share", "valid_call_share", "turns")
                 for kind in ("sampled", "greedy")} <= set(row)
