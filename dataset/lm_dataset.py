@@ -1,7 +1,8 @@
 """Datasets: chat SFT conversations, RL prompts and reward-model preference pairs, from JSONL files.
 
-SFT and RL lines are ``{"conversations": [{"role": "user" | "assistant" | "system", "content": str}, ...]}``
-(MiniMind's format); preference pairs are described in ``read_preference_pairs``.
+SFT and RL lines are ``{"conversations": [{"role": "user" | "assistant" | "system" | "tool", "content": str}, ...]}``
+(MiniMind's format; a system turn may carry ``tools``, its tool schemas as a JSON string, as upstream's agent rows
+do); preference pairs are described in ``read_preference_pairs``.
 Files are parsed line by line (so a bad line is reported with its file and line number) and held in a
 ``datasets.Dataset``. ``ResumableBatchSampler`` gives the RL scripts a data order that a resumed run continues.
 """
@@ -59,13 +60,15 @@ def read_conversations_jsonl(path, require_user_turn=False):
 
     Every line is checked here, at start-up, so a bad line fails before the first step, not hours in.
     Returns:
-        ``datasets.Dataset`` with columns ``conversations`` (list of {"role", "content"}) and ``line``
+        ``datasets.Dataset`` with columns ``conversations`` (list of {"role", "content"}, and ``tools`` (a JSON
+        string, None on the other turns) where a file's system turns carry tools) and ``line``
         (1-based line number in ``path``); it has 0 rows for an empty file (callers say how many they need).
     Raises:
         FileNotFoundError: if ``path`` does not exist.
         DataFormatError: on a non-UTF-8 byte, invalid JSON, a row without a non-empty ``conversations``
-            list of {"role", "content"} strings, or (``require_user_turn``) a row with no user turn before
-            its last turn; the message names file and line.
+            list of {"role", "content"} strings, ``tools`` that are not a list of schemas (as JSON or as a list)
+            on a system turn, or (``require_user_turn``) a row with no user turn before its last turn; the message
+            names file and line.
     """
     rows = []
     for line_no, row in iter_jsonl(path):
@@ -79,8 +82,32 @@ def read_conversations_jsonl(path, require_user_turn=False):
         if require_user_turn and not any(t["role"] == "user" for t in prompt_turns(conversations)):
             raise DataFormatError(f"{path}:{line_no}: no user turn to use as the prompt")
         turns = [{"role": t["role"], "content": t["content"]} for t in conversations]
+        for turn, raw in zip(turns, conversations):
+            if raw.get("tools") is not None:
+                turn["tools"] = checked_tools(raw, f"{path}:{line_no}")
         rows.append({"conversations": turns, "line": line_no})
     return Dataset.from_list(rows)
+
+
+def checked_tools(turn, where):
+    """A turn's ``tools`` as a JSON string of a list of schemas (upstream writes the string; a list is dumped);
+    raises DataFormatError naming ``where`` for tools off a system turn or not a JSON list of objects."""
+    tools = turn["tools"]
+    try:
+        schemas = json.loads(tools) if isinstance(tools, str) else tools
+    except json.JSONDecodeError as err:
+        raise DataFormatError(f"{where}: the system turn's 'tools' are not JSON ({err.msg})") from err
+    if turn["role"] != "system" or not isinstance(schemas, list) or not all(isinstance(t, dict) for t in schemas):
+        raise DataFormatError(f"{where}: 'tools' must be a list of tool schemas on a system turn, got "
+                              f"{str(tools)[:80]!r} on a {turn['role']} turn")
+    return tools if isinstance(tools, str) else json.dumps(tools, ensure_ascii=False)
+
+
+def conversation_tools(conversations):
+    """The tool schemas (a list) of the first system turn that carries ``tools``, or None: the ``tools`` argument of
+    the chat template, which renders them in the system turn."""
+    tools = next((t["tools"] for t in conversations if t["role"] == "system" and t.get("tools")), None)
+    return None if tools is None else json.loads(tools)
 
 
 def prompt_turns(conversations):
@@ -135,7 +162,8 @@ class SFTDataset(torch.utils.data.Dataset):
     """Chat SFT samples; the loss is on assistant tokens only.
 
     __getitem__ -> (input_ids long [T], labels long [T]) with T <= max_length, labels = -100 outside
-    assistant turns. An assistant turn's labels cover its text and its closing ``<|im_end|>``.
+    assistant turns. An assistant turn's labels cover its text and its closing ``<|im_end|>``. A system turn's
+    ``tools`` reach the chat template (rendered in the system turn); ``tool`` turns are not trained.
     """
 
     def __init__(self, path, tokenizer, max_length=512):
@@ -170,7 +198,8 @@ class SFTDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index):
         conversations, _ = escape_conversations(self.data[index]["conversations"], self.special_tokens)
-        text = self.tokenizer.apply_chat_template(conversations, tokenize=False)
+        tools = conversation_tools(self.data[index]["conversations"])
+        text = self.tokenizer.apply_chat_template(conversations, tools=tools, tokenize=False)
         input_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"][: self.max_length]
         labels = self.assistant_labels(input_ids)
         return torch.tensor(input_ids, dtype=torch.long), torch.tensor(labels, dtype=torch.long)

@@ -14,13 +14,21 @@ Outputs (in ``dataset/``):
                             trainer/train_reward.py: correct vs wrong answer, well-formed vs broken <think>
                             format, concise vs repetitive answer
     reward_heldout.jsonl    held-out preference pairs (problems disjoint from the training pairs)
+    agent_rl_{train,val,test}.jsonl  the agent task in upstream MiniMind's agent RL format: a system turn carrying
+                            the calculate_math schema as ``tools`` (a JSON string), the question, the answer; ``gt``
+    agent_sft.jsonl         agent SFT conversations: some call the calculator (a <tool_call> turn, the tool's
+                            reply from agent_tools.execute_tool, the answer), the others answer at once
 
-The pairs come from their own random stream (seed + 1), and the validation and test prompts from another
-(seed + 2), so adding them left the other files unchanged. Validation and test problems are disjoint from
-each other and from every problem of every other file.
+The pairs come from their own random stream (seed + 1), the validation and test prompts from another
+(seed + 2) and the agent task from a fourth (seed + 3), so each leaves the other files unchanged. Validation and
+test problems are disjoint from each other and from every problem of every other file; the agent files' problems
+are disjoint from each other's.
+The agent task: 3-4 integers of 3-4 digits joined by + - and at most one *, with a non-negative value (up to
+about 10**8): beyond the mental arithmetic of a small model, one calculator call away.
 
 Usage: python scripts/make_demo_data.py [--seed 42] [--num_sft 12000] [--num_rl 4000] [--num_heldout 300]
-       [--num_pairs 2000] [--num_heldout_pairs 200] [--num_val 500] [--num_test 1000]
+       [--num_pairs 2000] [--num_heldout_pairs 200] [--num_val 500] [--num_test 1000] [--num_agent_train 2000]
+       [--num_agent_val 500] [--num_agent_test 500] [--num_agent_sft 2000] [--agent_tool_ratio 0.5]
 """
 import argparse
 import json
@@ -31,6 +39,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # `python scripts/x.py` from any folder imports this checkout's packages
 
+from trainer.agent_tools import calculate, execute_tool, tool_schemas
 from trainer.infra.files import atomic_write
 
 
@@ -136,6 +145,80 @@ def preference_pair(problem, rng):
             "rejected": [user, {"role": "assistant", "content": rejected}]}
 
 
+AGENT_EN = [
+    "What is {e}?",
+    "Compute {e}.",
+    "Calculate {e} exactly.",
+]
+AGENT_ZH = [
+    "计算 {e} 等于多少？",
+    "{e} 是多少？",
+    "帮我算一下 {e} 是多少",
+]
+AGENT_SYSTEM = {"en": "You are a helpful assistant.", "zh": "你是一个有用的助手。"}
+AGENT_TOOLS = json.dumps(tool_schemas(["calculate_math"]), ensure_ascii=False)  # the system turn's ``tools``
+
+
+def make_agent_problem(rng):
+    """One agent problem: (language, question, expression, answer text); the value is agent_tools.calculate's."""
+    while True:
+        numbers = [rng.randint(100, 9999) for _ in range(rng.randint(3, 4))]
+        ops = []
+        for _ in numbers[1:]:
+            ops.append(rng.choice("+-" if "*" in ops else "+-*"))
+        expression = " ".join([str(numbers[0])] + [f"{op} {n}" for op, n in zip(ops, numbers[1:])])
+        value = calculate(expression)
+        if value >= 0:
+            break
+    lang = rng.choice(["en", "zh"])
+    question = rng.choice(AGENT_EN if lang == "en" else AGENT_ZH).format(e=expression)
+    return lang, question, expression, str(value)
+
+
+def agent_final(lang, answer):
+    return f"The answer is {answer}." if lang == "en" else f"答案是 {answer}。"
+
+
+def agent_prompt(lang, question):
+    """The prompt turns of an agent row: the system turn with the calculator's schema, then the question."""
+    return [{"role": "system", "content": AGENT_SYSTEM[lang], "tools": AGENT_TOOLS},
+            {"role": "user", "content": question}]
+
+
+def agent_rl_row(problem):
+    """An agent RL row in upstream's format: prompt turns, the reference answer turn and ``gt``."""
+    lang, question, _, answer = problem
+    final = {"role": "assistant", "content": agent_final(lang, answer)}
+    return {"conversations": agent_prompt(lang, question) + [final], "gt": [answer]}
+
+
+def agent_sft_row(problem, call_tool):
+    """An agent SFT conversation: a calculator call, the tool's reply and the answer, or the answer at once."""
+    lang, question, expression, answer = problem
+    turns = agent_prompt(lang, question)
+    if call_tool:
+        arguments = {"expression": expression}
+        call = json.dumps({"name": "calculate_math", "arguments": arguments}, ensure_ascii=False)
+        turns += [{"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+                  {"role": "tool", "content": execute_tool("calculate_math", arguments)}]
+    return {"conversations": turns + [{"role": "assistant", "content": agent_final(lang, answer)}]}
+
+
+def agent_rows(args):
+    """(train, val, test RL rows, SFT rows) of the agent task, disjoint problems, from the stream seed + 3."""
+    rng = random.Random(args.seed + 3)
+    counts = [args.num_agent_test, args.num_agent_val, args.num_agent_train, args.num_agent_sft]
+    problems, seen = [], set()
+    while len(problems) < sum(counts):
+        problem = make_agent_problem(rng)
+        if problem[2] not in seen:
+            seen.add(problem[2])
+            problems.append(problem)
+    test, val, train, sft = (problems[sum(counts[:i]):sum(counts[:i + 1])] for i in range(4))
+    sft_rows = [agent_sft_row(problem, rng.random() < args.agent_tool_ratio) for problem in sft]
+    return [agent_rl_row(p) for p in train], [agent_rl_row(p) for p in val], [agent_rl_row(p) for p in test], sft_rows
+
+
 def write_jsonl(path, rows):
     """Rows as JSON lines at ``path`` (``atomic_write``)."""
     def write(tmp):
@@ -155,6 +238,12 @@ def main():
     parser.add_argument("--num_heldout_pairs", type=int, default=200)
     parser.add_argument("--num_val", type=int, default=500, help="validation prompts (choosing settings)")
     parser.add_argument("--num_test", type=int, default=1000, help="test prompts (reported results)")
+    parser.add_argument("--num_agent_train", type=int, default=2000, help="agent RL training prompts")
+    parser.add_argument("--num_agent_val", type=int, default=500)
+    parser.add_argument("--num_agent_test", type=int, default=500)
+    parser.add_argument("--num_agent_sft", type=int, default=2000, help="agent SFT conversations")
+    parser.add_argument("--agent_tool_ratio", type=float, default=0.5,
+                        help="share of agent SFT conversations that call the calculator")
     parser.add_argument("--no_think_ratio", type=float, default=0.1,
                         help="share of SFT answers with an empty <think></think> block")
     parser.add_argument("--out_dir", default=os.path.join(ROOT, "dataset"))
@@ -216,9 +305,14 @@ def main():
     write_jsonl(os.path.join(args.out_dir, "reward_heldout.jsonl"), pairs[args.num_pairs:])
     write_jsonl(os.path.join(args.out_dir, "rlaif_val.jsonl"), eval_rows[:args.num_val])
     write_jsonl(os.path.join(args.out_dir, "rlaif_test.jsonl"), eval_rows[args.num_val:])
+    agent_train, agent_val, agent_test, agent_sft = agent_rows(args)
+    for name, rows in [("agent_rl_train", agent_train), ("agent_rl_val", agent_val), ("agent_rl_test", agent_test),
+                       ("agent_sft", agent_sft)]:
+        write_jsonl(os.path.join(args.out_dir, f"{name}.jsonl"), rows)
     print(f"wrote {len(sft)} SFT, {len(rl)} RL, {len(heldout)} held-out rows, {args.num_pairs} + "
           f"{args.num_heldout_pairs} preference pairs, {args.num_val} validation and {args.num_test} test prompts "
-          f"to {args.out_dir}")
+          f"to {args.out_dir}; agent task: {len(agent_train)} + {len(agent_val)} + {len(agent_test)} RL prompts, "
+          f"{len(agent_sft)} SFT conversations")
 
 
 if __name__ == "__main__":

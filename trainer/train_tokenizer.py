@@ -5,7 +5,9 @@ Special tokens: <|endoftext|> = 0 (pad), <|im_start|> = 1, <|im_end|> = 2 (eos),
 split one per token, which makes column arithmetic learnable for a small model. The chat template
 follows MiniMind's: system/user/assistant turns, a ``<think>...</think>`` block in assistant turns, and
 the ``open_thinking`` switch for the generation prompt (``<think>\\n`` when true, an empty think block
-otherwise).
+otherwise). With ``tools`` it renders them in the system turn, an assistant's ``tool_calls`` as
+``<tool_call>`` blocks and ``tool`` turns inside ``<tool_response>`` as upstream's template does (the markers are
+spelled in bytes); without tools its text is that of the think-only template (tests/test_chat_template.py).
 
 Usage: python trainer/train_tokenizer.py [--data dataset/sft_data.jsonl] [--out_dir model]
 """
@@ -25,18 +27,49 @@ from trainer.infra.files import atomic_write, check_writable_dir
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 THINK_TOKENS = ["<think>", "</think>"]
 
+TOOLS_HEADER = (  # upstream MiniMind's tools block, verbatim
+    "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>"
+)
+TOOLS_FOOTER = (
+    "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n"
+)
 CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- \"" + TOOLS_HEADER + "\" }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- \"" + TOOLS_FOOTER + "\" }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{%- if message.role == 'assistant' %}"
-    "{%- set content = message.content %}"
+    "{%- if message.content is string %}{%- set content = message.content %}{%- else %}{%- set content = '' %}"
+    "{%- endif %}"
+    "{%- if tools and loop.first and message.role == 'system' %}"
+    "{%- elif message.role == 'assistant' %}"
     "{%- set reasoning = '' %}"
     "{%- if '</think>' in content %}"
     "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}"
     "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
     "{%- endif %}"
-    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + content + '<|im_end|>\\n' }}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + content }}"
+    "{%- for tool_call in message.tool_calls or [] %}"
+    "{%- if content or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}"
+    "{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
     "{%- else %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}"

@@ -1,0 +1,110 @@
+"""The agent task of scripts/make_demo_data.py: regenerating writes every bundled data file byte for byte; the RL
+rows are upstream's agent format with the calculator's schema and answers Python's arithmetic agrees with; the
+problems are hard (3-4 operands of 3-4 digits) and disjoint across files; the SFT calls are valid and their tool
+turns are execute_tool's replies; tools in a data file are read, and bad ones named."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from dataset.lm_dataset import DataFormatError, conversation_tools, read_conversations_jsonl
+from trainer.agent_rollout import conversation_tools as rollout_tools
+from trainer.agent_tools import check_arguments, execute_tool, parse_tool_calls, tool_schemas
+
+DATASET = os.path.join(ROOT, "dataset")
+AGENT_FILES = {"agent_rl_train.jsonl": 2000, "agent_rl_val.jsonl": 500, "agent_rl_test.jsonl": 500,
+               "agent_sft.jsonl": 2000}
+EXPRESSION = re.compile(r"\d{3,4}( [-+*] \d{3,4}){2,3}")
+
+
+def rows(name):
+    with open(os.path.join(DATASET, name), encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def expression_of(question):
+    (match,) = [m.group(0) for m in EXPRESSION.finditer(question)]
+    return match
+
+
+def python_value(expression):
+    """Python's own arithmetic on a generated expression (digits, spaces, + - * only: checked first)."""
+    assert re.fullmatch(r"[\d +\-*]+", expression)
+    return eval(expression, {"__builtins__": {}})  # noqa: S307 - the test's own data, whitelisted above
+
+
+def test_regenerating_writes_every_bundled_file_byte_for_byte(tmp_path):
+    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_demo_data.py"), "--out_dir", str(tmp_path)],
+                   check=True, capture_output=True)
+    written = sorted(os.listdir(tmp_path))
+    assert set(AGENT_FILES) <= set(written) <= set(os.listdir(DATASET)) and len(written) == 11
+    for name in written:
+        with open(tmp_path / name, "rb") as new, open(os.path.join(DATASET, name), "rb") as bundled:
+            assert new.read() == bundled.read(), name
+
+
+@pytest.mark.parametrize("name", ["agent_rl_train.jsonl", "agent_rl_val.jsonl", "agent_rl_test.jsonl"])
+def test_rl_rows_are_upstreams_agent_format_with_the_calculator(name):
+    data = rows(name)
+    assert len(data) == AGENT_FILES[name]
+    for row in data:
+        system, user, answer = row["conversations"]
+        messages, tools = rollout_tools(row["conversations"][:2])
+        assert system["role"] == "system" and json.loads(system["tools"]) == tool_schemas(["calculate_math"]) == tools
+        assert [m["role"] for m in messages] == ["system", "user"] and answer["role"] == "assistant"
+        expression = expression_of(user["content"])
+        assert expression.count("*") <= 1 and row["gt"] == [str(python_value(expression))]
+        assert int(row["gt"][0]) >= 0 and row["gt"][0] in answer["content"]
+
+
+def test_problems_are_disjoint_across_the_agent_files():
+    seen = {}
+    for name in AGENT_FILES:
+        questions = [next(t["content"] for t in row["conversations"] if t["role"] == "user") for row in rows(name)]
+        expressions = {expression_of(question) for question in questions}
+        assert len(expressions) == AGENT_FILES[name]
+        for other, earlier in seen.items():
+            assert not expressions & earlier, (name, other)
+        seen[name] = expressions
+
+
+def test_sft_calls_are_valid_and_the_tool_turns_are_execute_tools_replies():
+    data = rows("agent_sft.jsonl")
+    calling = 0
+    for row in data:
+        turns = row["conversations"]
+        expression = expression_of(turns[1]["content"])
+        answer = str(python_value(expression))
+        assert turns[-1]["role"] == "assistant" and answer in turns[-1]["content"]
+        if len(turns) == 3:
+            continue
+        calling += 1
+        assert [t["role"] for t in turns] == ["system", "user", "assistant", "tool", "assistant"]
+        (call,) = parse_tool_calls(turns[2]["content"])
+        assert call.error is None and call.name == "calculate_math" and call.arguments == {"expression": expression}
+        assert check_arguments(call.name, call.arguments) is None
+        assert turns[3]["content"] == execute_tool("calculate_math", {"expression": expression})
+        assert json.loads(turns[3]["content"]) == {"result": answer}
+    assert abs(calling / len(data) - 0.5) < 0.05
+
+
+def test_tools_of_a_data_file_are_read_and_bad_ones_named(tmp_path):
+    schemas = tool_schemas(["calculate_math"])
+    good = {"conversations": [{"role": "system", "content": "s", "tools": schemas},
+                              {"role": "user", "content": "q"}]}
+    plain = {"conversations": [{"role": "user", "content": "q"}]}
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in (plain, good)) + "\n", encoding="utf-8")
+    data = read_conversations_jsonl(str(path))
+    assert conversation_tools(data[1]["conversations"]) == schemas and conversation_tools(data[0]["conversations"]) \
+        is None
+    for turn, message in [({"role": "system", "content": "s", "tools": "[{"}, "tools' are not JSON"),
+                          ({"role": "system", "content": "s", "tools": '{"a": 1}'}, "list of tool schemas"),
+                          ({"role": "user", "content": "q", "tools": "[]"}, "on a user turn")]:
+        path.write_text(json.dumps({"conversations": [turn]}) + "\n", encoding="utf-8")
+        with pytest.raises(DataFormatError, match=rf"rows.jsonl:1: .*{message}"):
+            read_conversations_jsonl(str(path))
