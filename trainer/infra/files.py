@@ -124,3 +124,19 @@ def check_writable_dir(path):
         os.remove(probe)
     except OSError as err:
         raise OSError(err.errno, f"{path} is not a writable folder: {err.strerror}") from err
+
+
+def check_creatable_dir(path):
+    """Prove ``path`` is a writable folder or can be made one, creating nothing: its nearest existing ancestor
+    must be a writable folder (a run refused later at start-up leaves no folder behind).
+
+    Raises:
+        OSError: naming ``path`` and the ancestor that is not a folder or not writable.
+    """
+    existing = os.path.abspath(path)
+    while not os.path.lexists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise OSError(errno.ENOTDIR, f"{path} cannot be a folder: {existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise OSError(errno.EACCES, f"{path} is not writable: {existing} is not writable")

@@ -8,7 +8,7 @@ import re
 import torch
 
 from trainer.infra.checkpoints import sglang_folder
-from trainer.infra.files import check_writable_dir
+from trainer.infra.files import check_creatable_dir, check_writable_dir
 from trainer.infra.dtypes import DTYPE_CHOICES, DTYPES
 from trainer.infra.metrics import TRACKERS
 from trainer.rollout_engine import ROLLOUT_ENGINES, SGLANG_LOGPROB_MODES
@@ -215,7 +215,7 @@ def check_common_rl_args(parser, args):
             parser.error(f"--run_dir {args.run_dir} exists and is not a folder (a file, or a link that leads to no "
                          f"folder); give a folder for the metrics")
         try:
-            check_writable_dir(args.run_dir)
+            check_creatable_dir(args.run_dir)  # made by the run, after the checks that need no model
         except OSError as err:
             parser.error(f"--run_dir: {err.strerror}")
     if args.sglang_timeout <= 0:
