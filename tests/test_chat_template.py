@@ -1,7 +1,8 @@
 """The bundled chat template (model/tokenizer_config.json): conversations without tools render exactly as the
 think-only template the bundled checkpoints and the chapter's numbers were made with (copied below); conversations
 with tools, tool calls and tool replies render as upstream MiniMind's template (tests/fixtures) renders them; the
-tool markers are spelled by the bundled vocabulary; SFT trains the model's turns of an agent row and nothing else."""
+tool markers are spelled by the bundled vocabulary; SFT and agent_rollout train the model's turns of an agent row and
+nothing else."""
 import json
 import os
 
@@ -9,7 +10,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from conftest import MINIMIND_TOKENIZER, ROOT
+from test_agent_rollout import ScriptedPolicy, observations, turn_ids
 from dataset.lm_dataset import SFTDataset, conversation_tools, prompt_turns, read_conversations_jsonl
+from trainer.agent_rollout import agent_rollout
 from trainer.agent_tools import execute_tool, tool_schemas
 from trainer.train_tokenizer import CHAT_TEMPLATE
 
@@ -141,3 +144,18 @@ def test_sft_trains_the_model_turns_of_an_agent_row_only(bundled):
     untrained = bundled.decode(input_ids[labels == -100])
     tool_reply = next(turn["content"] for turn in rows[index] if turn["role"] == "tool")
     assert f"<tool_response>\n{tool_reply}\n</tool_response>" in untrained and "# Tools" in untrained
+
+
+def test_a_two_turn_rollout_on_the_bundled_tokenizer_trains_the_model_turns_only(policy, bundled):
+    turns = conversations("agent_sft.jsonl", 10)
+    row = next(t for t in turns if len(t) == 5)  # system, user, call, tool reply, answer
+    call, reply, answer = row[2]["content"], row[3]["content"], row[4]["content"]
+    script = [[turn_ids(bundled, call)], [turn_ids(bundled, answer)]]
+    result = agent_rollout(ScriptedPolicy(policy, script), bundled, [row[:2]], 1, max_new_tokens=128,
+                           max_total_len=1024)
+    assert result.metrics == {"prefix_mismatches": 0, "prompts_cut": 0, "length_stops": 0}
+    assert result.num_valid_calls.tolist() == [1] and result.turn_texts == [[call, answer]]
+    trained = result.completion_ids[0][result.completion_mask[0].bool()]
+    assert bundled.decode(trained) == f"{call}<|im_end|>{answer}<|im_end|>"
+    assert observations(bundled, result, 0) == [f"\n<|im_start|>user\n<tool_response>\n{reply}\n</tool_response>"
+                                                f"<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"]
