@@ -97,6 +97,18 @@ def test_sft_then_eval(tiny_weights, tmp_path):
     assert 0.0 <= scores[name]["accuracy"] <= 1.0
 
 
+def test_sft_saves_into_its_save_dir_when_out_holds_the_same_name(tmp_path):
+    """--save_weight full_sft --save_dir elsewhere writes elsewhere; the bundled out/full_sft_256.pth is untouched."""
+    import hashlib
+    bundled = os.path.join(ROOT, "out", "full_sft_256.pth")
+    digest = hashlib.sha256(open(bundled, "rb").read()).hexdigest()
+    result = run_script(["trainer/train_full_sft.py", "--max_steps", "1", "--batch_size", "1", "--max_seq_len", "64",
+                         "--save_dir", str(tmp_path), "--save_weight", "full_sft"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert os.path.isfile(tmp_path / "full_sft_256.pth")
+    assert hashlib.sha256(open(bundled, "rb").read()).hexdigest() == digest
+
+
 def test_ppo_two_steps(tiny_weights, tmp_path):
     save_dir, name = tiny_weights
     run_dir = tmp_path / "run"

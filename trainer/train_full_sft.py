@@ -132,7 +132,8 @@ def main(argv=None):
                 Logger(f"step {step}/{total_steps} loss {loss.item():.4f} lr {scheduler.get_last_lr()[0]:.2e} "
                        f"elapsed {time.time() - start:.0f}s")
             if args.save_interval and step % args.save_interval == 0 and is_main_process():
-                snapshot = weight_path(f"{args.save_weight}_step{step}", args.save_dir, args.hidden_size, args.use_moe)
+                snapshot = weight_path(f"{args.save_weight}_step{step}", args.save_dir, args.hidden_size, args.use_moe,
+                                       allow_file=False)
                 save_weights(half_state_dict(model), snapshot, tokenizer.name_or_path)
             if step >= total_steps:
                 break
@@ -140,7 +141,7 @@ def main(argv=None):
             break
 
     if is_main_process():
-        path = weight_path(args.save_weight, args.save_dir, args.hidden_size, args.use_moe)
+        path = weight_path(args.save_weight, args.save_dir, args.hidden_size, args.use_moe, allow_file=False)
         save_weights(half_state_dict(model), path, tokenizer.name_or_path)  # and the tokenizer they go with
         Logger(f"saved {path}")
     if dist.is_initialized():
