@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import MINIMIND_TOKENIZER, ROOT, SHARED
+from conftest import FIXTURES, MINIMIND_TOKENIZER, ROOT
 from trainer import agent_tools
 from trainer.agent_tools import (MAX_CALLS_PER_TURN, MAX_REPLY_CHARS, REGISTRY, ToolCall, ToolError, calculate,
                                  check_arguments, execute_call, execute_tool, parse_tool_calls, register_tool,
@@ -217,10 +217,9 @@ def test_six_tools_in_upstreams_order_with_function_calling_schemas():
     assert tool_schemas()[0]["function"]["name"] == "calculate_math"
 
 
-EXAMPLE_ROWS = os.path.join(SHARED, "data", "minimind-agent-format", "agent_rl_format_example.jsonl")
+EXAMPLE_ROWS = os.path.join(FIXTURES, "minimind-agent-format", "agent_rl_format_example.jsonl")
 
 
-@pytest.mark.skipif(not os.path.exists(EXAMPLE_ROWS), reason=f"needs {EXAMPLE_ROWS}")
 def test_schemas_equal_the_ones_in_upstreams_data_rows():
     found = {}
     with open(EXAMPLE_ROWS, encoding="utf-8") as f:
