@@ -238,13 +238,18 @@ def print_samples(step, prompts, completions, reward_parts, num_generations):
 # ----------------------------------------------------------------------------- statistics PPO logs
 
 
+def masked_values_mean(values, mask):
+    """Mean of ``values`` over positions where mask == 1 (a sum over the mask / its count, at least 1), a scalar
+    tensor: the same operations as ``trainer_utils.masked_mean``, for the logged statistics."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
 def masked_variance(values, mask):
     """Population variance of ``values`` over positions where mask == 1, a scalar tensor (0 if none): the masked
-    mean of the squared deviations from the masked mean, each mean a sum over the mask / its count (at least 1)."""
-    mask = mask.to(values.dtype)
-    count = mask.sum().clamp(min=1)
-    mean = (values * mask).sum() / count
-    return ((values - mean) ** 2 * mask).sum() / count
+    mean of the squared deviations from the masked mean."""
+    mean = masked_values_mean(values, mask)
+    return masked_values_mean((values - mean) ** 2, mask)
 
 
 def masked_std(values, mask):
@@ -265,13 +270,6 @@ def explained_variance(values, returns, mask):
         return float("nan")
     var_residual = masked_variance(returns - values, mask)
     return (1.0 - var_residual / var_returns).item()
-
-
-def masked_values_mean(values, mask):
-    """Mean of ``values`` over positions where mask == 1 (a sum over the mask / its count, at least 1), a scalar
-    tensor: the same operations as ``trainer_utils.masked_mean``, for the logged statistics."""
-    mask = mask.to(values.dtype)
-    return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
 # ----------------------------------------------------------------------------- each script's step metrics and line
