@@ -27,6 +27,9 @@ from model.hf_qwen3 import save_qwen3_folder
 from scripts.sglang_cpu.server import launch_cpu_server, stop_server
 from trainer import rollout_engine as rollout_module
 from trainer.rollout_engine import SGLangRolloutEngine, compute_per_token_logps, tokenize_prompts
+from trainer.agent_rollout import agent_rollout
+from trainer.agent_tools import execute_call, parse_tool_calls
+from trainer.train_agent import main as agent_main
 from trainer.train_grpo import main as grpo_main
 from trainer.train_ppo import main as ppo_main
 from trainer.infra.weights import build_config, init_model
@@ -226,6 +229,53 @@ def test_three_training_steps_against_the_server(script, server_url, tmp_path):
     assert all(row["logprob_gap"] <= TOLERANCE for row in rows)  # the server sampled from the trainer's weights
     assert os.listdir(tmp_path / "shared") == ["policy_v3"]  # start-up push + one per step, older ones removed
     assert os.path.isfile(tmp_path / f"{script}_{HIDDEN}.pth")
+
+
+AGENT_SFT = os.path.join(ROOT, "out", f"agent_sft_{HIDDEN}.pth")  # the agent SFT start: calls the calculator
+
+
+def test_agent_turns_generated_by_the_server_carry_the_trainers_log_probs_and_the_tools_replies(server_url, tmp_path):
+    """``agent_rollout`` with the server generating every turn (train_agent.py --rollout_engine sglang): the server's
+    log-probs of the model's tokens equal a forward of the whole conversation by the trainer, tool replies and
+    template tokens included in that forward's context; between turns stand ``execute_call``'s replies (mask 0)."""
+    model, tokenizer = init_model(build_config(HIDDEN, LAYERS, 0), AGENT_SFT)
+    model.eval()
+    engine = SGLangRolloutEngine(model, tokenizer, server_url, str(tmp_path / "shared"), logprobs_mode="server",
+                                 **ENGINE)  # pushes the agent SFT weights to the server
+    rows = [json.loads(line) for line in open(os.path.join(ROOT, "dataset", "agent_rl_val.jsonl"))][:8]
+    result = agent_rollout(model, tokenizer, [row["conversations"][:-1] for row in rows], 4, max_new_tokens=96,
+                           max_total_len=1024, temperature=1.0, server=engine)
+    exact = compute_per_token_logps(model, result.output_ids, result.completion_ids.size(1), result.attention_mask,
+                                    1.0).per_token_logps  # [N, R]
+    mask = result.completion_mask.bool()  # [N, R]
+    assert (result.old_per_token_logps - exact)[mask].abs().mean().item() <= TOLERANCE
+    assert result.metrics["logprob_gap"] <= TOLERANCE
+    assert (result.old_per_token_logps[~mask] == 0).all()
+    multi_turn = (result.num_turns > 1).nonzero().flatten().tolist()
+    assert multi_turn, "no conversation of 32 called the calculator"
+    for n in multi_turn:
+        observation = result.completion_ids[n][~mask[n] & result.attention_mask[n, -mask.size(1):].bool()]
+        text = tokenizer.decode(observation)
+        replies = [execute_call(call, allowed=["calculate_math"]) for call in parse_tool_calls(result.turn_texts[n][0])]
+        assert replies and all(reply in text for reply in replies), (text, replies)
+
+
+@pytest.mark.parametrize("data", ["bundled", "upstream_rows"])
+def test_three_agent_training_steps_against_the_server(data, server_url, tmp_path):
+    run_dir = tmp_path / "run"
+    argv = ["--max_steps", "3", "--save_dir", str(tmp_path), "--from_weight", AGENT_SFT, "--batch_size", "2",
+            "--num_generations", "2", "--max_gen_len", "48", "--run_dir", str(run_dir), "--rollout_engine", "sglang",
+            "--sglang_url", server_url, "--sglang_shared_path", str(tmp_path / "shared"), "--eval_interval", "0",
+            "--hidden_size", str(HIDDEN), "--num_hidden_layers", str(LAYERS), "--reward_model_path", "none"]
+    if data == "upstream_rows":  # upstream MiniMind's agent_rl.jsonl format, six tools, with the bundled tokenizer
+        argv += ["--data_path", os.path.join(ROOT, "tests", "fixtures", "minimind-agent-format",
+                                             "agent_rl_format_example.jsonl"), "--batch_size", "1"]
+    agent_main(argv)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    assert all(row["logprob_gap"] <= TOLERANCE for row in rows)  # the server sampled from the trainer's weights
+    assert os.listdir(tmp_path / "shared") == ["policy_v3"]  # start-up push + one per step, older ones removed
+    assert os.path.isfile(tmp_path / f"agent_{HIDDEN}.pth")
 
 
 def test_a_server_killed_mid_run_stops_the_run_with_a_clear_error(prompts, tmp_path):

@@ -1,6 +1,7 @@
 """Batched multi-turn rollouts for agent RL: the model's turns and the tools' replies as one token sequence.
 
-``agent_rollout`` advances all B x G conversations together, one turn per batched ``generate`` call (left-padded).
+``agent_rollout`` advances all B x G conversations together, one turn per batched ``generate`` call (left-padded),
+or per ``/generate`` request to an SGLang server (``server``: ``--rollout_engine sglang``).
 Each turn the model writes; ``agent_tools.parse_tool_calls`` reads its calls; a conversation without a call, or at
 ``max_turns``, leaves the batch; the others get one ``tool`` message per call (``agent_tools.execute_call``) and the
 chat template (tools from the conversation's system turn) renders what follows the model's turn: the observation,
@@ -166,16 +167,20 @@ def generate_turn(model, contexts, budgets, temperature, eos_token_id, pad_token
 
 
 def agent_rollout(model, tokenizer, conversations, num_generations, *, max_new_tokens, max_total_len,
-                  temperature=1.0, max_turns=3, generator=None, chat_template_kwargs=None):
+                  temperature=1.0, max_turns=3, generator=None, chat_template_kwargs=None, server=None):
     """Roll out ``num_generations`` multi-turn tool-using answers to each conversation, all rows batched per turn.
 
     model: a MiniMind causal LM (or DDP wrapper) with ``generate``; tokenizer: a chat template taking ``tools``.
     conversations: B prompt conversations (role/content dicts in upstream's format, tools on the system turn, last
     turn not the assistant's). max_new_tokens: per turn; max_total_len: prompt + completion, > max_new_tokens.
-    chat_template_kwargs: extra template arguments (e.g. ``open_thinking``). Returns ``AgentRolloutResult`` with
-    N = B * num_generations rows ordered P0, P0, ..., P1, ... on the model's device. Raises ValueError for bad
+    chat_template_kwargs: extra template arguments (e.g. ``open_thinking``). server: None, the turns sampled with
+    ``model.generate`` and their log-probs recorded while sampling; or an ``SGLangRolloutEngine`` (chapter 8.2)
+    whose server generates each turn (``generate_turn``), the old log-probs then settled on the whole
+    conversations by ``server.old_per_token_logps`` (``--sglang_logprobs``: a forward of ``model``, or the
+    server's once checked; ``metrics["logprob_gap"]``). Returns ``AgentRolloutResult`` with N = B *
+    num_generations rows ordered P0, P0, ..., P1, ... on the model's device. Raises ValueError for bad
     conversations or tools (``start_conversations``), no conversations, a count < 1, ``max_total_len`` <=
-    ``max_new_tokens``.
+    ``max_new_tokens``; RuntimeError for the server's (``SGLangClient``).
     """
     if not conversations or num_generations < 1 or max_turns < 1 or max_new_tokens < 1 \
             or max_total_len <= max_new_tokens:
@@ -195,8 +200,10 @@ def agent_rollout(model, tokenizer, conversations, num_generations, *, max_new_t
             if not active:
                 break
             budgets = [min(max_new_tokens, max_total_len - len(rows[i].token_ids)) for i in active]
-            generated = generate_turn(generating_model, [rows[i].token_ids for i in active], budgets, temperature,
-                                      tokenizer.eos_token_id, tokenizer.pad_token_id, generator)
+            contexts = [rows[i].token_ids for i in active]
+            generated = server.generate_turn(contexts, budgets, temperature) if server is not None else \
+                generate_turn(generating_model, contexts, budgets, temperature, tokenizer.eos_token_id,
+                              tokenizer.pad_token_id, generator)
             still_active = []
             for i, budget, (ids, logps) in zip(active, budgets, generated):
                 cut_at_room = budget < max_new_tokens and len(ids) == budget and ids[-1] != tokenizer.eos_token_id
@@ -206,7 +213,14 @@ def agent_rollout(model, tokenizer, conversations, num_generations, *, max_new_t
             active = still_active
     finally:
         generating_model.train(was_training)
-    return batch_conversations(rows, tokenizer.pad_token_id, next(generating_model.parameters()).device, metrics)
+    result = batch_conversations(rows, tokenizer.pad_token_id, next(generating_model.parameters()).device, metrics)
+    if server is not None:  # the server's log-probs -> the trainer's (or the server's, checked) on the model's tokens
+        old_per_token_logps, gap = server.old_per_token_logps(
+            generating_model, result.output_ids, result.attention_mask, result.completion_mask,
+            result.old_per_token_logps, temperature)  # [N, R]
+        result.old_per_token_logps = old_per_token_logps * result.completion_mask
+        result.metrics.update(gap)
+    return result
 
 
 def start_conversations(tokenizer, conversations, num_generations, max_prompt_len, chat_template_kwargs, metrics):

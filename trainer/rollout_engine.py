@@ -238,6 +238,33 @@ class SGLangRolloutEngine(RolloutEngine):
             metrics=metrics,
         )
 
+    @torch.no_grad()
+    def generate_turn(self, contexts, budgets, temperature=1.0):
+        """One turn of multi-turn rollouts (``trainer/agent_rollout.py``) in one ``/generate`` request.
+
+        contexts: A lists of token ids, each conversation so far (prompt, earlier turns, tool replies);
+        budgets: A ints >= 1, each row's most new tokens. Every row is asked for max(budgets) tokens, sampled at
+        ``temperature`` with the engine's top-p / top-k, and kept up to and including its first EOS, at most its
+        budget (a prefix of a sample is a sample of that prefix). Returns A (token ids, the server's log-probs)
+        pairs of lists; the caller settles the old log-probs with ``old_per_token_logps`` once the conversations
+        are whole. Raises ValueError for contexts the server cannot take (``check_sglang_prompts``) and
+        RuntimeError for answers that fail ``SGLangClient``'s checks.
+        """
+        vocab_size = unwrap_model(self.policy_model).config.vocab_size
+        padded = torch.nn.utils.rnn.pad_sequence([torch.tensor(ids, dtype=torch.long) for ids in contexts],
+                                                 batch_first=True)  # [A, L], right-padded with 0
+        lengths = torch.tensor([len(ids) for ids in contexts])  # [A]
+        check_sglang_prompts(padded, (torch.arange(padded.size(1)) < lengths.unsqueeze(1)).long(), vocab_size)
+        sampling_params = sglang_sampling_params(temperature, self.sampling["top_p"], self.sampling["top_k"],
+                                                 max(budgets), self.tokenizer.eos_token_id)
+        turns = []
+        for (ids, logps), budget in zip(self.client.generate([list(ids) for ids in contexts], sampling_params),
+                                        budgets):
+            ids, logps = ids[:budget], logps[:budget]
+            end = ids.index(self.tokenizer.eos_token_id) + 1 if self.tokenizer.eos_token_id in ids else len(ids)
+            turns.append((ids[:end], logps[:end]))
+        return turns
+
     def old_per_token_logps(self, model, output_ids, full_mask, completion_mask, server_per_token_logps,
                             temperature):
         """(log pi_old [N, R], metrics) by ``logprobs_mode``; raises RuntimeError when the server's log-probs fail

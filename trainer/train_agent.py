@@ -7,10 +7,13 @@ reference log-probs on the model's tokens; the CISPO / GRPO loss with beta * k3 
 ``grpo_family.py``). ``main`` builds what the step uses in numbered blocks, then runs the loop with the update
 written out. Source: upstream MiniMind's ``trainer/train_agent.py`` (jingyaogong/minimind); the tools and their
 bounds are ``agent_tools.py``. Prompts are cut from the left to ``--max_total_len - --max_gen_len`` tokens.
+``--rollout_engine sglang``: an SGLang server generates every turn, the policy pushed to it after each update
+(chapter 8.2, ``rollout_engine.SGLangRolloutEngine``); old log-probs as ``--sglang_logprobs`` says.
 
 Run (upstream-format rows: conversations whose system turn carries ``tools``, and ``gt``):
     python trainer/train_agent.py
     python trainer/train_agent.py --data_path dataset/agent_rl.jsonl --reward_model_path none --debug_mode 1
+    python trainer/train_agent.py --rollout_engine sglang --sglang_url http://127.0.0.1:30000
 """
 import argparse
 import copy
@@ -42,14 +45,16 @@ from trainer.infra.distributed import (
 )
 from trainer.infra.dtypes import autocast_context, resolve_train_dtype, reward_model_dtype
 from trainer.infra.evaluation import evaluate_if_due
-from trainer.infra.flags import add_common_rl_args, check_common_rl_args, check_ranges, same_file
+from trainer.infra.flags import (
+    add_common_rl_args, check_common_rl_args, check_ranges, rollout_engine_kwargs, same_file,
+)
 from trainer.infra.metrics import StepLog, gpu_memory_metrics, open_metrics
 from trainer.infra.optimizer import (
     accumulation_window_size, build_cosine_scheduler, build_policy_optimizer, project_scale_only_gradients,
 )
 from trainer.infra.stopping import BadStepGuard, StopSignal, nonfinite_parts
 from trainer.infra.weights import build_config, load_policy, load_tokenizer, weight_path
-from trainer.rollout_engine import compute_per_token_logps
+from trainer.rollout_engine import compute_per_token_logps, create_rollout_engine
 from trainer.trainer_utils import grpo_advantages, load_reward_model, rep_penalty, rule_reward, split_thinking
 
 AGENT_TRAIN_DATA = os.path.join(ROOT, "dataset", "agent_rl_train.jsonl")
@@ -252,9 +257,9 @@ def parse_args(argv=None):
                  at_least_2=("num_generations",), non_negative=("beta", "answer_reward_weight"))
     if args.max_total_len <= args.max_gen_len:
         parser.error(f"--max_total_len must be > --max_gen_len ({args.max_gen_len}), got {args.max_total_len}")
-    if args.rollout_engine != "torch" or args.top_p != 1.0 or args.top_k:
-        parser.error("train_agent.py rolls out with the policy's own generate over the whole distribution: use "
-                     "--rollout_engine torch, --top_p 1.0 and --top_k 0")
+    if args.top_p != 1.0 or args.top_k:
+        parser.error("train_agent.py samples every turn from the whole distribution (the loss's log-probs are over "
+                     "it): use --top_p 1.0 and --top_k 0")
     if args.thinking_ratio not in (0.0, 1.0):
         parser.error(f"--thinking_ratio is 0 (every prompt closes thinking) or 1 (every prompt opens it) here: one "
                      f"template setting renders a batch's conversations, got {args.thinking_ratio}")
@@ -286,16 +291,17 @@ def ended_with_eos(rollout, eos_token_id):
 
 
 @torch.no_grad()
-def agent_step_rollout(batch, model, ref_model, reward_fn, reward_model, tokenizer, args, autocast):
+def agent_step_rollout(batch, model, ref_model, reward_fn, reward_model, tokenizer, args, autocast, server=None):
     """Steps 1-4 of an agent RL step: multi-turn rollout (``agent_rollout``), rewards, group advantages (8.5.1),
     reference log-probs on the rollout's tokens (8.6). ``reward_fn``: ``calculate_agent_rewards`` or one with its
-    arguments and keys; ``ref_model`` None with --beta 0. Returns an ``AgentRolloutBatch`` of B*G rows."""
+    arguments and keys; ``ref_model`` None with --beta 0; ``server``: the ``SGLangRolloutEngine`` of
+    ``--rollout_engine sglang`` (None: the policy's own generate). Returns an ``AgentRolloutBatch`` of B*G rows."""
     G = args.num_generations
     # 1. rollout: every conversation of the batch advances turn by turn; tool replies have mask 0
     with autocast:
         rollout = agent_rollout(model, tokenizer, batch["messages"], G, max_new_tokens=args.max_gen_len,
                                 max_total_len=args.max_total_len, temperature=args.temperature,
-                                max_turns=args.max_turns, chat_template_kwargs=template_kwargs(args))
+                                max_turns=args.max_turns, chat_template_kwargs=template_kwargs(args), server=server)
     device = rollout.completion_ids.device
     completion_mask = rollout.completion_mask  # [B*G, R]
     if args.mask_truncated_completions:  # DAPO: a last turn cut at --max_gen_len teaches nothing about its end
@@ -545,17 +551,25 @@ def main(argv=None, reward_fn=calculate_agent_rewards):
 
     # 5. resume (--from_resume 1): weights, optimizer, data position, random state; the schedule at that update
     trained = {"model": model, "optimizer": optimizer}
-    progress, _ = start_or_resume(args, "agent", trained, len(loader), device, rank, world_size)
+    progress, engine_state = start_or_resume(args, "agent", trained, len(loader), device, rank, world_size)
     num_updates = -(-total_steps // args.accumulation_steps) * args.num_iterations
     scheduler = build_cosine_scheduler(optimizer, num_updates, progress["lr_schedule_step"])
 
-    # 6. the held-out evaluation, the stop requests, the NaN guard
+    # 6. --rollout_engine sglang (8.2): the server that generates every turn, made after the resume (it is pushed
+    #    the resumed policy); torch: the policy's own generate
+    server = None
+    if args.rollout_engine == "sglang":
+        server = create_rollout_engine(args.rollout_engine, model, tokenizer, **rollout_engine_kwargs(args))
+        server.load_resume_state(engine_state)
+        trained["rollout_engine"] = server  # its push cadence is saved with the checkpoints
+
+    # 7. the held-out evaluation, the stop requests, the NaN guard
     stop_signal = StopSignal()
     guard = BadStepGuard(args.max_bad_steps, progress["bad_steps_in_a_row"])
     start_metrics = {} if progress["step"] else evaluate_if_due(evaluator, model, 0, total_steps, args.eval_interval,
                                                                  lambda: stop_signal.received)
 
-    # 7. metrics: metrics.jsonl (+ wandb) and the log line
+    # 8. metrics: metrics.jsonl (+ wandb) and the log line
     run_dir, writer = open_metrics(args, progress)
     Logger(f"agent RL: {total_steps} steps, {args.batch_size} prompts x {args.num_generations} conversations of up "
            f"to {args.max_turns} turns per step, loss {args.loss_type}, metrics in {run_dir}")
@@ -563,7 +577,7 @@ def main(argv=None, reward_fn=calculate_agent_rewards):
         writer.log({"step": 0, **start_metrics})
     step_log = StepLog(writer, total_steps, args.log_interval, agent_log_line, start_step=progress["step"])
 
-    # 8. the loop
+    # 9. the loop
     ddp_model.train()
     problems = []
     window_num_items = progress.get("window_num_items", 0.0)
@@ -572,7 +586,7 @@ def main(argv=None, reward_fn=calculate_agent_rewards):
     for step, position, batch in batches:
         learning_rate = optimizer.param_groups[0]["lr"]
         rollout_batch = agent_step_rollout(batch, ddp_model, ref_model, reward_fn, reward_model, tokenizer, args,
-                                           autocast)  # steps 1-4: rollout, rewards, advantages, reference
+                                           autocast, server)  # steps 1-4: rollout, rewards, advantages, reference
         if args.debug_mode and step % args.debug_interval == 0:
             print_conversations(step, rollout_batch, tokenizer, args.num_generations)
         update_due = step % args.accumulation_steps == 0 or step == total_steps
@@ -600,6 +614,8 @@ def main(argv=None, reward_fn=calculate_agent_rewards):
                 guard.record(step, skipped, problems)
                 problems = []
             updates.append(update_metrics_)
+        if update_due and server is not None:
+            server.update_policy(model)  # the next turns are generated by the updated policy
         metrics = mean_over_ranks(agent_metrics(rollout_batch, updates), device)
         metrics.update(gpu_memory_metrics(device))
         metrics.update(evaluate_if_due(evaluator, model, step, total_steps, args.eval_interval,
