@@ -1,14 +1,15 @@
-"""Test harness: runs train_grpo.main / train_ppo.main (also under torchrun) with instruments the tests need,
-injected through main's reward_fn argument and by wrapping the script module's ``resumable_batches`` and
-``save_checkpoint``.
+"""Test harness: runs train_grpo.main / train_ppo.main / train_agent.main (also under torchrun) with instruments the
+tests need, injected through main's reward_fn argument and by wrapping the script module's ``resumable_batches``
+and ``save_checkpoint``.
 
-    python tests/run_patched.py {grpo|ppo} [harness flags] -- [script flags]
+    python tests/run_patched.py {grpo|ppo|agent} [harness flags] -- [script flags]
 
 Harness flags:
     --trace_dir DIR        per rank: the dataset indices of every step's prompts (indices_rank{r}.jsonl) and,
                            at every checkpoint, a sha256 digest of the policy (and critic) (digest_rank{r}.txt)
-    --text_reward          replace the chapter's rewards with a fixed function of the answer text, so that a
-                           random tiny model gets unequal rewards and its weights really change
+    --text_reward          replace the chapter's rewards (the agent's) with a fixed function of the answer text
+                           (of the model's turns), so that a random tiny model gets unequal rewards and its weights
+                           really change
     --kill_after_save N    SIGKILL this process right after the checkpoint of step N is written
     --kill_during_save N   SIGKILL this process in the middle of writing the resume file of step N
     --kill_before_step N   SIGKILL this process when the loop asks for step N's batch (step N-1 logged and done)
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from tests.weights_digest import parameter_digest
-from trainer import train_grpo, train_ppo, trainer_utils
+from trainer import train_agent, train_grpo, train_ppo
 
 
 def text_rewards(prompts, responses, answers, reward_model, answer_reward_weight):
@@ -39,9 +40,24 @@ def text_rewards(prompts, responses, answers, reward_model, answer_reward_weight
             "answer_rewards": zeros}
 
 
+def agent_text_rewards(messages, turn_texts, unfinished, gts, reward_model, gt_weight):
+    """Rewards in [0, 1) from the sha256 of the turns (unequal on a random tiny model), with the agent's keys (same
+    arguments and keys as train_agent.calculate_agent_rewards)."""
+    values = [int(hashlib.sha256("|".join(texts).encode()).hexdigest()[:8], 16) / 16 ** 8 for texts in turn_texts]
+    rewards = torch.tensor(values, dtype=torch.float32)  # [N]
+    parts = {key: torch.zeros_like(rewards) for key in (
+        "rule_rewards", "reward_model_scores", "answer_rewards", "call_rewards", "tag_penalties",
+        "unfinished_penalties", "repetition_penalties", "accuracy", "called")}
+    return dict(parts, rewards=rewards)
+
+
+SCRIPTS = {"grpo": (train_grpo, text_rewards), "ppo": (train_ppo, text_rewards),
+           "agent": (train_agent, agent_text_rewards)}  # name -> (module, its --text_reward function)
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("script", choices=["grpo", "ppo"])
+    parser.add_argument("script", choices=sorted(SCRIPTS))
     parser.add_argument("--trace_dir", default="")
     parser.add_argument("--text_reward", action="store_true")
     parser.add_argument("--kill_after_save", type=int, default=0)
@@ -52,7 +68,7 @@ def main():
         i = harness_argv.index("--")
         harness_argv, script_argv = harness_argv[:i], harness_argv[i + 1:]
     opts = parser.parse_args(harness_argv)
-    module = train_grpo if opts.script == "grpo" else train_ppo
+    module, script_text_rewards = SCRIPTS[opts.script]
     real_torch_save, real_batches, real_save_checkpoint = torch.save, module.resumable_batches, module.save_checkpoint
 
     def rank():
@@ -92,7 +108,10 @@ def main():
     if opts.trace_dir:
         os.makedirs(opts.trace_dir, exist_ok=True)
     module.resumable_batches, module.save_checkpoint = traced_batches, instrumented_save_checkpoint
-    module.main(script_argv, reward_fn=text_rewards if opts.text_reward else trainer_utils.calculate_rewards)
+    if opts.text_reward:
+        module.main(script_argv, reward_fn=script_text_rewards)
+    else:
+        module.main(script_argv)  # the script's own rewards
 
 
 if __name__ == "__main__":

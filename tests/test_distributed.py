@@ -1,4 +1,5 @@
-"""torchrun with 2 CPU ranks (gloo): gradients really sync, ranks stay bit-identical, PPO early stop agrees."""
+"""torchrun with 2 CPU ranks (gloo): gradients really sync, ranks stay bit-identical (grpo, ppo, agent), PPO early
+stop agrees, runs exit by themselves."""
 import json
 import os
 import subprocess
@@ -7,6 +8,7 @@ import sys
 import pytest
 
 from conftest import ROOT
+from test_train_agent import flags as agent_flags, write_agent_files
 
 from trainer.infra.weights import build_config, init_model
 from tests.weights_digest import parameter_digest
@@ -43,36 +45,64 @@ def test_ppo_early_stop_when_only_one_rank_is_over_the_threshold(tmp_path, early
     assert rank0["optimizer_steps"] == (0.0 if stops else 4.0)  # 2 epochs x 2 minibatches
 
 
+def assert_ranks_trained_alike(result, trace, initial, steps):
+    """The run of tests/run_patched.py --trace_dir ``trace`` exited, both ranks' last checkpoint (step ``steps``) holds
+    the same weights and not ``initial``'s, the ranks rolled out disjoint prompts, and only rank 0 printed."""
+    assert result.returncode == 0, result.stderr[-3000:]
+    digests = [json.loads(open(trace / f"digest_rank{r}.txt").read().splitlines()[-1]) for r in range(2)]
+    assert digests[0] == digests[1] and digests[0]["step"] == steps
+    assert digests[0]["model"] != parameter_digest(initial)  # they trained, and stayed equal
+    indices = [[json.loads(line) for line in open(trace / f"indices_rank{r}.jsonl").read().splitlines()]
+               for r in range(2)]
+    seen = [set(i for batch in rank for i in batch) for rank in indices]
+    assert not seen[0] & seen[1]  # each rank rolled out its own prompts
+    assert result.stdout.count(f"step {steps}/{steps}") == 1  # only rank 0 prints
+
+
 @pytest.mark.parametrize("script, extra", [("grpo", ["--num_generations", "3"]), ("ppo", ["--mini_batch_size", "1"])])
 def test_two_ranks_end_bit_identical(script, extra, tmp_path, tiny_weights, small_data):
     assert tiny_weights[0] == str(tmp_path)  # the fixture wrote tiny_64.pth here
     trace = tmp_path / "trace"
     result = torchrun(["tests/run_patched.py", script, "--text_reward", "--trace_dir", str(trace), "--"] + TINY + extra
                       + ["--save_dir", str(tmp_path), "--run_dir", str(tmp_path / "run"), "--data_path", small_data])
-    assert result.returncode == 0, result.stderr[-3000:]
-    digests = [json.loads(open(trace / f"digest_rank{r}.txt").read().splitlines()[-1]) for r in range(2)]
-    assert digests[0] == digests[1] and digests[0]["step"] == 3
     initial, _ = init_model(build_config(64, 2, 0), "tiny", str(tmp_path))
-    assert digests[0]["model"] != parameter_digest(initial)  # they trained, and stayed equal
-    indices = [[json.loads(line) for line in open(trace / f"indices_rank{r}.jsonl").read().splitlines()]
-               for r in range(2)]
-    seen = [set(i for batch in rank for i in batch) for rank in indices]
-    assert not seen[0] & seen[1]  # each rank rolled out its own prompts
-    assert result.stdout.count("step 3/3") == 1  # only rank 0 prints
+    assert_ranks_trained_alike(result, trace, initial, 3)
+
+
+def test_two_agent_ranks_end_bit_identical(tmp_path):
+    # upstream-format rows, 2 prompts x 2 ranks a step, up to 2 turns of 8 tokens: 2 steps stay in the first epoch
+    save_dir, train, _ = write_agent_files(tmp_path)
+    trace = tmp_path / "trace"
+    result = torchrun(["tests/run_patched.py", "agent", "--text_reward", "--trace_dir", str(trace), "--"]
+                      + agent_flags(save_dir, train, str(tmp_path / "run"), "--max_steps", "2", "--save_interval", "2"))
+    initial, _ = init_model(build_config(64, 2, 0), "tiny", save_dir)
+    assert_ranks_trained_alike(result, trace, initial, 2)
+
+
+def assert_runs_always_exit(script, flags_of_run, tmp_path):
+    """Three short torchrun runs of trainer/{script} (flags_of_run(run_dir) each, one step): each must exit by itself
+    within the timeout."""
+    for attempt in range(3):
+        run_dir = str(tmp_path / f"run{attempt}")
+        try:
+            result = torchrun([f"trainer/{script}"] + flags_of_run(run_dir), timeout=150)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"torchrun {script} run {attempt} did not exit within 150 s")
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "step 1/1" in result.stdout
 
 
 @pytest.mark.parametrize("script, extra", [("train_grpo.py", ["--num_generations", "2"]),
                                            ("train_ppo.py", ["--mini_batch_size", "1"])])
 def test_two_rank_runs_always_exit(script, extra, tmp_path, tiny_weights, small_data):
     # A rank that frees its DDP wrapper while tearing down main can deadlock in gloo's destructor (1 run in 6
-    # hung that way, see shutdown_distributed). Three short runs, each must exit by itself within the timeout.
-    for attempt in range(3):
-        run_dir = tmp_path / f"run{attempt}"
-        try:
-            result = torchrun([f"trainer/{script}"] + TINY[:-4] + ["--max_steps", "1", "--save_interval", "1"] + extra
-                              + ["--save_dir", str(tmp_path), "--run_dir", str(run_dir), "--data_path", small_data,
-                                 "--reward_model_path", "none"], timeout=150)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"torchrun {script} run {attempt} did not exit within 150 s")
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert "step 1/1" in result.stdout
+    # hung that way, see shutdown_distributed).
+    assert_runs_always_exit(script, lambda run_dir: TINY[:-4] + ["--max_steps", "1", "--save_interval", "1"] + extra
+                            + ["--save_dir", str(tmp_path), "--run_dir", run_dir, "--data_path", small_data,
+                               "--reward_model_path", "none"], tmp_path)
+
+
+def test_two_rank_agent_runs_always_exit(tmp_path):
+    save_dir, train, _ = write_agent_files(tmp_path)  # the agent frees its DDP wrapper as grpo does
+    assert_runs_always_exit("train_agent.py", lambda run_dir: agent_flags(
+        save_dir, train, run_dir, "--max_steps", "1", "--save_interval", "1"), tmp_path)

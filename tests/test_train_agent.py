@@ -2,7 +2,6 @@
 is built; a 2-step run on upstream-format rows (upstream MiniMind's tokenizer, a tiny random MiniMind) whose loss
 trains the model's tokens only and whose metrics rows carry the rewards, tool use and the held-out evaluation;
 a run stopped by SIGTERM and resumed equal to an uninterrupted one."""
-import hashlib
 import json
 import os
 import re
@@ -12,6 +11,7 @@ import pytest
 import torch
 
 from conftest import MINIMIND_TOKENIZER
+from run_patched import agent_text_rewards as text_rewards
 from test_agent_rollout import CALC_CALL, ScriptedPolicy, turn_ids
 from trainer import train_agent
 from trainer.agent_tools import tool_schemas
@@ -47,9 +47,8 @@ def write_rows(path, rows):
     return str(path)
 
 
-@pytest.fixture
-def agent_files(tmp_path):
-    """(save_dir with tiny_64.pth trained with upstream's tokenizer, training rows, held-out rows)."""
+def write_agent_files(tmp_path):
+    """(save_dir with tiny_64.pth trained with upstream's tokenizer, training rows, held-out rows) under tmp_path."""
     from model.model_minimind import MiniMindForCausalLM
     from trainer.infra.weights import build_config, write_tokenizer_record
     torch.manual_seed(0)
@@ -61,6 +60,11 @@ def agent_files(tmp_path):
     train = write_rows(tmp_path / "agent_rl.jsonl", [upstream_row(*q) for q in QUESTIONS])
     heldout = write_rows(tmp_path / "agent_rl_val.jsonl", [upstream_row(*q) for q in QUESTIONS[:2]])
     return str(save_dir), train, heldout
+
+
+@pytest.fixture
+def agent_files(tmp_path):
+    return write_agent_files(tmp_path)
 
 
 def flags(save_dir, data, run_dir, *extra):
@@ -242,16 +246,6 @@ def test_two_steps_on_upstream_rows_train_the_models_tokens_only(agent_files, tm
     assert os.path.isfile(os.path.join(save_dir, "agent_64.pth"))
 
 
-def text_rewards(messages, turn_texts, unfinished, gts, reward_model, gt_weight):
-    """Rewards in [0, 1) from the sha256 of the turns (unequal on a random tiny model), with the agent's keys."""
-    values = [int(hashlib.sha256("|".join(texts).encode()).hexdigest()[:8], 16) / 16 ** 8 for texts in turn_texts]
-    rewards = torch.tensor(values, dtype=torch.float32)
-    parts = {key: torch.zeros_like(rewards) for key in (
-        "rule_rewards", "reward_model_scores", "answer_rewards", "call_rewards", "tag_penalties",
-        "unfinished_penalties", "repetition_penalties", "accuracy", "called")}
-    return dict(parts, rewards=rewards)
-
-
 def test_a_resumed_run_equals_an_uninterrupted_one(agent_files, tmp_path, restore_signals):
     """4 steps straight; 4 steps stopped by SIGTERM during step 2 (saved at its end), then resumed: steps 3-4 log the
     same numbers and end in the same weights."""
@@ -303,7 +297,7 @@ def test_ended_with_eos_reads_the_last_model_token_only():
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--rollout_engine", "sglang"], "--rollout_engine torch"), (["--top_p", "0.9"], "--top_p 1.0"),
+    (["--top_k", "5"], "--top_k 0"), (["--top_p", "0.9"], "--top_p 1.0"),
     (["--thinking_ratio", "0.5"], "--thinking_ratio is 0"), (["--max_total_len", "8"], "--max_total_len must be"),
     (["--max_turns", "0"], "--max_turns must be >= 1"),
 ])
