@@ -13,6 +13,7 @@ import torch
 from conftest import MINIMIND_TOKENIZER
 from run_patched import agent_text_rewards as text_rewards
 from test_agent_rollout import CALC_CALL, ScriptedPolicy, turn_ids
+from trainer.agent_rollout import agent_rollout
 from trainer import train_agent
 from trainer.agent_tools import tool_schemas
 from trainer.train_agent import (
@@ -298,11 +299,32 @@ def test_ended_with_eos_reads_the_last_model_token_only():
 
 @pytest.mark.parametrize("extra, message", [
     (["--top_k", "5"], "--top_k 0"), (["--top_p", "0.9"], "--top_p 1.0"),
-    (["--thinking_ratio", "0.5"], "--thinking_ratio is 0"), (["--max_total_len", "8"], "--max_total_len must be"),
-    (["--max_turns", "0"], "--max_turns must be >= 1"),
+    (["--thinking_ratio", "1.5"], "--thinking_ratio must be in [0, 1]"),
+    (["--max_total_len", "8"], "--max_total_len must be"), (["--max_turns", "0"], "--max_turns must be >= 1"),
 ])
 def test_flags_the_agent_rollout_cannot_honour_are_refused(agent_files, tmp_path, extra, message, capsys):
     save_dir, train, _ = agent_files
     with pytest.raises(SystemExit):
         train_agent.parse_args(flags(save_dir, train, str(tmp_path / "run"), *extra))
     assert message in capsys.readouterr().err
+
+
+def test_thinking_opens_per_prompt_as_the_chapters_dataset_draws_it(agent_files, policy):
+    """--thinking_ratio 0.5: each prompt opens thinking as ``RLAIFDataset`` (train_grpo.py's) draws it for the same
+    seed and row, and the rollout renders every prompt with its own draw."""
+    from transformers import AutoTokenizer
+    from dataset.lm_dataset import RLAIFDataset
+    _, train, _ = agent_files
+    tokenizer = AutoTokenizer.from_pretrained(MINIMIND_TOKENIZER)
+    rlaif = RLAIFDataset(train, tokenizer, thinking_ratio=0.5, seed=7)
+    agent = train_agent.AgentRLDataset(train, tokenizer, thinking_ratio=0.5, seed=7)
+    opened = [rlaif[i]["prompt"].endswith("<think>\n") for i in range(len(rlaif))]
+    assert 0 < sum(opened) < len(opened)  # both kinds among the rows
+    batch = train_agent.collate_rows([agent[i] for i in range(len(agent))])
+    assert batch["open_thinking"] == opened
+    result = agent_rollout(policy, tokenizer, batch["messages"], 1, max_new_tokens=2, max_total_len=512,
+                           chat_template_kwargs=train_agent.template_kwargs(batch["open_thinking"]))
+    prompt_width = result.output_ids.size(1) - result.completion_ids.size(1)
+    prompts = [tokenizer.decode(result.output_ids[n, :prompt_width][result.prompt_mask[n].bool()])
+               for n in range(len(opened))]
+    assert [prompt.endswith("<think>\n") for prompt in prompts] == opened

@@ -85,9 +85,10 @@ class Conversation:
     """One conversation's state during a rollout: its messages, its tokens (prompt, then the completion with its
     mask and old log-probs) and its tool-call counts."""
 
-    def __init__(self, messages, tools, prompt_ids, prompt_cut):
+    def __init__(self, messages, tools, prompt_ids, prompt_cut, template_kwargs):
         self.messages = copy.deepcopy(messages)
         self.tools = tools
+        self.template_kwargs = template_kwargs  # the chat template's extra arguments (open_thinking)
         self.prompt_ids = list(prompt_ids)
         self.prompt_cut = prompt_cut  # tokens cut from the prompt's left
         self.completion_ids, self.completion_mask, self.old_per_token_logps = [], [], []
@@ -116,7 +117,7 @@ def render(tokenizer, messages, tools, add_generation_prompt, chat_template_kwar
                                          add_generation_prompt=add_generation_prompt, **chat_template_kwargs)
 
 
-def observation_ids(tokenizer, conversation, ended_with_eos, chat_template_kwargs):
+def observation_ids(tokenizer, conversation, ended_with_eos):
     """(observation token ids, whether re-tokenising the whole conversation gives its tokens + them).
 
     The observation: the template's text after the model's last turn (its messages end with that ``assistant``
@@ -126,8 +127,9 @@ def observation_ids(tokenizer, conversation, ended_with_eos, chat_template_kwarg
     """
     messages, eos = conversation.messages, tokenizer.eos_token
     last_assistant = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    partial = render(tokenizer, messages[:last_assistant + 1], conversation.tools, False, chat_template_kwargs)
-    full = render(tokenizer, messages, conversation.tools, True, chat_template_kwargs)
+    kwargs = conversation.template_kwargs
+    partial = render(tokenizer, messages[:last_assistant + 1], conversation.tools, False, kwargs)
+    full = render(tokenizer, messages, conversation.tools, True, kwargs)
     close = partial.rfind(eos)
     if not full.startswith(partial) or close < 0:
         raise ValueError(f"agent_rollout needs a chat template that only appends to earlier turns and closes an "
@@ -173,21 +175,26 @@ def agent_rollout(model, tokenizer, conversations, num_generations, *, max_new_t
     model: a MiniMind causal LM (or DDP wrapper) with ``generate``; tokenizer: a chat template taking ``tools``.
     conversations: B prompt conversations (role/content dicts in upstream's format, tools on the system turn, last
     turn not the assistant's). max_new_tokens: per turn; max_total_len: prompt + completion, > max_new_tokens.
-    chat_template_kwargs: extra template arguments (e.g. ``open_thinking``). server: None, the turns sampled with
-    ``model.generate`` and their log-probs recorded while sampling; or an ``SGLangRolloutEngine`` (chapter 8.2)
-    whose server generates each turn (``generate_turn``), the old log-probs then settled on the whole
-    conversations by ``server.old_per_token_logps`` (``--sglang_logprobs``: a forward of ``model``, or the
-    server's once checked; ``metrics["logprob_gap"]``). Returns ``AgentRolloutResult`` with N = B *
-    num_generations rows ordered P0, P0, ..., P1, ... on the model's device. Raises ValueError for bad
+    chat_template_kwargs: extra template arguments (e.g. ``open_thinking``), one dict for every conversation or a
+    list of B dicts, one per prompt (upstream's ``--thinking_ratio`` draws ``open_thinking`` per prompt).
+    server: None, the turns sampled with ``model.generate`` and their log-probs recorded while sampling; or an
+    ``SGLangRolloutEngine`` (chapter 8.2) whose server generates each turn (``generate_turn``), the old log-probs
+    then settled on the whole conversations by ``server.old_per_token_logps`` (``--sglang_logprobs``: a forward of
+    ``model``, or the server's once checked; ``metrics["logprob_gap"]``). Returns ``AgentRolloutResult`` with
+    N = B * num_generations rows ordered P0, P0, ..., P1, ... on the model's device. Raises ValueError for bad
     conversations or tools (``start_conversations``), no conversations, a count < 1, ``max_total_len`` <=
-    ``max_new_tokens``; RuntimeError for the server's (``SGLangClient``).
+    ``max_new_tokens``, a list of kwargs of another length than B; RuntimeError for the server's (``SGLangClient``).
     """
     if not conversations or num_generations < 1 or max_turns < 1 or max_new_tokens < 1 \
             or max_total_len <= max_new_tokens:
         raise ValueError(f"need conversations, num_generations >= 1, max_turns >= 1, max_new_tokens >= 1 and "
                          f"max_total_len > max_new_tokens, got {len(conversations)} conversations, "
                          f"{num_generations}, {max_turns}, {max_new_tokens}, {max_total_len}")
-    chat_template_kwargs = chat_template_kwargs or {}
+    if not isinstance(chat_template_kwargs, list):
+        chat_template_kwargs = [chat_template_kwargs or {}] * len(conversations)
+    if len(chat_template_kwargs) != len(conversations):
+        raise ValueError(f"chat_template_kwargs: {len(chat_template_kwargs)} dicts for {len(conversations)} "
+                         f"conversations")
     metrics = {"prefix_mismatches": 0, "prompts_cut": 0, "length_stops": 0}
     rows = start_conversations(tokenizer, conversations, num_generations, max_total_len - max_new_tokens,
                                chat_template_kwargs, metrics)
@@ -208,7 +215,7 @@ def agent_rollout(model, tokenizer, conversations, num_generations, *, max_new_t
             for i, budget, (ids, logps) in zip(active, budgets, generated):
                 cut_at_room = budget < max_new_tokens and len(ids) == budget and ids[-1] != tokenizer.eos_token_id
                 if take_turn(tokenizer, rows[i], ids, logps, cut_at_room, turn == max_turns - 1, max_total_len,
-                             chat_template_kwargs, metrics):
+                             metrics):
                     still_active.append(i)
             active = still_active
     finally:
@@ -224,27 +231,28 @@ def agent_rollout(model, tokenizer, conversations, num_generations, *, max_new_t
 
 
 def start_conversations(tokenizer, conversations, num_generations, max_prompt_len, chat_template_kwargs, metrics):
-    """num_generations ``Conversation`` copies of each prompt, rendered with its tools and cut from the left to
-    ``max_prompt_len`` tokens (the generation prompt stays). Raises ValueError naming a conversation that ends with
-    the assistant, has bad tools, or whose tools the chat template does not render."""
+    """num_generations ``Conversation`` copies of each prompt, rendered with its tools and its template arguments
+    (``chat_template_kwargs``: one dict per conversation) and cut from the left to ``max_prompt_len`` tokens (the
+    generation prompt stays). Raises ValueError naming a conversation that ends with the assistant, has bad tools,
+    or whose tools the chat template does not render."""
     rows = []
-    for index, messages in enumerate(conversations):
+    for index, (messages, kwargs) in enumerate(zip(conversations, chat_template_kwargs)):
         if not messages or messages[-1].get("role") == "assistant":
             raise ValueError(f"conversation {index} is empty or ends with an assistant turn: pass the prompt turns "
                              f"(upstream's AgentRLDataset drops a row's last turn)")
         messages, tools = conversation_tools(messages)
-        prompt = render(tokenizer, messages, tools, True, chat_template_kwargs)
+        prompt = render(tokenizer, messages, tools, True, kwargs)
         if tools and not all(json.dumps(tool["function"]["name"]) in prompt for tool in tools):
             raise ValueError(f"the tokenizer's chat template does not render the tools of conversation {index}: "
                              f"use a template that takes tools= (upstream MiniMind's tokenizer has one)")
         prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         cut = max(len(prompt_ids) - max_prompt_len, 0)
         metrics["prompts_cut"] += int(cut > 0) * num_generations
-        rows += [Conversation(messages, tools, prompt_ids[cut:], cut) for _ in range(num_generations)]
+        rows += [Conversation(messages, tools, prompt_ids[cut:], cut, kwargs) for _ in range(num_generations)]
     return rows
 
 
-def take_turn(tokenizer, row, ids, logps, cut_at_room, last_turn, max_total_len, chat_template_kwargs, metrics):
+def take_turn(tokenizer, row, ids, logps, cut_at_room, last_turn, max_total_len, metrics):
     """Record one model turn (mask 1) in ``row``; True when the conversation goes on, its observation (mask 0)
     appended: the turn called a tool, it is not the last turn, was not cut at ``max_total_len`` and the
     observation leaves room for a token of the next turn. ``metrics`` counts length stops and prefix mismatches."""
@@ -262,7 +270,7 @@ def take_turn(tokenizer, row, ids, logps, cut_at_room, last_turn, max_total_len,
         return False
     row.messages.append({"role": "assistant", "content": text})
     row.messages += [{"role": "tool", "content": execute_call(call, allowed=row.allowed)} for call in calls]
-    obs_ids, prefix_kept = observation_ids(tokenizer, row, ended_with_eos, chat_template_kwargs)
+    obs_ids, prefix_kept = observation_ids(tokenizer, row, ended_with_eos)
     metrics["prefix_mismatches"] += int(not prefix_kept)
     if len(row.token_ids) + len(obs_ids) + 1 > max_total_len:
         metrics["length_stops"] += 1

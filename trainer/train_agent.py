@@ -18,6 +18,7 @@ Run (upstream-format rows: conversations whose system turn carries ``tools``, an
 import argparse
 import copy
 import os
+import random
 import re
 import sys
 from dataclasses import dataclass
@@ -66,18 +67,24 @@ class AgentRLDataset(torch.utils.data.Dataset):
     """Upstream MiniMind's agent RL rows (``AgentRLDataset``): ``{"conversations": [...], "gt": [values]}``, a
     system turn carrying the tool schemas as ``tools`` (a JSON string or a list). Items: {"messages": the prompt
     turns (a final assistant turn dropped, contents escaped as ``RLAIFDataset`` escapes them), "gt": list[str],
-    "index": int}. Every row is checked when the file is read: bad input fails before any model is built.
-    Raises DataFormatError naming file and line (``check_agent_row``)."""
+    "open_thinking": bool, "index": int}. A prompt opens thinking with probability ``thinking_ratio``, drawn as
+    ``RLAIFDataset`` draws it (a fixed function of seed and index: a resumed run sees the same prompts). Every row
+    is checked when the file is read: bad input fails before any model is built. Raises DataFormatError naming file
+    and line (``check_agent_row``), ValueError for a ratio outside [0, 1]."""
 
-    def __init__(self, path, tokenizer):
+    def __init__(self, path, tokenizer, thinking_ratio=0.0, seed=42):
+        if not 0.0 <= thinking_ratio <= 1.0:
+            raise ValueError(f"thinking_ratio must be in [0, 1], got {thinking_ratio}")
         special_tokens = list(tokenizer.all_special_tokens)
         self.rows = [check_agent_row(row, f"{path}:{line}", special_tokens) for line, row in iter_jsonl(path)]
+        self.thinking_ratio, self.seed = thinking_ratio, seed
 
     def __len__(self):
         return len(self.rows)
 
     def __getitem__(self, index):
-        return dict(self.rows[index], index=index)
+        open_thinking = random.Random(self.seed * 1_000_003 + index).random() < self.thinking_ratio
+        return dict(self.rows[index], open_thinking=open_thinking, index=index)
 
 
 def check_agent_row(row, where, special_tokens):
@@ -111,6 +118,7 @@ def check_agent_row(row, where, special_tokens):
 def collate_rows(items):
     """A batch of dataset items as lists (messages and gt keep their nesting) and the indices as a tensor."""
     return {"messages": [item["messages"] for item in items], "gt": [item["gt"] for item in items],
+            "open_thinking": [item["open_thinking"] for item in items],
             "index": torch.tensor([item["index"] for item in items], dtype=torch.long)}
 
 
@@ -260,9 +268,6 @@ def parse_args(argv=None):
     if args.top_p != 1.0 or args.top_k:
         parser.error("train_agent.py samples every turn from the whole distribution (the loss's log-probs are over "
                      "it): use --top_p 1.0 and --top_k 0")
-    if args.thinking_ratio not in (0.0, 1.0):
-        parser.error(f"--thinking_ratio is 0 (every prompt closes thinking) or 1 (every prompt opens it) here: one "
-                     f"template setting renders a batch's conversations, got {args.thinking_ratio}")
     if args.num_iterations > 1 and args.accumulation_steps > 1:
         parser.error("--num_iterations > 1 updates once per iteration: use it with --accumulation_steps 1")
     check_family_args(parser, args)
@@ -301,7 +306,8 @@ def agent_step_rollout(batch, model, ref_model, reward_fn, reward_model, tokeniz
     with autocast:
         rollout = agent_rollout(model, tokenizer, batch["messages"], G, max_new_tokens=args.max_gen_len,
                                 max_total_len=args.max_total_len, temperature=args.temperature,
-                                max_turns=args.max_turns, chat_template_kwargs=template_kwargs(args), server=server)
+                                max_turns=args.max_turns, chat_template_kwargs=template_kwargs(batch["open_thinking"]),
+                                server=server)
     device = rollout.completion_ids.device
     completion_mask = rollout.completion_mask  # [B*G, R]
     if args.mask_truncated_completions:  # DAPO: a last turn cut at --max_gen_len teaches nothing about its end
@@ -392,9 +398,10 @@ def agent_log_line(metrics):
             f"len {metrics['response_len']:.1f} | lr {metrics['learning_rate']:.2e}")
 
 
-def template_kwargs(args):
-    """The chat template's arguments of every rollout: open thinking with --thinking_ratio 1."""
-    return {"open_thinking": bool(args.thinking_ratio)}
+def template_kwargs(open_thinking):
+    """The chat template's arguments of each prompt of a batch: ``open_thinking`` (bools, the dataset's draw by
+    ``--thinking_ratio``; a prompt that opens thinking ends in ``<think>\\n``)."""
+    return [{"open_thinking": bool(value)} for value in open_thinking]
 
 
 def mask_segments(tokenizer, ids, mask):
@@ -462,7 +469,8 @@ class AgentEvaluator:
             rollout = agent_rollout(policy, self.tokenizer, [r["messages"] for r in rows], 1,
                                     max_new_tokens=self.args.max_gen_len, max_total_len=self.args.max_total_len,
                                     temperature=self.args.temperature, max_turns=self.args.max_turns,
-                                    generator=generator, chat_template_kwargs=template_kwargs(self.args))
+                                    generator=generator,
+                                    chat_template_kwargs=template_kwargs([r["open_thinking"] for r in rows]))
             parts = calculate_agent_rewards([r["messages"] for r in rows], rollout.turn_texts,
                                             rollout.unfinished.tolist(), [r["gt"] for r in rows], None, 1.0)
             totals["accuracy"] += parts["accuracy"].sum().item()
@@ -504,7 +512,8 @@ def build_agent_evaluator(args, tokenizer, device):
         Logger("held-out evaluation off: pass --eval_data_path FILE (agent rows) to evaluate")
     if not (args.eval_interval and args.eval_data_path):
         return None
-    return AgentEvaluator(AgentRLDataset(args.eval_data_path, tokenizer), tokenizer, args, device)
+    dataset = AgentRLDataset(args.eval_data_path, tokenizer, args.thinking_ratio, args.seed)
+    return AgentEvaluator(dataset, tokenizer, args, device)
 
 
 def main(argv=None, reward_fn=calculate_agent_rewards):
@@ -525,7 +534,7 @@ def main(argv=None, reward_fn=calculate_agent_rewards):
     start_weight = None if args.from_weight == "none" else weight_path(args.from_weight, args.save_dir,
                                                                         args.hidden_size, args.use_moe)
     tokenizer = load_tokenizer(args.tokenizer_path, start_weight, args.tokenizer_path_named)
-    train_ds = AgentRLDataset(args.data_path, tokenizer)
+    train_ds = AgentRLDataset(args.data_path, tokenizer, args.thinking_ratio, args.seed)
     if len(train_ds) < args.batch_size * world_size:
         raise ValueError(f"--data_path {args.data_path}: found {len(train_ds)} rows, need at least "
                          f"{args.batch_size * world_size} (--batch_size x processes) for one full batch")
