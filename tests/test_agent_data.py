@@ -108,3 +108,29 @@ def test_tools_of_a_data_file_are_read_and_bad_ones_named(tmp_path):
         path.write_text(json.dumps({"conversations": [turn]}) + "\n", encoding="utf-8")
         with pytest.raises(DataFormatError, match=rf"rows.jsonl:1: .*{message}"):
             read_conversations_jsonl(str(path))
+
+
+def test_copy_mix_holds_every_agent_row_and_trace_rows_behind_other_turns():
+    """scripts/make_copy_mix.py (docs/agent.md): the agent SFT rows unchanged, and each other row ends with one of
+    sft_data's column-trace conversations, behind whole sft_data conversations and at most the agent rows' tools."""
+    import random
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from make_copy_mix import copy_mix
+    sft = [json.loads(line) for line in open(os.path.join(ROOT, "dataset", "sft_data.jsonl"), encoding="utf-8")]
+    agent = [json.loads(line) for line in open(os.path.join(ROOT, "dataset", "agent_sft.jsonl"), encoding="utf-8")]
+    rows = copy_mix(sft, agent, 300, random.Random(0))
+    agent_dumped = sorted(json.dumps(row, sort_keys=True) for row in agent)
+    agent_set = set(agent_dumped)
+    in_agent = [json.dumps(row, sort_keys=True) in agent_set for row in rows]
+    assert sorted(json.dumps(row, sort_keys=True) for row, kept in zip(rows, in_agent) if kept) == agent_dumped
+    conversations = {json.dumps(row["conversations"], sort_keys=True) for row in sft}
+    agent_tools = {turn["tools"] for row in agent for turn in row["conversations"] if turn.get("tools")}
+    mixed = [row["conversations"] for row, kept in zip(rows, in_agent) if not kept]
+    assert len(mixed) == 300 and any(turns[0]["role"] == "system" for turns in mixed)
+    for turns in mixed:
+        if turns[0]["role"] == "system":
+            assert turns[0]["tools"] in agent_tools
+            turns = turns[1:]
+        assert ", ones first" in turns[-1]["content"] and json.dumps(turns[-2:], sort_keys=True) in conversations
+        assert len(turns) % 2 == 0 and all(json.dumps(turns[i:i + 2], sort_keys=True) in conversations
+                                           for i in range(0, len(turns), 2))
