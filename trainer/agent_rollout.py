@@ -31,6 +31,7 @@ import torch
 
 from trainer.agent_tools import REGISTRY, check_arguments, execute_call, parse_tool_calls
 from trainer.infra.distributed import unwrap_model
+from trainer.rollout_engine import cut_turn
 
 
 @dataclass
@@ -159,13 +160,8 @@ def generate_turn(model, contexts, budgets, temperature, eos_token_id, pad_token
         input_ids.to(device), attention_mask=attention_mask.to(device), max_new_tokens=max(budgets), do_sample=True,
         temperature=temperature, top_p=1.0, top_k=0, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
         generator=generator)  # [A, L + T], [A, T]
-    turns = []
-    for row, budget in enumerate(budgets):
-        ids = output_ids[row, width:].tolist()[:budget]
-        logps = per_token_logps[row].tolist()[:budget]
-        end = ids.index(eos_token_id) + 1 if eos_token_id in ids else len(ids)
-        turns.append((ids[:end], logps[:end]))
-    return turns
+    return [cut_turn(output_ids[row, width:].tolist(), per_token_logps[row].tolist(), budget, eos_token_id)
+            for row, budget in enumerate(budgets)]
 
 
 def agent_rollout(model, tokenizer, conversations, num_generations, *, max_new_tokens, max_total_len,

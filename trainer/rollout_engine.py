@@ -104,6 +104,14 @@ def decode_completions(tokenizer, completion_ids, completion_mask, eos_token_id)
     return texts
 
 
+def cut_turn(ids, logps, budget, eos_token_id):
+    """One generated turn of a multi-turn rollout: (ids, logps), two lists, kept up to and including the first EOS
+    and to at most ``budget`` tokens (a prefix of a sample is a sample of that prefix)."""
+    ids, logps = list(ids[:budget]), list(logps[:budget])
+    end = ids.index(eos_token_id) + 1 if eos_token_id in ids else len(ids)
+    return ids[:end], logps[:end]
+
+
 class RolloutEngine(ABC):
     """Samples completions for a batch of prompts (chapter 8.2)."""
 
@@ -257,13 +265,9 @@ class SGLangRolloutEngine(RolloutEngine):
         check_sglang_prompts(padded, (torch.arange(padded.size(1)) < lengths.unsqueeze(1)).long(), vocab_size)
         sampling_params = sglang_sampling_params(temperature, self.sampling["top_p"], self.sampling["top_k"],
                                                  max(budgets), self.tokenizer.eos_token_id)
-        turns = []
-        for (ids, logps), budget in zip(self.client.generate([list(ids) for ids in contexts], sampling_params),
-                                        budgets):
-            ids, logps = ids[:budget], logps[:budget]
-            end = ids.index(self.tokenizer.eos_token_id) + 1 if self.tokenizer.eos_token_id in ids else len(ids)
-            turns.append((ids[:end], logps[:end]))
-        return turns
+        answers = self.client.generate([list(ids) for ids in contexts], sampling_params)
+        return [cut_turn(ids, logps, budget, self.tokenizer.eos_token_id)
+                for (ids, logps), budget in zip(answers, budgets)]
 
     def old_per_token_logps(self, model, output_ids, full_mask, completion_mask, server_per_token_logps,
                             temperature):
