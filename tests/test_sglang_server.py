@@ -260,6 +260,19 @@ def test_agent_turns_generated_by_the_server_carry_the_trainers_log_probs_and_th
         assert replies and all(reply in text for reply in replies), (text, replies)
 
 
+def test_each_row_of_a_turn_is_sent_its_own_budget(server_url, prompts, tmp_path):
+    """``generate_turn``: a conversation that nearly fills the server's context (2048, scripts/launch_sglang.sh's
+    --context-length) is served in the same request as a short one with a larger budget; a single max_new_tokens
+    for both would pass the context length and the server would refuse the request."""
+    model, tokenizer = load_policy()
+    engine = SGLangRolloutEngine(model, tokenizer, server_url, str(tmp_path / "shared"), **ENGINE)
+    prompt_ids = tokenizer(prompts[0], add_special_tokens=False)["input_ids"]
+    long_context = (prompt_ids * (2048 // len(prompt_ids) + 1))[-2030:]  # ending in a prompt; the server takes
+    turns = engine.generate_turn([long_context, prompt_ids], [4, 64], 1.0)  # at most 2042 input tokens
+    assert 1 <= len(turns[0][0]) <= 4 and 1 <= len(turns[1][0]) <= 64
+    assert len(long_context) + 64 > 2048  # the request one budget for both would have made
+
+
 @pytest.mark.parametrize("data", ["bundled", "upstream_rows"])
 def test_three_agent_training_steps_against_the_server(data, server_url, tmp_path):
     run_dir = tmp_path / "run"

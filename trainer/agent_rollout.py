@@ -164,6 +164,7 @@ def generate_turn(model, contexts, budgets, temperature, eos_token_id, pad_token
             for row, budget in enumerate(budgets)]
 
 
+@torch.no_grad()
 def agent_rollout(model, tokenizer, conversations, num_generations, *, max_new_tokens, max_total_len,
                   temperature=1.0, max_turns=3, generator=None, chat_template_kwargs=None, server=None):
     """Roll out ``num_generations`` multi-turn tool-using answers to each conversation, all rows batched per turn.
@@ -218,11 +219,11 @@ def agent_rollout(model, tokenizer, conversations, num_generations, *, max_new_t
         generating_model.train(was_training)
     result = batch_conversations(rows, tokenizer.pad_token_id, next(generating_model.parameters()).device, metrics)
     if server is not None:  # the server's log-probs -> the trainer's (or the server's, checked) on the model's tokens
-        old_per_token_logps, gap = server.old_per_token_logps(
+        old_per_token_logps, gap_metrics = server.old_per_token_logps(
             generating_model, result.output_ids, result.attention_mask, result.completion_mask,
             result.old_per_token_logps, temperature)  # [N, R]
         result.old_per_token_logps = old_per_token_logps * result.completion_mask
-        result.metrics.update(gap)
+        result.metrics.update(gap_metrics)
     return result
 
 

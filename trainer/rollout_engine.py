@@ -251,20 +251,20 @@ class SGLangRolloutEngine(RolloutEngine):
         """One turn of multi-turn rollouts (``trainer/agent_rollout.py``) in one ``/generate`` request.
 
         contexts: A lists of token ids, each conversation so far (prompt, earlier turns, tool replies);
-        budgets: A ints >= 1, each row's most new tokens. Every row is asked for max(budgets) tokens, sampled at
-        ``temperature`` with the engine's top-p / top-k, and kept up to and including its first EOS, at most its
-        budget (a prefix of a sample is a sample of that prefix). Returns A (token ids, the server's log-probs)
-        pairs of lists; the caller settles the old log-probs with ``old_per_token_logps`` once the conversations
-        are whole. Raises ValueError for contexts the server cannot take (``check_sglang_prompts``) and
-        RuntimeError for answers that fail ``SGLangClient``'s checks.
+        budgets: A ints >= 1, each row's most new tokens, sent as its own ``max_new_tokens`` (the server refuses a
+        request whose prompt + max_new_tokens passes its context length); sampled at ``temperature`` with the
+        engine's top-p / top-k, kept up to and including the first EOS (``cut_turn``). Returns A (token ids, the
+        server's log-probs) pairs of lists; the caller settles the old log-probs with ``old_per_token_logps`` once
+        the conversations are whole. Raises ValueError for contexts the server cannot take
+        (``check_sglang_prompts``) and RuntimeError for answers that fail ``SGLangClient``'s checks.
         """
         vocab_size = unwrap_model(self.policy_model).config.vocab_size
         padded = torch.nn.utils.rnn.pad_sequence([torch.tensor(ids, dtype=torch.long) for ids in contexts],
                                                  batch_first=True)  # [A, L], right-padded with 0
         lengths = torch.tensor([len(ids) for ids in contexts])  # [A]
         check_sglang_prompts(padded, (torch.arange(padded.size(1)) < lengths.unsqueeze(1)).long(), vocab_size)
-        sampling_params = sglang_sampling_params(temperature, self.sampling["top_p"], self.sampling["top_k"],
-                                                 max(budgets), self.tokenizer.eos_token_id)
+        sampling_params = [sglang_sampling_params(temperature, self.sampling["top_p"], self.sampling["top_k"], budget,
+                                                  self.tokenizer.eos_token_id) for budget in budgets]  # per row
         answers = self.client.generate([list(ids) for ids in contexts], sampling_params)
         return [cut_turn(ids, logps, budget, self.tokenizer.eos_token_id)
                 for (ids, logps), budget in zip(answers, budgets)]

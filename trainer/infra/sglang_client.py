@@ -273,7 +273,8 @@ class SGLangClient:
 
     def generate(self, input_ids, sampling_params):
         """POST /generate for N unpadded prompts (``return_logprob: true``); every answer checked
-        (``parse_sglang_output``). Returns N (token_ids, logps) pairs.
+        (``parse_sglang_output``). ``sampling_params``: one dict for all prompts, or a list of N (SGLang takes one
+        per input: each row its own ``max_new_tokens``). Returns N (token_ids, logps) pairs.
 
         Raises:
             RuntimeError: an HTTP error (SGLang answers a sampling parameter it does not know, or a value it cannot
@@ -283,7 +284,8 @@ class SGLangClient:
         response = self.request("POST", "/generate", payload)
         if response.status_code != 200:
             raise RuntimeError(f"SGLang {self.url}/generate answered HTTP {response.status_code}: "
-                               f"{response.text[:500]!r} to a request with sampling_params {sorted(sampling_params)}"
+                               f"{response.text[:500]!r} to a request with sampling_params "
+                               f"{sorted(sampling_params[0] if isinstance(sampling_params, list) else sampling_params)}"
                                "; the server's log names the cause")
         try:
             outputs = json.loads(response.content)  # NaN and Infinity parse, so the checks below name them
@@ -294,9 +296,10 @@ class SGLangClient:
         if not isinstance(outputs, list) or len(outputs) != len(input_ids):
             got = len(outputs) if isinstance(outputs, list) else type(outputs).__name__
             raise RuntimeError(f"SGLang {self.url}/generate: expected a list of {len(input_ids)} answers, got {got}")
-        return [parse_sglang_output(output, i, sampling_params["max_new_tokens"],
-                                    sampling_params["stop_token_ids"][0], self.server_weight_version, self.vocab_size)
-                for i, output in enumerate(outputs)]
+        per_row = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(outputs)
+        return [parse_sglang_output(output, i, params["max_new_tokens"], params["stop_token_ids"][0],
+                                    self.server_weight_version, self.vocab_size)
+                for i, (output, params) in enumerate(zip(outputs, per_row))]
 
     def next_weight_version(self):
         """The label the next push gives its weights."""
