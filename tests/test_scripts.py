@@ -211,3 +211,32 @@ def test_check_gpu_refuses_cuda_without_a_gpu(capsys):
     with pytest.raises(SystemExit):
         parse_args([])
     assert "torch.cuda.is_available() is False" in capsys.readouterr().err
+
+
+def test_sft_resumed_from_its_resume_file_ends_as_a_straight_run(tiny_weights, tmp_path):
+    """train_full_sft.py --from_resume 1 continues from the state written at --save_interval (step 4: one batch into
+    the second epoch) and saves the same weights as the uninterrupted run; changed flags are refused by name."""
+    import shutil
+    import torch
+    save_dir, name = tiny_weights
+    data = tmp_path / "sft6.jsonl"
+    data.write_text("".join(open(os.path.join(ROOT, "dataset", "sft_data.jsonl"), encoding="utf-8").readlines()[:6]),
+                    encoding="utf-8")
+    common = ["trainer/train_full_sft.py", "--data_path", str(data), "--from_weight",
+              os.path.join(save_dir, "tiny_64.pth"), "--batch_size", "2", "--max_steps", "5", "--max_seq_len", "64",
+              "--save_weight", "sft_r", "--log_interval", "1"] + TINY
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    straight.mkdir()
+    resumed.mkdir()
+    result = run_script(common + ["--save_dir", str(straight), "--save_interval", "4"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    shutil.copy(straight / "sft_r_64_resume.pth", resumed / "sft_r_64_resume.pth")  # the state after step 4
+    result = run_script(common + ["--save_dir", str(resumed), "--from_resume", "1"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "at step 4/5" in result.stdout and "step 5/5 loss" in result.stdout and "step 4/5 loss" not in result.stdout
+    a, b = torch.load(straight / "sft_r_64.pth"), torch.load(resumed / "sft_r_64.pth")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    result = run_script(common + ["--save_dir", str(resumed), "--from_resume", "1", "--learning_rate", "1e-3"])
+    assert result.returncode != 0 and "--learning_rate 0.002 (now 0.001)" in result.stderr
+    result = run_script(common + ["--save_dir", str(tmp_path), "--from_resume", "1"])
+    assert result.returncode == 2 and "no resume file" in result.stderr

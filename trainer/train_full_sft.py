@@ -8,6 +8,10 @@ was made with the defaults:
 Other examples:
     python trainer/train_full_sft.py --max_steps 100 --save_weight tiny_sft
     torchrun --nproc_per_node 2 trainer/train_full_sft.py
+
+A long run (``--save_interval N``) also writes ``{save_dir}/{save_weight}_{hidden}_resume.pth`` every N steps
+(fp32 weights, optimizer, schedule, data position); the same command with ``--from_resume 1`` continues it and
+ends with the weights an uninterrupted run ends with.
 """
 import argparse
 import os
@@ -24,8 +28,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 from dataset.lm_dataset import SFTDataset, sft_collate
-from trainer.infra.distributed import Logger, any_rank, init_distributed_mode, is_main_process, setup_seed
-from trainer.infra.files import check_writable_dir
+from trainer.infra.distributed import (
+    Logger, any_rank, init_distributed_mode, is_main_process, setup_seed, unwrap_model,
+)
+from trainer.infra.files import atomic_write, check_writable_dir
 from trainer.infra.flags import add_bool_flag
 from trainer.infra.optimizer import build_cosine_scheduler, project_scale_only_gradients
 from trainer.infra.stopping import BadStepGuard, nonfinite_parts
@@ -50,7 +56,10 @@ def parse_args(argv=None):
     parser.add_argument("--max_seq_len", type=int, default=256)
     parser.add_argument("--log_interval", type=int, default=50)
     parser.add_argument("--save_interval", type=int, default=0,
-                        help="also save a snapshot {save_weight}_step{N}_{hidden}.pth every N steps (0 = off)")
+                        help="also save a snapshot {save_weight}_step{N}_{hidden}.pth and the resume file "
+                             "{save_weight}_{hidden}_resume.pth every N steps (0 = off)")
+    add_bool_flag(parser, "--from_resume",
+                  help="1: continue the run whose resume file {save_weight}_{hidden}_resume.pth is in --save_dir")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--num_threads", type=int, default=0, help="torch threads on CPU (0 = torch default)")
     parser.add_argument("--max_bad_steps", type=int, default=3,
@@ -69,7 +78,31 @@ def parse_args(argv=None):
         check_writable_dir(args.save_dir)
     except OSError as err:
         parser.error(f"--save_dir: {err.strerror}")
+    if args.from_resume and not os.path.isfile(resume_path(args)):
+        parser.error(f"--from_resume 1: no resume file {resume_path(args)} (a run with --save_interval N writes it "
+                     f"every N steps)")
     return args
+
+
+RESUME_KEYS = ("data_path", "from_weight", "hidden_size", "num_hidden_layers", "use_moe", "batch_size",
+               "learning_rate", "weight_decay", "max_seq_len", "max_steps", "epochs", "seed")  # must match to resume
+
+
+def resume_path(args):
+    """``{save_dir}/{save_weight}_{hidden}[_moe]_resume.pth``: the state a ``--from_resume 1`` run continues."""
+    weights = weight_path(args.save_weight, args.save_dir, args.hidden_size, args.use_moe, allow_file=False)
+    return os.path.splitext(weights)[0] + "_resume.pth"
+
+
+def load_resume_state(args):
+    """The resume file's state; ValueError naming each flag whose value differs from the run that wrote it."""
+    state = torch.load(resume_path(args), map_location="cpu", weights_only=False)
+    changed = [f"--{key} {state['args'][key]!r} (now {getattr(args, key)!r})" for key in RESUME_KEYS
+               if state["args"].get(key) != getattr(args, key)]
+    if changed:
+        raise ValueError(f"{resume_path(args)} was written by a run with {', '.join(changed)}: resume with the "
+                         f"same flags, or start anew without --from_resume")
+    return state
 
 
 def sft_loss(logits, labels):
@@ -107,12 +140,23 @@ def main(argv=None):
         model = DistributedDataParallel(model, device_ids=[local_rank] if device.startswith("cuda") else None)
 
     guard = BadStepGuard(args.max_bad_steps)
-    step, start = 0, time.time()
+    step, first_epoch, skip_batches, start = 0, 0, 0, time.time()
+    if args.from_resume:  # weights, optimizer, schedule, and the data order from the resumed epoch's start
+        state = load_resume_state(args)
+        unwrap_model(model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step, first_epoch, skip_batches = state["step"], state["epoch"], state["batch_in_epoch"]
+        generator.set_state(state["epoch_generator_state"])
+        Logger(f"resumed {resume_path(args)} at step {step}/{total_steps}")
     model.train()
-    for epoch in range(10 ** 9):
+    for epoch in range(first_epoch, 10 ** 9):
         if sampler is not None:
             sampler.set_epoch(epoch)
-        for input_ids, labels, attention_mask in loader:
+        epoch_generator_state = generator.get_state()  # the shuffle of this epoch is drawn from here
+        for batch_in_epoch, (input_ids, labels, attention_mask) in enumerate(loader, start=1):
+            if epoch == first_epoch and batch_in_epoch <= skip_batches:
+                continue  # trained before the resume
             input_ids, labels, attention_mask = input_ids.to(device), labels.to(device), attention_mask.to(device)
             out = model(input_ids, attention_mask=attention_mask)  # through DDP when distributed
             loss = sft_loss(out.logits, labels) + out.aux_loss
@@ -135,6 +179,11 @@ def main(argv=None):
                 snapshot = weight_path(f"{args.save_weight}_step{step}", args.save_dir, args.hidden_size, args.use_moe,
                                        allow_file=False)
                 save_weights(half_state_dict(model), snapshot, tokenizer.name_or_path)
+                state = {"model": unwrap_model(model).state_dict(), "optimizer": optimizer.state_dict(),
+                         "scheduler": scheduler.state_dict(), "step": step, "epoch": epoch,
+                         "batch_in_epoch": batch_in_epoch, "epoch_generator_state": epoch_generator_state,
+                         "args": {key: getattr(args, key) for key in RESUME_KEYS}}
+                atomic_write({resume_path(args): lambda tmp, state=state: torch.save(state, tmp)})
             if step >= total_steps:
                 break
         if step >= total_steps:
