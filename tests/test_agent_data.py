@@ -134,3 +134,46 @@ def test_copy_mix_holds_every_agent_row_and_trace_rows_behind_other_turns():
         assert ", ones first" in turns[-1]["content"] and json.dumps(turns[-2:], sort_keys=True) in conversations
         assert len(turns) % 2 == 0 and all(json.dumps(turns[i:i + 2], sort_keys=True) in conversations
                                            for i in range(0, len(turns), 2))
+
+
+def test_agent_copy_sft_rows_call_rightly_and_hold_no_rl_problem(tmp_path):
+    """scripts/make_agent_sft.py (docs/agent.md): every call is a valid calculate_math call on the expression of the
+    question it answers, its tool turn is execute_tool's reply and Python's value, the answer carries that value, no
+    expression of the RL files appears, some rows carry the schema and some do not, and a seed writes one file."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from make_agent_sft import main as make_agent_sft
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    make_agent_sft(["--num_rows", "200", "--out", str(first)])
+    make_agent_sft(["--num_rows", "200", "--out", str(second)])
+    assert first.read_bytes() == second.read_bytes()
+    held = {expression_of(next(t["content"] for t in row["conversations"] if t["role"] == "user"))
+            for name in ("agent_rl_train.jsonl", "agent_rl_val.jsonl", "agent_rl_test.jsonl") for row in rows(name)}
+    data = [json.loads(line) for line in first.read_text(encoding="utf-8").splitlines()]
+    assert len(data) == 200
+    with_schema = calls = answered_at_once = 0
+    for row in data:
+        turns = row["conversations"]
+        if turns[0].get("tools"):
+            with_schema += 1
+            assert json.loads(turns[0]["tools"]) == tool_schemas(["calculate_math"])
+        problem_starts = [i for i, t in enumerate(turns) if t["role"] == "user" and EXPRESSION.search(t["content"])]
+        assert problem_starts
+        for start in problem_starts:
+            expression = expression_of(turns[start]["content"])
+            assert expression not in held
+            value = str(python_value(expression))
+            if turns[start + 1]["content"].startswith("<tool_call>"):
+                calls += 1
+                (call,) = parse_tool_calls(turns[start + 1]["content"])
+                assert call.error is None and call.name == "calculate_math"
+                assert call.arguments == {"expression": expression} and check_arguments(call.name, call.arguments) \
+                    is None
+                assert turns[start + 2]["role"] == "tool"
+                assert turns[start + 2]["content"] == execute_tool("calculate_math", call.arguments)
+                assert json.loads(turns[start + 2]["content"]) == {"result": value}
+                final = turns[start + 3]
+            else:
+                answered_at_once += 1
+                final = turns[start + 1]
+            assert final["role"] == "assistant" and value in final["content"]
+    assert 0 < with_schema < 200 and calls > answered_at_once > 0
