@@ -2,14 +2,15 @@
 
 One greedy multi-turn answer to each of the first --num_prompts rows of --data_path (upstream's agent format:
 tools on the system turn, ``gt``), the calculator and the other registered tools answering its calls. Prints one
-JSON line: called (share of answers with a <tool_call>), valid (share of calls to an offered tool with arguments
-that pass check_arguments), correct (share whose final turn calls nothing and holds every ``gt`` value as a whole
-number or text), the same split by answers that called and did not, turns per answer.
+JSON line: called (share of answers with a <tool_call>), with_valid_call (share of answers with at least one valid
+call), valid (share of calls to an offered tool with arguments that pass check_arguments), correct (share whose
+final turn calls nothing and holds every ``gt`` value as a whole number or text), the same split by answers that
+called and did not, turns per answer.
 
 Greedy by default; ``--seeds 1 2`` adds one sampled answer per prompt and seed (at ``--temperature``), one line
 each. ``--no_tools`` renders the same questions without the tools block (the chapter's models answer in their head).
 
-Usage: python scripts/eval_agent_sft.py [--weight agent_sft] [--data_path dataset/agent_rl_val.jsonl]
+Usage: python scripts/eval_agent_sft.py [--weight agent_copy] [--data_path dataset/agent_rl_val.jsonl]
        [--num_prompts 200] [--seeds 1 2] [--no_tools]
 """
 import argparse
@@ -50,7 +51,7 @@ def holds(answer, value):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--weight", default="agent_sft")
+    parser.add_argument("--weight", default="agent_copy", help="the agent RL start (default: train_agent.py's)")
     parser.add_argument("--save_dir", default=DEFAULT_SAVE_DIR)
     parser.add_argument("--hidden_size", type=int, default=256)
     parser.add_argument("--num_hidden_layers", type=int, default=4)
@@ -82,7 +83,7 @@ def main(argv=None):
 def evaluate(policy, tokenizer, rows, args, mode, generator):
     """Answer every row once with ``policy`` (greedy, or sampled from ``generator``); print the JSON line."""
     start = time.time()
-    stats = {"called": [], "valid_calls": 0, "calls": 0, "correct": [], "turns": 0}
+    stats = {"called": [], "called_validly": [], "valid_calls": 0, "calls": 0, "correct": [], "turns": 0}
     for first in range(0, len(rows), args.batch_size):
         batch = rows[first:first + args.batch_size]
         result = agent_rollout(policy, tokenizer, [prompt_turns(row["conversations"]) for row in batch], 1,
@@ -90,6 +91,7 @@ def evaluate(policy, tokenizer, rows, args, mode, generator):
                                max_turns=args.max_turns, temperature=args.temperature, generator=generator)
         for n, row in enumerate(batch):
             stats["called"].append(int(result.num_tool_calls[n]) > 0)
+            stats["called_validly"].append(int(result.num_valid_calls[n]) > 0)
             stats["calls"] += int(result.num_tool_calls[n])
             stats["valid_calls"] += int(result.num_valid_calls[n])
             stats["turns"] += int(result.num_turns[n])
@@ -101,6 +103,7 @@ def evaluate(policy, tokenizer, rows, args, mode, generator):
         return round(sum(flags) / len(flags), 3) if flags else None
     print(json.dumps({
         "weight": args.weight, "mode": mode, "prompts": count, "called": share(called),
+        "with_valid_call": share(stats["called_validly"]),
         "valid": round(stats["valid_calls"] / stats["calls"], 3) if stats["calls"] else None,
         "correct": share(correct), "correct_when_called": share([c for c, t in zip(correct, called) if t]),
         "correct_without_call": share([c for c, t in zip(correct, called) if not t]),

@@ -239,8 +239,11 @@ def test_two_steps_on_upstream_rows_train_the_models_tokens_only(agent_files, tm
     # trained token (a tool reply wrongly trained would hold old log-prob 0 and a ratio far from 1)
     assert abs(rows[1]["ratio_min"] - 1) < 1e-4 and abs(rows[1]["ratio_max"] - 1) < 1e-4
     for row in (rows[0], rows[2]):  # the held-out evaluation before and after
-        assert {f"eval/{key}_{kind}" for key in ("accuracy", "tool_call_share", "valid_call_share", "turns")
+        assert {f"eval/{key}_{kind}" for key in ("accuracy", "tool_call_share", "answers_with_valid_call",
+                                                 "valid_call_share", "turns")
                 for kind in ("sampled", "greedy")} <= set(row)
+        for kind in ("sampled", "greedy"):  # an answer with a valid call is an answer with a call
+            assert row[f"eval/answers_with_valid_call_{kind}"] <= row[f"eval/tool_call_share_{kind}"]
     out = capsys.readouterr().out
     assert "[mask 1: trained]" in out and "[mask 0: not trained]" in out and '{"result": "216"}' in out
     assert "held-out agent evaluation on 2 prompts" in out
