@@ -60,6 +60,7 @@ from trainer.trainer_utils import grpo_advantages, load_reward_model, rep_penalt
 
 AGENT_TRAIN_DATA = os.path.join(ROOT, "dataset", "agent_rl_train.jsonl")
 AGENT_VAL_DATA = os.path.join(ROOT, "dataset", "agent_rl_val.jsonl")
+AGENT_TEST_DATA = os.path.join(ROOT, "dataset", "agent_rl_test.jsonl")
 
 
 # ----------------------------------------------------------------------------- data
@@ -256,12 +257,15 @@ def parse_args(argv=None):
     parser.add_argument("--num_iterations", type=int, default=1, help="mu: updates on each rollout")
     add_family_args(parser)
     # the bundled task's sizes: a prompt with the calculator's schema is ~610 tokens, a call ~95, its reply ~70;
-    # 60 steps and the evaluations at 0 and 60 fit 15 minutes on 2 CPU cores (docs/agent.md)
-    parser.set_defaults(data_path=AGENT_TRAIN_DATA, from_weight="agent_sft", thinking_ratio=0.0,
-                        answer_reward_weight=2.5, max_gen_len=128, max_steps=60, eval_interval=60)
+    # the start is the copy-trained out/agent_copy_256.pth; the reward is correctness and valid calls (the reward
+    # model off: it paid a wrong answer without a call more than a valid call); steps and learning rate were
+    # chosen on agent_rl_val, and the run reports agent_rl_test (docs/agent.md)
+    parser.set_defaults(data_path=AGENT_TRAIN_DATA, from_weight="agent_copy", reward_model_path="none",
+                        thinking_ratio=0.0, answer_reward_weight=2.5, max_gen_len=128, max_steps=60,
+                        eval_interval=60)
     args = parser.parse_args(argv)
     if args.eval_data_path is None and same_file(args.data_path, AGENT_TRAIN_DATA):
-        args.eval_data_path = AGENT_VAL_DATA  # the bundled agent prompts' held-out split
+        args.eval_data_path = AGENT_TEST_DATA  # the bundled task's test split (settings chosen on AGENT_VAL_DATA)
     check_common_rl_args(parser, args)
     check_ranges(parser, args, at_least_1=("accumulation_steps", "num_iterations", "max_turns"),
                  at_least_2=("num_generations",), non_negative=("beta", "answer_reward_weight"))
@@ -449,7 +453,8 @@ class GreedyPolicy(torch.nn.Module):
 class AgentEvaluator:
     """The run's held-out evaluation (step 0, every --eval_interval steps, the end): the first ``num_prompts`` rows
     answered once each, sampled (own generator, ``seed``) and greedy, reporting ``eval/accuracy_*`` (all gt values
-    in the final answer), ``eval/tool_call_share_*``, ``eval/valid_call_share_*``, ``eval/turns_*`` and
+    in the final answer), ``eval/tool_call_share_*`` (answers with a call), ``eval/answers_with_valid_call_*``
+    (answers with at least one valid call), ``eval/valid_call_share_*`` (valid calls / calls), ``eval/turns_*`` and
     ``eval/response_len``; ``history`` keeps every call for the before/after lines."""
 
     def __init__(self, dataset, tokenizer, args, device, seed=1234, batch_size=32):
@@ -460,9 +465,11 @@ class AgentEvaluator:
 
     @torch.no_grad()
     def evaluate(self, model, greedy, should_stop=None):
-        """{accuracy, tool_call_share, valid_call_share, turns, response_len}, or None when stopped."""
+        """{accuracy, tool_call_share, answers_with_valid_call, valid_call_share, turns, response_len}, or None when
+        stopped."""
         generator = torch.Generator(device=self.device).manual_seed(self.seed)
-        totals = dict.fromkeys(("accuracy", "tool_call_share", "turns", "response_len", "calls", "valid"), 0.0)
+        totals = dict.fromkeys(("accuracy", "tool_call_share", "answers_with_valid_call", "turns", "response_len",
+                                "calls", "valid"), 0.0)
         policy = GreedyPolicy(unwrap_model(model)) if greedy else unwrap_model(model)
         for start in range(0, self.num_prompts, self.batch_size):
             if should_stop is not None and should_stop():
@@ -477,6 +484,7 @@ class AgentEvaluator:
                                             rollout.unfinished.tolist(), [r["gt"] for r in rows], None, 1.0)
             totals["accuracy"] += parts["accuracy"].sum().item()
             totals["tool_call_share"] += (rollout.num_tool_calls > 0).sum().item()
+            totals["answers_with_valid_call"] += (rollout.num_valid_calls > 0).sum().item()
             totals["turns"] += rollout.num_turns.sum().item()
             totals["response_len"] += rollout.completion_mask.sum().item()
             totals["calls"] += rollout.num_tool_calls.sum().item()
@@ -491,7 +499,7 @@ class AgentEvaluator:
         if sampled is None or greedy is None:
             return {}
         metrics = {f"eval/{key}_{kind}": result[key] for kind, result in (("sampled", sampled), ("greedy", greedy))
-                   for key in ("accuracy", "tool_call_share", "valid_call_share", "turns")}
+                   for key in ("accuracy", "tool_call_share", "answers_with_valid_call", "valid_call_share", "turns")}
         metrics["eval/response_len"] = sampled["response_len"]
         self.history.append((step, metrics))
         return metrics
