@@ -30,11 +30,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-from make_demo_data import AGENT_SYSTEM, agent_final, agent_prompt, make_agent_problem  # noqa: E402
+from make_demo_data import AGENT_SYSTEM, agent_final, agent_prompt, make_agent_problem, write_jsonl  # noqa: E402
 
 from dataset.lm_dataset import iter_jsonl  # noqa: E402
 from trainer.agent_tools import execute_tool  # noqa: E402
-from trainer.infra.files import atomic_write  # noqa: E402
 
 EXPRESSION = re.compile(r"\d+(?: [-+*] \d+)+")  # the arithmetic of a question, as make_agent_problem writes it
 RL_FILES = ("agent_rl_train.jsonl", "agent_rl_val.jsonl", "agent_rl_test.jsonl")
@@ -111,11 +110,7 @@ def main(argv=None):
 
     rows = [copy_rich_row(rng, draw_problem, chat_rows, args.tools_share, args.first_call_ratio,
                           args.later_call_ratio) for _ in range(args.num_rows)]
-
-    def write(tmp):
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-    atomic_write({args.out: write})
+    write_jsonl(args.out, rows)
     print(f"wrote {len(rows)} conversations to {args.out}")
 
 

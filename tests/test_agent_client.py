@@ -15,7 +15,7 @@ import torch
 from conftest import ROOT
 from trainer.agent_rollout import agent_rollout
 from trainer.infra.weights import build_config, init_model
-from trainer.train_agent import GreedyPolicy, parse_args
+from trainer.train_agent import AGENT_VAL_DATA, GreedyPolicy, parse_args
 
 NUM_PROMPTS = 6
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -90,7 +90,7 @@ def test_standard_client_matches_agent_rollout(bundled_start):
     """On validation prompts, greedy: the same turns and the same tool replies from both drivers, and the client's
     calculator agrees with the project's wherever the model called it."""
     model, tokenizer, args = bundled_start
-    rows = [json.loads(line) for line in open(args.eval_data_path, encoding="utf-8")][:NUM_PROMPTS]
+    rows = [json.loads(line) for line in open(AGENT_VAL_DATA, encoding="utf-8")][:NUM_PROMPTS]
     rollout = agent_rollout(GreedyPolicy(model), tokenizer,
                             [[t for t in row["conversations"] if t["role"] != "assistant"] for row in rows], 1,
                             max_new_tokens=args.max_gen_len, max_total_len=args.max_total_len,

@@ -258,8 +258,8 @@ def parse_args(argv=None):
     add_family_args(parser)
     # the bundled task's sizes: a prompt with the calculator's schema is ~610 tokens, a call ~95, its reply ~70;
     # the start is the copy-trained out/agent_copy_256.pth; the reward is correctness and valid calls (the reward
-    # model off: it paid a wrong answer without a call more than a valid call); steps and learning rate were
-    # chosen on agent_rl_val, and the run reports agent_rl_test (docs/agent.md)
+    # model off: its score on an answer without a call can out-earn a valid call, docs/departures.md); steps and
+    # learning rate were chosen on agent_rl_val, and the run reports agent_rl_test (docs/agent.md)
     parser.set_defaults(data_path=AGENT_TRAIN_DATA, from_weight="agent_copy", reward_model_path="none",
                         thinking_ratio=0.0, answer_reward_weight=2.5, max_gen_len=128, max_steps=60,
                         eval_interval=60)
