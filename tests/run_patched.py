@@ -40,10 +40,11 @@ def text_rewards(prompts, responses, answers, reward_model, answer_reward_weight
             "answer_rewards": zeros}
 
 
-def agent_text_rewards(messages, turn_texts, unfinished, gts, reward_model, gt_weight):
+def agent_text_rewards(messages, rollout, gts, reward_model, gt_weight):
     """Rewards in [0, 1) from the sha256 of the turns (unequal on a random tiny model), with the agent's keys (same
-    arguments and keys as train_agent.calculate_agent_rewards)."""
-    values = [int(hashlib.sha256("|".join(texts).encode()).hexdigest()[:8], 16) / 16 ** 8 for texts in turn_texts]
+    arguments and keys as trainer.agent.rewards.calculate_agent_rewards)."""
+    values = [int(hashlib.sha256("|".join(texts).encode()).hexdigest()[:8], 16) / 16 ** 8
+              for texts in rollout.turn_texts]
     rewards = torch.tensor(values, dtype=torch.float32)  # [N]
     parts = {key: torch.zeros_like(rewards) for key in (
         "rule_rewards", "reward_model_scores", "answer_rewards", "call_rewards", "tag_penalties",

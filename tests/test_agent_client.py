@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from conftest import ROOT
-from trainer.agent_rollout import agent_rollout
+from trainer.agent.rollout import agent_rollout
 from trainer.infra.weights import build_config, init_model
-from trainer.train_agent import AGENT_VAL_DATA, GreedyPolicy, parse_args
+from dataset.agent_dataset import AGENT_VAL_DATA
+from trainer.evaluation import GreedyPolicy
+from trainer.train_agent import parse_args
 
 NUM_PROMPTS = 6
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)

@@ -1,4 +1,4 @@
-"""trainer/agent_rollout.py: the masks of a two-turn conversation against the rendered chat template, token by token;
+"""trainer/agent/rollout.py: the masks of a two-turn conversation against the rendered chat template, token by token;
 the tools' replies in the observations; old log-probs equal to a fresh forward over the whole conversation; the loss
 with the observations masked equal to TRL 1.16's ``_compute_loss`` with a ``tool_mask``; cutting at max_total_len;
 the re-tokenisation check; bad input named. Upstream's tokenizer (tests/fixtures) and a tiny random MiniMind."""
@@ -10,8 +10,8 @@ from transformers import AutoTokenizer
 
 from conftest import MINIMIND_TOKENIZER, require_trl
 from test_grpo_family import config_of, trl_trainer
-from trainer.agent_rollout import agent_rollout, conversation_tools
-from trainer.agent_tools import execute_tool, tool_schemas
+from trainer.agent.rollout import agent_rollout, conversation_tools
+from trainer.agent.tools import execute_tool, tool_schemas
 from trainer.grpo_family import family_loss
 from trainer.rollout_engine import compute_per_token_logps
 

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from conftest import FIXTURES, MINIMIND_TOKENIZER, ROOT
-from trainer import agent_tools
-from trainer.agent_tools import (MAX_CALLS_PER_TURN, MAX_REPLY_CHARS, REGISTRY, ToolCall, ToolError, calculate,
+from trainer.agent import tools as agent_tools
+from trainer.agent.tools import (MAX_CALLS_PER_TURN, MAX_REPLY_CHARS, REGISTRY, ToolCall, ToolError, calculate,
                                  check_arguments, execute_call, execute_tool, parse_tool_calls, register_tool,
                                  tool_schemas)
 
@@ -483,7 +483,7 @@ def test_parse_bounds_the_number_of_calls_and_the_text_read():
 # ----------------------------------------------------------------------------- what the module may touch
 def test_the_module_evaluates_imports_and_opens_nothing():
     """Its imports are pure computation and it calls no builtin that runs code, imports, reflects or does I/O."""
-    path = os.path.join(ROOT, "trainer", "agent_tools.py")
+    path = os.path.join(ROOT, "trainer", "agent", "tools.py")
     tree = ast.parse(open(path, encoding="utf-8").read())
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}

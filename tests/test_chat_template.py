@@ -12,8 +12,8 @@ from transformers import AutoTokenizer
 from conftest import MINIMIND_TOKENIZER, ROOT
 from test_agent_rollout import ScriptedPolicy, observations, turn_ids
 from dataset.lm_dataset import SFTDataset, conversation_tools, prompt_turns, read_conversations_jsonl
-from trainer.agent_rollout import agent_rollout
-from trainer.agent_tools import execute_tool, tool_schemas
+from trainer.agent.rollout import agent_rollout
+from trainer.agent.tools import execute_tool, tool_schemas
 from trainer.train_tokenizer import CHAT_TEMPLATE
 
 # model/tokenizer_config.json's chat_template at commit 4567281 (git show 4567281:model/tokenizer_config.json)

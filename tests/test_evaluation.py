@@ -1,4 +1,4 @@
-"""The held-out evaluation (trainer/infra/evaluation.py) against checkpoints whose accuracy is known by construction."""
+"""The held-out evaluation (trainer/evaluation.py) against checkpoints whose accuracy is known by construction."""
 import json
 import os
 
@@ -9,7 +9,7 @@ from conftest import ROOT
 
 from dataset.lm_dataset import RLAIFDataset
 from model.model_minimind import Generation
-from trainer.infra.evaluation import HeldOutEvaluator, evaluate
+from trainer.evaluation import HeldOutEvaluator, evaluate
 
 VAL_PATH = os.path.join(ROOT, "dataset", "rlaif_val.jsonl")
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from trainer.rollout_engine import TorchRolloutEngine, compute_per_token_logps, create_rollout_engine, tokenize_prompts
-from trainer.selective_log_softmax import selective_log_softmax
+from trainer.speed.selective_log_softmax import selective_log_softmax
 
 PROMPTS = ["<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n<think>\n",
            "<|im_start|>user\n5 加 7 是多少？<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"]

@@ -27,8 +27,8 @@ from model.hf_qwen3 import save_qwen3_folder
 from scripts.sglang_cpu.server import launch_cpu_server, stop_server
 from trainer import rollout_engine as rollout_module
 from trainer.rollout_engine import SGLangRolloutEngine, compute_per_token_logps, tokenize_prompts
-from trainer.agent_rollout import agent_rollout
-from trainer.agent_tools import execute_call, parse_tool_calls
+from trainer.agent.rollout import agent_rollout
+from trainer.agent.tools import execute_call, parse_tool_calls
 from trainer.train_agent import main as agent_main
 from trainer.train_grpo import main as grpo_main
 from trainer.train_ppo import main as ppo_main

@@ -13,13 +13,15 @@ import torch
 from conftest import MINIMIND_TOKENIZER
 from run_patched import agent_text_rewards as text_rewards
 from test_agent_rollout import CALC_CALL, ScriptedPolicy, turn_ids
-from trainer.agent_rollout import agent_rollout
+from dataset.agent_dataset import AgentRLDataset, collate_agent_rows
 from trainer import train_agent
-from trainer.agent_tools import tool_schemas
-from trainer.train_agent import (
-    agent_reward, call_count_reward, calculate_agent_rewards, count_calls, final_answer_text, gt_found, gt_reward,
-    mask_segments, tag_penalty,
+from trainer.agent.rewards import (
+    agent_reward, call_count_reward, calculate_agent_rewards, final_answer_text, gt_found, gt_reward, tag_penalty,
 )
+from trainer.agent.rollout import agent_rollout, ended_with_eos, template_kwargs
+from trainer.agent.tools import count_valid_calls, parse_tool_calls, tool_schemas
+from trainer.infra.distributed import unwrap_model
+from trainer.infra.metrics import mask_segments
 
 # ----------------------------------------------------------------------------- upstream-format rows
 QUESTIONS = [  # (question, tools offered, gt): rows of upstream's agent_rl.jsonl format, written for these tests
@@ -108,18 +110,30 @@ def test_call_count_and_gt_rewards():
 TOOLS = ["calculate_math", "get_current_time"]
 
 
+def call_counts(turn_texts, allowed):
+    """(calls, valid calls) over the turns, as the rollout counts them: the real parser on each turn's text."""
+    calls = [call for text in turn_texts for call in parse_tool_calls(text)]
+    return len(calls), count_valid_calls(calls, allowed)
+
+
+def reward_of(turn_texts, gt, allowed, unfinished, **kwargs):
+    """agent_reward with the call counts of ``turn_texts``."""
+    return agent_reward(turn_texts, gt, *call_counts(turn_texts, allowed), unfinished, **kwargs)
+
+
 def test_final_text_and_call_counts():
     assert final_answer_text([CALC_CALL, "先算 <tool_call>x</tool_call> 答案 216"], unfinished=False) == " 答案 216"
     assert final_answer_text([CALC_CALL], unfinished=True) == ""
     bad_arguments = '<tool_call>{"name": "calculate_math", "arguments": {"x": 1}}</tool_call>'
     not_offered = '<tool_call>{"name": "get_current_weather", "arguments": {"location": "北京"}}</tool_call>'
-    assert count_calls([CALC_CALL + bad_arguments, not_offered + "<tool_call>not json</tool_call>"], TOOLS) == (4, 1)
-    assert count_calls(["216"], TOOLS) == (0, 0)
+    turns = [CALC_CALL + bad_arguments, not_offered + "<tool_call>not json</tool_call>"]
+    assert call_counts(turns, TOOLS) == (4, 1)  # a malformed call counts as a call, not as a valid one
+    assert call_counts(["216"], TOOLS) == (0, 0)
 
 
 def test_agent_reward_with_a_valid_call_and_the_answer():
     # a valid call (+0.5), then the answer holding the one gt value (+2.5), no repetition -> clipped to 3.0
-    parts = agent_reward([CALC_CALL, "答案是 216。"], ["216"], TOOLS, unfinished=False)
+    parts = reward_of([CALC_CALL, "答案是 216。"], ["216"], TOOLS, unfinished=False)
     assert parts["call_reward"] == 0.5 and parts["answer_reward"] == 2.5 and parts["repetition_penalty"] == 0.0
     assert parts["reward"] == 3.0 and parts["accuracy"] == 1.0 and parts["called"] == 1.0
     assert parts["rule_reward"] == 0.0 and parts["reward_model_score"] == 0.0  # the no-call terms stay out
@@ -129,23 +143,27 @@ def test_agent_reward_unfinished_invalid_and_unbalanced():
     # an unknown tool (invalid: gap |0 - 1| + 1 = 2 -> -1.0), the conversation ends on it (-0.5, final text ""),
     # one unclosed tag in a second call turn: it is a malformed call too (gap 3 -> -1.5) and -0.5 for the tag
     unknown = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
-    parts = agent_reward([unknown], ["216"], TOOLS, unfinished=True)
+    parts = reward_of([unknown], ["216"], TOOLS, unfinished=True)
     assert parts["call_reward"] == -1.0 and parts["unfinished_penalty"] == -0.5 and parts["answer_reward"] == 0.0
     assert parts["reward"] == pytest.approx(-1.5 + parts["repetition_penalty"]) and parts["accuracy"] == 0.0
-    parts = agent_reward([unknown, "<tool_call>"], ["216"], TOOLS, unfinished=True)
+    parts = reward_of([unknown, "<tool_call>"], ["216"], TOOLS, unfinished=True)
     assert parts["tag_penalty"] == -0.5 and parts["call_reward"] == -1.5
     assert parts["reward"] == pytest.approx(-0.5 - 1.5 - 0.5 + parts["repetition_penalty"])
 
 
 def test_agent_reward_without_a_call_is_the_rule_reward_plus_the_reward_model():
     answer = "216 is the product of forty-five plus twenty-seven and three."  # 20..800 characters: +0.5
-    parts = agent_reward([answer], ["216"], TOOLS, unfinished=False, reward_model_score=1.25)
+    parts = reward_of([answer], ["216"], TOOLS, unfinished=False, reward_model_score=1.25)
     assert parts["rule_reward"] == 0.5 and parts["reward_model_score"] == 1.25 and parts["call_reward"] == 0.0
     assert parts["reward"] == 1.75 and parts["accuracy"] == 1.0 and parts["called"] == 0.0
-    assert agent_reward(["hi"], ["216"], TOOLS, False, reward_model_score=-3.0)["reward"] == -3.0  # -3.5 clipped
+    assert reward_of(["hi"], ["216"], TOOLS, False, reward_model_score=-3.0)["reward"] == -3.0  # -3.5 clipped
 
 
-def test_calculate_agent_rewards_scores_only_answers_without_a_call():
+def test_calculate_agent_rewards_scores_only_answers_without_a_call(policy):
+    """Two conversations of a real rollout (scripted turns teacher-forced through a tiny policy): a direct answer,
+    and a calculator call then the answer; the rewards read the rollout's own call counts."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(MINIMIND_TOKENIZER)
     scored = []
 
     class RewardModel:
@@ -155,8 +173,13 @@ def test_calculate_agent_rewards_scores_only_answers_without_a_call():
             return [1.0] * len(responses)
 
     messages = upstream_row(*QUESTIONS[0])["conversations"][:2]
-    parts = calculate_agent_rewards([messages, messages], [["a direct answer of 216, no tool"], [CALC_CALL, "216"]],
-                                    [False, False], [["216"], ["216"]], RewardModel(), 2.5)
+    script = [[turn_ids(tokenizer, "a direct answer of 216, no tool"), turn_ids(tokenizer, CALC_CALL)],
+              [turn_ids(tokenizer, "216")]]
+    rollout = agent_rollout(ScriptedPolicy(policy, script), tokenizer, [messages, messages], 1,
+                            max_new_tokens=64, max_total_len=1024, max_turns=2)
+    assert rollout.turn_texts == [["a direct answer of 216, no tool"], [CALC_CALL, "216"]]
+    assert rollout.num_tool_calls.tolist() == [0, 1] and rollout.num_valid_calls.tolist() == [0, 1]
+    parts = calculate_agent_rewards([messages, messages], rollout, [["216"], ["216"]], RewardModel(), 2.5)
     assert scored == ["a direct answer of 216, no tool"]
     assert parts["reward_model_scores"].tolist() == [1.0, 0.0]
     assert parts["rewards"].tolist() == [pytest.approx(0.5 + 1.0), 3.0] and parts["called"].tolist() == [0.0, 1.0]
@@ -204,7 +227,7 @@ def test_two_steps_on_upstream_rows_train_the_models_tokens_only(agent_files, tm
         if kwargs.get("generator") is not None:  # the held-out evaluation: the policy as it is
             return real_rollout(model, tokenizer, conversations, num_generations, **kwargs)
         script = [[turn_ids(tokenizer, CALC_CALL)] * (len(conversations) * num_generations)]
-        result = real_rollout(ScriptedPolicy(train_agent.unwrap_model(model), script), tokenizer, conversations,
+        result = real_rollout(ScriptedPolicy(unwrap_model(model), script), tokenizer, conversations,
                               num_generations, **kwargs)
         seen["rollouts"].append(result)
         return result
@@ -297,7 +320,7 @@ def test_ended_with_eos_reads_the_last_model_token_only():
                                    [5, 6, 0, 0, 0, 0, 0]])       # one turn, cut
     completion_mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [1, 1, 0, 0, 1, 1, 0], [1, 1, 0, 0, 0, 0, 0]])
     rollout = SimpleNamespace(completion_ids=completion_ids, completion_mask=completion_mask)
-    assert train_agent.ended_with_eos(rollout, eos).tolist() == [True, False, False]
+    assert ended_with_eos(rollout, eos).tolist() == [True, False, False]
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -320,13 +343,13 @@ def test_thinking_opens_per_prompt_as_the_chapters_dataset_draws_it(agent_files,
     _, train, _ = agent_files
     tokenizer = AutoTokenizer.from_pretrained(MINIMIND_TOKENIZER)
     rlaif = RLAIFDataset(train, tokenizer, thinking_ratio=0.5, seed=7)
-    agent = train_agent.AgentRLDataset(train, tokenizer, thinking_ratio=0.5, seed=7)
+    agent = AgentRLDataset(train, tokenizer, thinking_ratio=0.5, seed=7)
     opened = [rlaif[i]["prompt"].endswith("<think>\n") for i in range(len(rlaif))]
     assert 0 < sum(opened) < len(opened)  # both kinds among the rows
-    batch = train_agent.collate_rows([agent[i] for i in range(len(agent))])
+    batch = collate_agent_rows([agent[i] for i in range(len(agent))])
     assert batch["open_thinking"] == opened
     result = agent_rollout(policy, tokenizer, batch["messages"], 1, max_new_tokens=2, max_total_len=512,
-                           chat_template_kwargs=train_agent.template_kwargs(batch["open_thinking"]))
+                           chat_template_kwargs=template_kwargs(batch["open_thinking"]))
     prompt_width = result.output_ids.size(1) - result.completion_ids.size(1)
     prompts = [tokenizer.decode(result.output_ids[n, :prompt_width][result.prompt_mask[n].bool()])
                for n in range(len(opened))]

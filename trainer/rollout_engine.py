@@ -17,8 +17,10 @@ import torch
 from dataset.lm_dataset import prompt_tail
 from model.hf_qwen3 import save_qwen3_folder
 from trainer.infra.distributed import is_main_process, run_on_rank0, unwrap_model
-from trainer.infra.sglang_client import SGLangClient, check_sglang_prompts, sglang_sampling_params
-from trainer.selective_log_softmax import selective_log_softmax
+from trainer.infra.sglang_client import (
+    ROLLOUT_ENGINES, SGLANG_LOGPROB_MODES, SGLangClient, check_sglang_prompts, sglang_sampling_params,
+)
+from trainer.speed.selective_log_softmax import selective_log_softmax
 from trainer.trainer_utils import completion_mask_from_ids, masked_mean
 
 
@@ -171,8 +173,6 @@ class TorchRolloutEngine(RolloutEngine):
         self.policy_model = model
 
 
-SGLANG_LOGPROB_MODES = ("recompute", "server")
-
 
 class SGLangRolloutEngine(RolloutEngine):
     """Rollouts from an SGLang server over HTTP; the policy's weights synced to it through a shared folder (8.2).
@@ -248,7 +248,7 @@ class SGLangRolloutEngine(RolloutEngine):
 
     @torch.no_grad()
     def generate_turn(self, contexts, budgets, temperature=1.0):
-        """One turn of multi-turn rollouts (``trainer/agent_rollout.py``) in one ``/generate`` request.
+        """One turn of multi-turn rollouts (``trainer/agent/rollout.py``) in one ``/generate`` request.
 
         contexts: A lists of token ids, each conversation so far (prompt, earlier turns, tool replies);
         budgets: A ints >= 1, each row's most new tokens, sent as its own ``max_new_tokens`` (the server refuses a
@@ -332,8 +332,6 @@ class SGLangRolloutEngine(RolloutEngine):
         self.num_update_calls = int(state.get("num_update_calls", 0))
         self.client.weight_pushes = max(self.client.weight_pushes, int(state.get("weight_version", 0)))
 
-
-ROLLOUT_ENGINES = ("torch", "sglang")
 
 
 def create_rollout_engine(engine_type, policy_model, tokenizer, **kwargs):

@@ -37,7 +37,7 @@ from trainer.infra.distributed import (
     rank_and_world_size, setup_seed, shutdown_distributed, wrap_ddp,
 )
 from trainer.infra.dtypes import autocast_context, resolve_train_dtype, reward_model_dtype
-from trainer.infra.evaluation import build_evaluator, evaluate_if_due
+from trainer.evaluation import build_evaluator, evaluate_if_due
 from trainer.infra.flags import (
     add_bool_flag, add_common_rl_args, check_common_rl_args, check_ranges, rollout_engine_kwargs,
 )
@@ -50,7 +50,7 @@ from trainer.infra.optimizer import (
 from trainer.infra.stopping import BadStepGuard, StopSignal, nonfinite_parts
 from trainer.infra.weights import build_config, load_policy, load_tokenizer, weight_path
 from trainer.rollout_engine import RolloutResult, compute_per_token_logps, create_rollout_engine, tokenize_prompts
-from trainer.shared_prefix import shared_prefix_forward
+from trainer.speed.shared_prefix import shared_prefix_forward
 from trainer.trainer_utils import calculate_rewards, grpo_advantages, k3_kl, load_reward_model, masked_mean
 
 
@@ -143,7 +143,7 @@ def parse_args(argv=None):
 def group_policy_forward(model, rollout, num_generations, temperature=1.0, shared_prefix=True, compute_entropy=True):
     """``PolicyForward`` of a rollout's B*G answers under ``model`` (chapter 8.2, 8.5): per_token_logps fp32
     [B*G, R], the MoE router loss, token entropies [B*G, R] (or None). Every answer with its own copy of the prompt
-    (the chapter's), or with ``shared_prefix`` each prompt's forward once for its G answers (``shared_prefix.py``:
+    (the chapter's), or with ``shared_prefix`` each prompt's forward once for its G answers (``speed/shared_prefix.py``:
     the same log-probs). Raises ValueError when the rows are not groups of ``num_generations``."""
     if rollout.completion_ids.size(0) % num_generations != 0:
         raise ValueError(f"{rollout.completion_ids.size(0)} completions are not groups of {num_generations}")

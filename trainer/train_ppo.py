@@ -34,7 +34,7 @@ from trainer.infra.distributed import (
     rank_and_world_size, setup_seed, shutdown_distributed, wrap_ddp,
 )
 from trainer.infra.dtypes import autocast_context, resolve_train_dtype, reward_model_dtype
-from trainer.infra.evaluation import build_evaluator, evaluate_if_due
+from trainer.evaluation import build_evaluator, evaluate_if_due
 from trainer.infra.flags import (
     add_bool_flag, add_common_rl_args, check_common_rl_args, check_ranges, rollout_engine_kwargs,
 )

@@ -33,7 +33,7 @@ def autocast_context(device, dtype_name):
     log-softmax of this project casts its logits to fp32 first (``selective_log_softmax``), so log-probs, KL and
     losses are fp32.
     bf16 is only faster on hardware with bf16 matrix units (CUDA GPUs, CPUs with AMX / AVX512-BF16); on a
-    CPU without them it is much slower (``scripts/bench.py`` measures both peaks).
+    CPU without them it is much slower (``scripts/bench/bench.py`` measures both peaks).
 
     The context can be entered again after each exit (the scripts build it once and reuse it for every forward),
     but not inside itself: ``torch.autocast`` keeps the state it restores on the object.

@@ -11,8 +11,8 @@ from trainer.infra.checkpoints import sglang_folder
 from trainer.infra.files import check_creatable_dir, check_writable_dir
 from trainer.infra.dtypes import DTYPE_CHOICES, DTYPES
 from trainer.infra.metrics import TRACKERS
-from trainer.rollout_engine import ROLLOUT_ENGINES, SGLANG_LOGPROB_MODES
 from trainer.infra.reward_models import read_reward_model_config
+from trainer.infra.sglang_client import ROLLOUT_ENGINES, SGLANG_LOGPROB_MODES
 from trainer.infra.weights import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, ROOT, build_config
 
 DEFAULT_REWARD_MODEL_PATH = os.path.join(ROOT, "out", "reward_model_256")  # trainer/train_reward.py, committed

@@ -238,6 +238,34 @@ def print_samples(step, prompts, completions, reward_parts, num_generations):
 # ----------------------------------------------------------------------------- statistics PPO logs
 
 
+def mask_segments(tokenizer, ids, mask):
+    """[(mask value, text)] of the runs of equal mask in one conversation's tokens (``--debug_mode``)."""
+    segments, start = [], 0
+    for end in range(1, len(ids) + 1):
+        if end == len(ids) or mask[end] != mask[start]:
+            segments.append((mask[start], tokenizer.decode(ids[start:end], skip_special_tokens=False)))
+            start = end
+    return segments
+
+
+def print_conversations(step, rollout_batch, tokenizer, num_generations):
+    """``--debug_mode``: every conversation of the step, whole, in runs marked by their mask (1: the model's
+    tokens, trained; 0: prompt, tool replies and template tokens, seen only), with its reward parts."""
+    rollout, parts = rollout_batch.rollout, rollout_batch.reward_parts
+    prompt_width = rollout.output_ids.size(1) - rollout.completion_ids.size(1)
+    for n in range(rollout.output_ids.size(0)):
+        keep = rollout.attention_mask[n].bool().cpu()
+        mask = torch.cat([torch.zeros(prompt_width, dtype=torch.long), rollout_batch.completion_mask[n].cpu()])
+        ids, mask = rollout.output_ids[n].cpu()[keep].tolist(), mask[keep].tolist()
+        Logger(f"[debug] step {step} prompt {n // num_generations} answer {n % num_generations}: reward "
+               f"{parts['rewards'][n]:.3f} (rule {parts['rule_rewards'][n]:.3f}, rm "
+               f"{parts['reward_model_scores'][n]:.3f}, calls {parts['call_rewards'][n]:.2f}, gt "
+               f"{parts['answer_rewards'][n]:.2f}), {rollout.num_turns[n]} turns, {rollout.num_tool_calls[n]} calls "
+               f"({rollout.num_valid_calls[n]} valid)")
+        for value, text in mask_segments(tokenizer, ids, mask):
+            Logger(f"[mask {value}: {'trained' if value else 'not trained'}]\n{text}")
+
+
 def masked_values_mean(values, mask):
     """Mean of ``values`` over positions where mask == 1 (a sum over the mask / its count, at least 1), a scalar
     tensor: the same operations as ``trainer_utils.masked_mean``, for the logged statistics."""
@@ -273,13 +301,20 @@ def explained_variance(values, returns, mask):
 
 
 # ----------------------------------------------------------------------------- each script's step metrics and line
+def mean_of_updates(updates):
+    """The mean over a step's updates (dicts of floats, one per update on its rollout) of each metric, except
+    ``ratio_min`` / ``ratio_max``: the smallest and largest ratio of any update (the step's spread of the ratio)."""
+    update_mean = {key: sum(update[key] for update in updates) / len(updates) for key in updates[0]}
+    update_mean.update(ratio_min=min(update["ratio_min"] for update in updates),
+                       ratio_max=max(update["ratio_max"] for update in updates))
+    return update_mean
+
+
 def grpo_metrics(rollout_batch, updates):
     """The step's metrics: the rollout's rewards and advantages, then the mean over the step's updates of each
     update's metrics (one update per rollout: its own), except ``ratio_min`` / ``ratio_max``: the smallest and largest
     ratio of any update; names as TRL's where TRL logs the same."""
-    update_mean = {key: sum(update[key] for update in updates) / len(updates) for key in updates[0]}
-    update_mean.update(ratio_min=min(update["ratio_min"] for update in updates),  # the step's spread of the ratio
-                       ratio_max=max(update["ratio_max"] for update in updates))
+    update_mean = mean_of_updates(updates)
     kl_ref = {"kl_ref": update_mean.pop("kl_ref")} if "kl_ref" in update_mean else {}
     update_keys = ("policy_loss", "aux_loss", "ratio_mean")
     return {
@@ -311,6 +346,37 @@ def grpo_log_line(metrics, num_iterations=1):
         clip += f" | ratio {metrics['ratio_min']:.3f}-{metrics['ratio_max']:.3f} | approx_kl {metrics['approx_kl']:.1e}"
     return (f"{kl_ref}adv mean {metrics['advantages_mean']:.3f} std {metrics['advantages_std']:.3f} | "
             f"policy_loss {metrics['policy_loss']:.4f} | entropy {metrics['entropy']:.3f}{clip} | "
+            f"len {metrics['response_len']:.1f} | lr {metrics['learning_rate']:.2e}")
+
+
+AGENT_METRIC_PARTS = {"rule_reward": "rule_rewards", "reward_model_score": "reward_model_scores",
+                "answer_reward": "answer_rewards", "call_reward": "call_rewards", "tag_penalty": "tag_penalties",
+                "unfinished_penalty": "unfinished_penalties", "repetition_penalty": "repetition_penalties",
+                "accuracy": "accuracy"}  # metric name -> reward_fn key
+
+
+def agent_metrics(rollout_batch, updates):
+    """The step's metrics: the rewards and their parts, accuracy, tool use, advantages, then the mean of the
+    updates' metrics (``ratio_min`` / ``ratio_max``: the extremes over the updates)."""
+    update_mean = mean_of_updates(updates)
+    parts = rollout_batch.reward_parts
+    return {
+        "reward": rollout_batch.rewards.mean().item(),
+        **{name: parts[key].mean().item() for name, key in AGENT_METRIC_PARTS.items()},
+        "advantages_mean": rollout_batch.advantages.mean().item(),
+        "advantages_std": rollout_batch.advantages.std(unbiased=False).item(),
+        "response_len": rollout_batch.rollout.completion_mask.sum(dim=1).float().mean().item(),
+        **rollout_batch.metrics,
+        **update_mean,
+    }
+
+
+def agent_log_line(metrics):
+    """The agent's part of the log line (after the rewards): accuracy, tool use, loss, KL, entropy, length, rate."""
+    kl_ref = f"kl_ref {metrics['kl_ref']:.4f} | " if "kl_ref" in metrics else ""
+    return (f"acc {metrics['accuracy']:.2f} | calls {metrics['tool_call_share']:.2f} valid "
+            f"{metrics['valid_call_share']:.2f} | turns {metrics['turns']:.2f} | {kl_ref}"
+            f"policy_loss {metrics['policy_loss']:.4f} | entropy {metrics['entropy']:.3f} | "
             f"len {metrics['response_len']:.1f} | lr {metrics['learning_rate']:.2e}")
 
 

@@ -17,6 +17,8 @@ import requests
 from trainer.infra.distributed import broadcast_from_rank0
 from trainer.infra.stopping import stop_received
 
+ROLLOUT_ENGINES = ("torch", "sglang")  # --rollout_engine: the policy's own generate, or an SGLang server
+SGLANG_LOGPROB_MODES = ("recompute", "server")  # --sglang_logprobs: old log-probs by the trainer, or the server's
 RETRIED_HTTP_STATUSES = (502, 503, 504)
 STOP_GRACE_S = 10.0  # seconds an answer is awaited after a stop request (a CPU server answers a batch in about 1 s)
 

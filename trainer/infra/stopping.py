@@ -104,3 +104,17 @@ class BadStepGuard:
             raise SystemExit(f"stopping at step {step}: {self.in_a_row} updates in a row had non-finite "
                              f"{what}; the weights were not changed by them, and the last saved "
                              f"checkpoint holds no NaN. Lower --learning_rate or check the reward function.")
+
+
+def finish_run(stop_signal, stopped_at, resume_command, evaluator, writer, run_lock):
+    """The end of a training run: the stop line with ``resume_command`` when a stop request ended it at step
+    ``stopped_at`` (None: it ran to its end), the held-out evaluation's before/after lines, then the metrics file
+    closed, the signal handlers restored and the save folder's lock released (another run may use it)."""
+    if stopped_at is not None:
+        Logger(stop_signal.stopped_message(stopped_at, resume_command))
+    for line in evaluator.summary_lines() if evaluator is not None else []:
+        Logger(line)
+    writer.close()
+    stop_signal.restore()
+    if run_lock is not None:
+        run_lock.close()

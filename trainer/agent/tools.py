@@ -260,6 +260,39 @@ def parse_tool_calls(text: str) -> list:
         position = end + len(TOOL_CALL_CLOSE)
 
 
+def conversation_tools(messages):
+    """(messages without the ``tools`` key, tool schemas or None) of one upstream-format conversation.
+
+    messages: role/content dicts; a system turn may carry ``tools``, a JSON string (upstream's rows) or a list of
+    OpenAI function schemas, rendered as given. Raises ValueError when ``tools`` is not JSON, not a list of
+    function schemas, or names a tool that is not registered in ``REGISTRY``.
+    """
+    tools = None
+    cleaned = [{key: value for key, value in message.items() if key != "tools"} for message in messages]
+    system = [m for m in messages if m.get("role") == "system" and m.get("tools")]
+    if system:
+        tools = system[0]["tools"]
+        if isinstance(tools, str):
+            try:
+                tools = json.loads(tools)
+            except ValueError as error:
+                raise ValueError(f"the system turn's tools are not JSON ({error}): {tools[:80]!r}") from error
+        if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("function"), dict)
+                                                  and isinstance(t["function"].get("name"), str) for t in tools):
+            raise ValueError(f"the system turn's tools must be a list of function schemas, got {str(tools)[:80]!r}")
+        unknown = [t["function"]["name"] for t in tools if t["function"]["name"] not in REGISTRY]
+        if unknown:
+            raise ValueError(f"unknown tools {unknown} in the data; registered: {sorted(REGISTRY)}")
+    return cleaned, tools
+
+
+def count_valid_calls(calls, allowed) -> int:
+    """How many of ``calls`` (``parse_tool_calls``' entries of one turn) parsed, name a tool of ``allowed`` and have
+    arguments that pass ``check_arguments``: the valid calls of agent RL's reward and metrics."""
+    return sum(call.error is None and call.name in allowed and check_arguments(call.name, call.arguments) is None
+               for call in calls)
+
+
 def _parse_block(body: str) -> ToolCall:
     call, error = _json_object(body, "the tool call's contents")
     if error:

@@ -5,10 +5,14 @@
 periodic evaluation of both RL scripts (``--eval_interval``): the same prompts and the same sampling seed
 every time, sampled at the rollout's temperature and greedy, so that two evaluations of one run differ only
 by the weights. It is TRL's ``eval_steps`` / verl's ``val_before_train`` for a verifiable task.
+``AgentEvaluator`` is the same for agent RL: multi-turn conversations with tools, scored by the agent rewards.
 """
 import torch
 
+from dataset.agent_dataset import AgentRLDataset
 from dataset.lm_dataset import RLAIFDataset
+from trainer.agent.rewards import calculate_agent_rewards
+from trainer.agent.rollout import agent_rollout, template_kwargs
 from trainer.infra.distributed import Logger, unwrap_model
 from trainer.rollout_engine import TorchRolloutEngine, decode_completions, tokenize_prompts
 from trainer.trainer_utils import calculate_rewards, completion_mask_from_ids
@@ -95,6 +99,20 @@ def evaluate(model, tokenizer, dataset, num_prompts, batch_size, max_gen_len, te
     return result
 
 
+def before_after_lines(title, history, rows, width):
+    """The end-of-run table of a held-out evaluation: ``title`` (the same prompts and seed each time), then one line
+    per (metric key, label) of ``rows`` with its value at the first and the last (step, metrics) of ``history`` and
+    the change; ``width``: the labels' column. [] for an empty history."""
+    if not history:
+        return []
+    (first_step, first), (last_step, last) = history[0], history[-1]
+    lines = [f"{title} (same prompts and seed each time):",
+             f"  {'':<{width}} {'step ' + str(first_step):>10} {'step ' + str(last_step):>10} {'change':>8}"]
+    for key, label in rows:
+        lines.append(f"  {label:<{width}} {first[key]:>10.3f} {last[key]:>10.3f} {last[key] - first[key]:>+8.3f}")
+    return lines
+
+
 class HeldOutEvaluator:
     """The periodic held-out evaluation of a training run (``--eval_interval``, ``--eval_num_prompts``).
 
@@ -135,15 +153,8 @@ class HeldOutEvaluator:
 
     def summary_lines(self):
         """Lines comparing the first and the last evaluation (the start policy and the trained one)."""
-        if not self.history:
-            return []
-        (first_step, first), (last_step, last) = self.history[0], self.history[-1]
-        lines = [f"held-out accuracy on {self.num_prompts} prompts (same prompts and seed each time):",
-                 f"  {'':<22} {'step ' + str(first_step):>10} {'step ' + str(last_step):>10} {'change':>8}"]
-        for key, label in (("eval/accuracy_sampled", f"sampled (T = {self.temperature:g})"),
-                           ("eval/accuracy_greedy", "greedy")):
-            lines.append(f"  {label:<22} {first[key]:>10.3f} {last[key]:>10.3f} {last[key] - first[key]:>+8.3f}")
-        return lines
+        rows = (("eval/accuracy_sampled", f"sampled (T = {self.temperature:g})"), ("eval/accuracy_greedy", "greedy"))
+        return before_after_lines(f"held-out accuracy on {self.num_prompts} prompts", self.history, rows, 22)
 
 
 def build_evaluator(args, tokenizer, device):
@@ -158,6 +169,87 @@ def build_evaluator(args, tokenizer, device):
     eval_dataset = RLAIFDataset(args.eval_data_path, tokenizer, thinking_ratio=1.0, seed=args.seed)
     return HeldOutEvaluator(eval_dataset, tokenizer, args.eval_num_prompts, args.temperature, args.max_gen_len,
                             args.max_seq_len, device)
+
+
+class GreedyPolicy(torch.nn.Module):
+    """The policy with ``generate`` always greedy: ``agent_rollout`` of the greedy evaluation."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.policy = policy
+
+    def generate(self, input_ids, **kwargs):
+        return self.policy.generate(input_ids, **dict(kwargs, do_sample=False))
+
+
+class AgentEvaluator:
+    """The run's held-out evaluation (step 0, every --eval_interval steps, the end): the first ``num_prompts`` rows
+    answered once each, sampled (own generator, ``seed``) and greedy, reporting ``eval/accuracy_*`` (all gt values
+    in the final answer), ``eval/tool_call_share_*`` (answers with a call), ``eval/answers_with_valid_call_*``
+    (answers with at least one valid call), ``eval/valid_call_share_*`` (valid calls / calls), ``eval/turns_*`` and
+    ``eval/response_len``; ``history`` keeps every call for the before/after lines."""
+
+    def __init__(self, dataset, tokenizer, args, device, seed=1234, batch_size=32):
+        self.rows = [dataset[i] for i in range(min(args.eval_num_prompts, len(dataset)))]
+        self.num_prompts = len(self.rows)
+        self.tokenizer, self.args, self.device, self.seed, self.batch_size = tokenizer, args, device, seed, batch_size
+        self.history = []
+
+    @torch.no_grad()
+    def evaluate(self, model, greedy, should_stop=None):
+        """{accuracy, tool_call_share, answers_with_valid_call, valid_call_share, turns, response_len}, or None when
+        stopped."""
+        generator = torch.Generator(device=self.device).manual_seed(self.seed)
+        totals = dict.fromkeys(("accuracy", "tool_call_share", "answers_with_valid_call", "turns", "response_len",
+                                "calls", "valid"), 0.0)
+        policy = GreedyPolicy(unwrap_model(model)) if greedy else unwrap_model(model)
+        for start in range(0, self.num_prompts, self.batch_size):
+            if should_stop is not None and should_stop():
+                return None
+            rows = self.rows[start:start + self.batch_size]
+            rollout = agent_rollout(policy, self.tokenizer, [r["messages"] for r in rows], 1,
+                                    max_new_tokens=self.args.max_gen_len, max_total_len=self.args.max_total_len,
+                                    temperature=self.args.temperature, max_turns=self.args.max_turns,
+                                    generator=generator,
+                                    chat_template_kwargs=template_kwargs([r["open_thinking"] for r in rows]))
+            parts = calculate_agent_rewards([r["messages"] for r in rows], rollout, [r["gt"] for r in rows], None, 1.0)
+            totals["accuracy"] += parts["accuracy"].sum().item()
+            totals["tool_call_share"] += (rollout.num_tool_calls > 0).sum().item()
+            totals["answers_with_valid_call"] += (rollout.num_valid_calls > 0).sum().item()
+            totals["turns"] += rollout.num_turns.sum().item()
+            totals["response_len"] += rollout.completion_mask.sum().item()
+            totals["calls"] += rollout.num_tool_calls.sum().item()
+            totals["valid"] += rollout.num_valid_calls.sum().item()
+        calls, valid = totals.pop("calls"), totals.pop("valid")
+        return dict({key: value / self.num_prompts for key, value in totals.items()},
+                    valid_call_share=valid / calls if calls else 0.0)
+
+    def __call__(self, model, step, should_stop=None):
+        sampled = self.evaluate(model, False, should_stop)
+        greedy = self.evaluate(model, True, should_stop) if sampled else None
+        if sampled is None or greedy is None:
+            return {}
+        metrics = {f"eval/{key}_{kind}": result[key] for kind, result in (("sampled", sampled), ("greedy", greedy))
+                   for key in ("accuracy", "tool_call_share", "answers_with_valid_call", "valid_call_share", "turns")}
+        metrics["eval/response_len"] = sampled["response_len"]
+        self.history.append((step, metrics))
+        return metrics
+
+    def summary_lines(self):
+        """The first and the last evaluation side by side (the start policy and the trained one)."""
+        keys = [key for key in self.history[0][1] if key != "eval/response_len"] if self.history else []
+        return before_after_lines(f"held-out agent evaluation on {self.num_prompts} prompts", self.history,
+                                  [(key, key[5:]) for key in keys], 30)
+
+
+def build_agent_evaluator(args, tokenizer, device):
+    """The ``AgentEvaluator`` of --eval_data_path, or None with --eval_interval 0 or no held-out file."""
+    if args.eval_interval and not args.eval_data_path:
+        Logger("held-out evaluation off: pass --eval_data_path FILE (agent rows) to evaluate")
+    if not (args.eval_interval and args.eval_data_path):
+        return None
+    dataset = AgentRLDataset(args.eval_data_path, tokenizer, args.thinking_ratio, args.seed)
+    return AgentEvaluator(dataset, tokenizer, args, device)
 
 
 def evaluate_if_due(evaluator, model, step, total_steps, eval_interval, should_stop=None):

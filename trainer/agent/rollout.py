@@ -2,8 +2,8 @@
 
 ``agent_rollout`` advances all B x G conversations together, one turn per batched ``generate`` call (left-padded),
 or per ``/generate`` request to an SGLang server (``server``: ``--rollout_engine sglang``).
-Each turn the model writes; ``agent_tools.parse_tool_calls`` reads its calls; a conversation without a call, or at
-``max_turns``, leaves the batch; the others get one ``tool`` message per call (``agent_tools.execute_call``) and the
+Each turn the model writes; ``tools.parse_tool_calls`` reads its calls; a conversation without a call, or at
+``max_turns``, leaves the batch; the others get one ``tool`` message per call (``tools.execute_call``) and the
 chat template (tools from the conversation's system turn) renders what follows the model's turn: the observation,
 tokens that are seen, never trained (``completion_mask`` 0, old log-prob 0). Source: upstream MiniMind's
 ``trainer/train_agent.py`` (``rollout_single``), which rolls out one conversation at a time.
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainer.agent_tools import REGISTRY, check_arguments, execute_call, parse_tool_calls
+from trainer.agent.tools import conversation_tools, count_valid_calls, execute_call, parse_tool_calls
 from trainer.infra.distributed import unwrap_model
 from trainer.rollout_engine import cut_turn
 
@@ -54,32 +54,6 @@ class AgentRolloutResult:
     def prompt_mask(self):
         """long [N, P]: the prompts' attention mask."""
         return self.attention_mask[:, :self.output_ids.size(1) - self.completion_ids.size(1)]
-
-
-def conversation_tools(messages):
-    """(messages without the ``tools`` key, tool schemas or None) of one upstream-format conversation.
-
-    messages: role/content dicts; a system turn may carry ``tools``, a JSON string (upstream's rows) or a list of
-    OpenAI function schemas, rendered as given. Raises ValueError when ``tools`` is not JSON, not a list of
-    function schemas, or names a tool that is not registered in ``agent_tools``.
-    """
-    tools = None
-    cleaned = [{key: value for key, value in message.items() if key != "tools"} for message in messages]
-    system = [m for m in messages if m.get("role") == "system" and m.get("tools")]
-    if system:
-        tools = system[0]["tools"]
-        if isinstance(tools, str):
-            try:
-                tools = json.loads(tools)
-            except ValueError as error:
-                raise ValueError(f"the system turn's tools are not JSON ({error}): {tools[:80]!r}") from error
-        if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("function"), dict)
-                                                  and isinstance(t["function"].get("name"), str) for t in tools):
-            raise ValueError(f"the system turn's tools must be a list of function schemas, got {str(tools)[:80]!r}")
-        unknown = [t["function"]["name"] for t in tools if t["function"]["name"] not in REGISTRY]
-        if unknown:
-            raise ValueError(f"unknown tools {unknown} in the data; registered: {sorted(REGISTRY)}")
-    return cleaned, tools
 
 
 class Conversation:
@@ -259,8 +233,7 @@ def take_turn(tokenizer, row, ids, logps, cut_at_room, last_turn, max_total_len,
     row.turn_texts.append(text)
     calls = parse_tool_calls(text)
     row.num_tool_calls += len(calls)
-    row.num_valid_calls += sum(call.error is None and call.name in row.allowed
-                               and check_arguments(call.name, call.arguments) is None for call in calls)
+    row.num_valid_calls += count_valid_calls(calls, row.allowed)
     row.unfinished = bool(calls)
     metrics["length_stops"] += int(cut_at_room)
     if not calls or cut_at_room or last_turn:
@@ -301,3 +274,16 @@ def batch_conversations(rows, pad_token_id, device, metrics):
         num_valid_calls=counts[:, 1].to(device), num_turns=counts[:, 2].to(device),
         unfinished=torch.tensor([row.unfinished for row in rows], dtype=torch.bool, device=device),
         metrics=metrics)
+
+
+def template_kwargs(open_thinking):
+    """The chat template's arguments of each prompt of a batch: ``open_thinking`` (bools, the dataset's draw by
+    ``--thinking_ratio``; a prompt that opens thinking ends in ``<think>\\n``)."""
+    return [{"open_thinking": bool(value)} for value in open_thinking]
+
+
+def ended_with_eos(rollout, eos_token_id):
+    """bool [N]: each conversation's last model token is EOS (its last turn was not cut at --max_gen_len)."""
+    mask = rollout.completion_mask  # [N, R]
+    last = (mask.cumsum(dim=1) == mask.sum(dim=1, keepdim=True)) & mask.bool()  # [N, R], the last model token
+    return ((rollout.completion_ids == eos_token_id) & last).any(dim=1)  # [N]
