@@ -10,7 +10,7 @@ It prints, in this order:
   2. ``--steps`` GRPO and PPO steps of the embedded default (``--dtype auto`` = bf16 on the GPU): median step
      time over the steps after the first, and peak GPU memory;
   3. GRPO with ``--use_compile 1`` against 0: median step time after the first step (the compile);
-  4. ``scripts/bench.py`` at both model sizes in bf16 (ours against TRL where TRL is installed), when
+  4. ``scripts/bench/bench.py`` at both model sizes in bf16 (ours against TRL where TRL is installed), when
      ``--bench 1``.
 Each training run is ``python trainer/train_*.py`` in a subprocess, as a user runs it; its metrics.jsonl is read.
 """
@@ -81,7 +81,7 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="cuda:0", help="the GPU to check (cpu: a dry run of the same code)")
     parser.add_argument("--steps", type=int, default=20, help="GRPO and PPO steps of the embedded default")
     add_bool_flag(parser, "--skip_compile", help="1: leave out the --use_compile comparison")
-    add_bool_flag(parser, "--bench", help="1: also run scripts/bench.py at both sizes in bf16")
+    add_bool_flag(parser, "--bench", help="1: also run scripts/bench/bench.py at both sizes in bf16")
     parser.add_argument("--timeout", type=int, default=420, help="seconds per training run")
     args = parser.parse_args(argv)
     if args.steps < 2:
@@ -114,7 +114,7 @@ def main(argv=None):
                                       os.path.join(work_dir, f"compile{use_compile}"), args.timeout)
                 print(f"3. train_grpo --use_compile {use_compile}: step {median_text(seconds)}", flush=True)
     if args.bench:
-        command = [sys.executable, os.path.join(ROOT, "scripts", "bench.py"), "--dtype", "bfloat16",
+        command = [sys.executable, os.path.join(ROOT, "scripts", "bench", "bench.py"), "--dtype", "bfloat16",
                    "--device", args.device, "--lengths", "64", "--steps", "3"]
         print("4. " + " ".join(command), flush=True)
         subprocess.run(command, check=False)

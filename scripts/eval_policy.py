@@ -21,7 +21,7 @@ sys.path.insert(0, ROOT)
 
 
 from dataset.lm_dataset import RLAIFDataset
-from trainer.infra.evaluation import evaluate
+from trainer.evaluation import evaluate
 from trainer.infra.weights import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, init_model
 from trainer.infra.flags import add_bool_flag
 from trainer.infra.reward_models import read_reward_model_config

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from make_demo_data import AGENT_SYSTEM, agent_final, agent_prompt, make_agent_problem, write_jsonl  # noqa: E402
 
 from dataset.lm_dataset import iter_jsonl  # noqa: E402
-from trainer.agent_tools import execute_tool  # noqa: E402
+from trainer.agent.tools import execute_tool  # noqa: E402
 
 EXPRESSION = re.compile(r"\d+(?: [-+*] \d+)+")  # the arithmetic of a question, as make_agent_problem writes it
 RL_FILES = ("agent_rl_train.jsonl", "agent_rl_val.jsonl", "agent_rl_test.jsonl")

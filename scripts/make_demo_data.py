@@ -17,7 +17,7 @@ Outputs (in ``dataset/``):
     agent_rl_{train,val,test}.jsonl  the agent task in upstream MiniMind's agent RL format: a system turn carrying
                             the calculate_math schema as ``tools`` (a JSON string), the question, the answer; ``gt``
     agent_sft.jsonl         agent SFT conversations: some call the calculator (a <tool_call> turn, the tool's
-                            reply from agent_tools.execute_tool, the answer), the others answer at once
+                            reply from agent.tools.execute_tool, the answer), the others answer at once
 
 The pairs come from their own random stream (seed + 1), the validation and test prompts from another
 (seed + 2) and the agent task from a fourth (seed + 3), so each leaves the other files unchanged. Validation and
@@ -39,7 +39,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # `python scripts/x.py` from any folder imports this checkout's packages
 
-from trainer.agent_tools import calculate, execute_tool, tool_schemas
+from trainer.agent.tools import calculate, execute_tool, tool_schemas
 from trainer.infra.files import atomic_write
 
 
@@ -160,7 +160,7 @@ AGENT_TOOLS = json.dumps(tool_schemas(["calculate_math"]), ensure_ascii=False)  
 
 
 def make_agent_problem(rng):
-    """One agent problem: (language, question, expression, answer text); the value is agent_tools.calculate's."""
+    """One agent problem: (language, question, expression, answer text); the value is agent.tools.calculate's."""
     while True:
         numbers = [rng.randint(100, 9999) for _ in range(rng.randint(3, 4))]
         ops = []

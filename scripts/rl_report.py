@@ -28,7 +28,7 @@ if ROOT not in sys.path:
 
 from dataset.lm_dataset import RLAIFDataset
 from trainer.infra.weights import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, init_model
-from trainer.infra.evaluation import evaluate
+from trainer.evaluation import evaluate
 from trainer.trainer_utils import extract_final_number, prompt_to_messages, split_thinking
 
 ERROR_KINDS = ("format", "no final number", "operand copied wrong", "arithmetic wrong", "wrong without thinking")

@@ -12,8 +12,8 @@ import pytest
 
 from conftest import ROOT
 from dataset.lm_dataset import DataFormatError, conversation_tools, read_conversations_jsonl
-from trainer.agent_rollout import conversation_tools as rollout_tools
-from trainer.agent_tools import check_arguments, execute_tool, parse_tool_calls, tool_schemas
+from trainer.agent.rollout import conversation_tools as rollout_tools
+from trainer.agent.tools import check_arguments, execute_tool, parse_tool_calls, tool_schemas
 
 DATASET = os.path.join(ROOT, "dataset")
 AGENT_FILES = {"agent_rl_train.jsonl": 2000, "agent_rl_val.jsonl": 500, "agent_rl_test.jsonl": 500,
@@ -111,11 +111,11 @@ def test_tools_of_a_data_file_are_read_and_bad_ones_named(tmp_path):
 
 
 def test_copy_mix_holds_every_agent_row_and_trace_rows_behind_other_turns():
-    """scripts/make_copy_mix.py (docs/agent.md): the agent SFT rows unchanged, and each other row ends with one of
-    sft_data's column-trace conversations, behind whole sft_data conversations and at most the agent rows' tools."""
+    """scripts/agent_copy_study/make_copy_mix.py (docs/agent.md): the agent SFT rows unchanged, and each other
+    row ends with one of sft_data's column-trace conversations, behind whole sft_data conversations and at most the
+    agent rows' tools."""
     import random
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    from make_copy_mix import copy_mix
+    from scripts.agent_copy_study.make_copy_mix import copy_mix
     sft = [json.loads(line) for line in open(os.path.join(ROOT, "dataset", "sft_data.jsonl"), encoding="utf-8")]
     agent = [json.loads(line) for line in open(os.path.join(ROOT, "dataset", "agent_sft.jsonl"), encoding="utf-8")]
     rows = copy_mix(sft, agent, 300, random.Random(0))

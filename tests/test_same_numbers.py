@@ -1,4 +1,4 @@
-"""scripts/check_same_numbers.py: the same seed gives the same numbers, and the comparison sees a one-ulp change."""
+"""scripts/dev/check_same_numbers.py: the same seed gives the same numbers, and the comparison sees a one-ulp change."""
 import importlib.util
 import math
 import os
@@ -6,7 +6,7 @@ import os
 from conftest import ROOT
 
 spec = importlib.util.spec_from_file_location("check_same_numbers",
-                                              os.path.join(ROOT, "scripts", "check_same_numbers.py"))
+                                              os.path.join(ROOT, "scripts", "dev", "check_same_numbers.py"))
 check_same_numbers = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(check_same_numbers)
 

@@ -11,10 +11,15 @@ SCRIPT_DIRS = ("trainer", "scripts")
 
 
 def entry_scripts():
-    """Files run as `python DIR/NAME.py`: the train_*.py of trainer/ and everything in scripts/."""
+    """Files run as `python DIR/NAME.py`: the train_*.py of trainer/ and every .py under scripts/ (the SGLang
+    server's package excepted)."""
     paths = [os.path.join("trainer", n) for n in os.listdir(os.path.join(ROOT, "trainer"))
              if n.startswith("train_") and n.endswith(".py")]
-    paths += [os.path.join("scripts", n) for n in os.listdir(os.path.join(ROOT, "scripts")) if n.endswith(".py")]
+    for folder, _, names in os.walk(os.path.join(ROOT, "scripts")):
+        relative = os.path.relpath(folder, ROOT)
+        if relative.startswith(os.path.join("scripts", "sglang_cpu")):
+            continue
+        paths += [os.path.join(relative, n) for n in names if n.endswith(".py") and n != "__init__.py"]
     return sorted(paths)
 
 
@@ -36,9 +41,10 @@ def test_no_script_imports_another_script():
     assert "trainer.train_grpo" in scripts and "trainer.train_ppo" in scripts
     offenders = {p: sorted(imported_modules(p) & scripts) for p in entry_scripts()}
     offenders = {p: names for p, names in offenders.items() if names}
-    # scripts/walkthrough.py and scripts/bench.py exist to run the training code's own step functions;
-    # scripts/bench_process.py and scripts/bench_levers.py take their workloads and machine checks from bench.py
-    allowed = {"scripts/walkthrough.py", "scripts/bench.py", "scripts/bench_process.py", "scripts/bench_levers.py"}
+    # scripts/walkthrough.py and scripts/bench/bench.py exist to run the training code's own step functions;
+    # scripts/bench/bench_process.py and bench_levers.py take their workloads and machine checks from bench.py
+    allowed = {"scripts/walkthrough.py", "scripts/bench/bench.py", "scripts/bench/bench_process.py",
+               "scripts/bench/bench_levers.py"}
     assert {p: n for p, n in offenders.items() if p not in allowed} == {}
 
 
@@ -124,10 +130,8 @@ def test_use_compile_wraps_the_same_parameters_and_0_leaves_the_module():
 
 
 # ----------------------------------------------------------------------------- where the chapter's code lives
-TRAINER_CHAPTER_MODULES = {"trainer.train_grpo", "trainer.train_ppo", "trainer.trainer_utils", "trainer.rollout_engine",
-                           "trainer.infra.evaluation"}
-LOWER_INFRASTRUCTURE = ("distributed", "dtypes", "checkpoints", "weights", "files", "optimizer", "metrics", "stopping",
-                        "sglang_client", "reward_models", "internlm2_reward")
+INFRASTRUCTURE = sorted(n[:-3] for n in os.listdir(os.path.join(ROOT, "trainer", "infra"))
+                        if n.endswith(".py") and n != "__init__.py")
 
 
 def parse(path):
@@ -158,15 +162,45 @@ def test_an_update_step_clips_and_steps_only_when_every_value_is_finite():
     assert scheduler.optimizer.param_groups[0]["lr"] == pytest.approx(0.55)  # 0.1 + 0.45 * (1 + cos(pi / 2))
 
 
-@pytest.mark.parametrize("module", LOWER_INFRASTRUCTURE)
+@pytest.mark.parametrize("module", INFRASTRUCTURE)
 def test_infrastructure_modules_import_no_chapter_code(module):
-    """The infrastructure a learner may skip sits below the chapter's code: it imports only other infrastructure
-    (so following a step never leads from the infrastructure back into the algorithm)."""
-    imported = {name for name in imported_modules(f"trainer/infra/{module}.py") if name.startswith("trainer.")}
-    allowed = {f"trainer.infra.{other}" for other in LOWER_INFRASTRUCTURE}
-    offenders = {name for name in imported if name.rsplit(".", 1)[0] not in allowed and name not in allowed}
+    """The infrastructure a learner may skip sits below the chapter's code: of trainer/ it imports only other
+    infrastructure (so following a step never leads from the infrastructure back into the algorithm)."""
+    imported = {name for name in imported_modules(f"trainer/infra/{module}.py") if name.startswith("trainer")}
+    allowed = {f"trainer.infra.{other}" for other in INFRASTRUCTURE} | {"trainer.infra"}
+    offenders = {name for name in imported if name not in allowed and name.rsplit(".", 1)[0] not in allowed}
     assert offenders == set()
-    assert not {name.rsplit(".", 1)[0] for name in imported} & TRAINER_CHAPTER_MODULES
+
+
+def test_the_top_of_trainer_shows_the_scripts_and_at_most_five_modules():
+    """trainer/'s top level is what teaches: the training scripts and at most five modules (``__init__.py``
+    counted); the agent's rollout, tools and rewards, the exact speed-ups and the infrastructure sit in folders."""
+    names = os.listdir(os.path.join(ROOT, "trainer"))
+    modules = sorted(n for n in names if n.endswith(".py") and not n.startswith("train_"))
+    assert len(modules) <= 5, modules
+    folders = {n for n in names if os.path.isdir(os.path.join(ROOT, "trainer", n)) and n != "__pycache__"}
+    assert folders == {"agent", "infra", "speed"}
+    assert {"rollout.py", "tools.py", "rewards.py"} <= set(os.listdir(os.path.join(ROOT, "trainer", "agent")))
+
+
+def test_the_top_of_scripts_holds_the_user_tools_of_the_readme_tour():
+    """scripts/'s top level holds what a user runs, each named in the README's tour of the files; the benchmarks,
+    the developer tools and one investigation's probes sit in folders whose README has a line for each file."""
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    tour = readme.split("\n## Tour\n", 1)[1].split("\n## ", 1)[0]
+    names = sorted(os.listdir(os.path.join(ROOT, "scripts")))
+    tools = [n for n in names if os.path.isfile(os.path.join(ROOT, "scripts", n))]
+    assert {"make_demo_data.py", "eval_policy.py", "eval_toolcall.py", "check_gpu.py"} <= set(tools)
+    assert [n for n in tools if os.path.splitext(n)[0] not in tour] == []
+    folders = [n for n in names if os.path.isdir(os.path.join(ROOT, "scripts", n)) and n != "__pycache__"]
+    assert set(folders) == {"bench", "dev", "agent_copy_study", "sglang_cpu"}
+    for folder in ("bench", "dev", "agent_copy_study"):
+        described = open(os.path.join(ROOT, "scripts", folder, "README.md"), encoding="utf-8").read()
+        files = [n for n in os.listdir(os.path.join(ROOT, "scripts", folder)) if n.endswith(".py")]
+        files += [f"results/{n}" for n in os.listdir(os.path.join(ROOT, "scripts", folder, "results"))
+                  ] if folder == "bench" else []
+        assert files and [n for n in files if f"`{n}`" not in described] == [], folder
+        assert f"scripts/{folder}/" in readme, folder
 
 
 def names_bound_in(function):
@@ -228,7 +262,7 @@ def test_the_rl_step_reaches_the_chapter_modules_only(script):
     modules = {imported[name.split(".")[0]] for name in called if name.split(".")[0] in imported}
     project_modules = {module for module in modules if module.split(".")[0] in ("trainer", "model", "dataset")}
     assert project_modules <= {"trainer.rollout_engine", "trainer.trainer_utils", "model.model_minimind",
-                               "trainer.grpo_family", "trainer.shared_prefix", "trainer.infra.optimizer",
+                               "trainer.grpo_family", "trainer.speed.shared_prefix", "trainer.infra.optimizer",
                                "trainer.infra.distributed"}, project_modules
 
 

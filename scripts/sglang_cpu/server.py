@@ -1,5 +1,5 @@
 """Start and stop an SGLang server on a CPU from Python: ``scripts/launch_sglang.sh`` at a free port, and the
-server's process group stopped. Used by scripts/bench.py, scripts/check_sglang.py and tests/test_sglang_server.py.
+server's process group stopped. Used by scripts/bench/bench.py, scripts/check_sglang.py and tests/test_sglang_server.py.
 """
 import os
 import signal

@@ -1,4 +1,4 @@
-"""scripts/bench.py: its FLOP count against torch's own counter, its phase tracer against the wall clock, its tiny
+"""scripts/bench/bench.py: its FLOP count against torch's own counter, its phase tracer against the wall clock, its tiny
 mode end to end (step times against the runs' own metrics.jsonl; no speed asserted), and that the benchmarks run
 the training code as it is (no patching, no copy of the update)."""
 import ast
@@ -17,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from conftest import ROOT, require_trl
 from dataset.lm_dataset import RLAIFDataset
 from model.model_minimind import MiniMindForCausalLM
-from scripts.bench import NUM_GENERATIONS, NUM_PROMPTS, PHASES, forward_flops, has_bf16_units
+from scripts.bench.bench import NUM_GENERATIONS, NUM_PROMPTS, PHASES, forward_flops, has_bf16_units
 from trainer.infra.weights import build_config
 
 
@@ -34,7 +34,7 @@ def test_forward_flops_equal_torch_flop_counter():
 def test_tiny_bench_runs_every_contestant(tmp_path, tokenizer):
     require_trl()
     out, work_dir = tmp_path / "bench.json", tmp_path / "work"
-    result = subprocess.run([sys.executable, "scripts/bench.py", "--tiny", "--json", str(out), "--work_dir",
+    result = subprocess.run([sys.executable, "scripts/bench/bench.py", "--tiny", "--json", str(out), "--work_dir",
                              str(work_dir)], cwd=ROOT, capture_output=True, text=True, timeout=1500)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -44,7 +44,7 @@ def test_tiny_bench_runs_every_contestant(tmp_path, tokenizer):
     assert report["prompts"] == [dataset[i]["prompt"] for i in range(len(dataset))] and len(dataset) == NUM_PROMPTS
     by_name = {row["contestant"]: row["result"] for row in report["results"] if row["dtype"] == "float32"}
     assert set(by_name) == {"ours_grpo", "trl_grpo", "ours_rollout", "hf_generate", "ours_ppo", "trl_ppo"}
-    if "skipped" in by_name["trl_ppo"]:  # TRL 1.9.2 goes into a folder of its own (scripts/bench.py)
+    if "skipped" in by_name["trl_ppo"]:  # TRL 1.9.2 goes into a folder of its own (scripts/bench/bench.py)
         assert "pip install --no-deps --target" in by_name.pop("trl_ppo")["skipped"]
     for name, figures in by_name.items():
         assert "error" not in figures, (name, figures)
@@ -74,7 +74,7 @@ def test_tiny_bench_runs_every_contestant(tmp_path, tokenizer):
 
 def test_untraced_worker_reports_the_loops_step_times_only(tmp_path, tokenizer):
     """--phases 0: our GRPO run without the trace function, its step times still metrics.jsonl's differences."""
-    from scripts.bench import loader_prompts, prepare_weights, run_worker, write_prompt_file
+    from scripts.bench.bench import loader_prompts, prepare_weights, run_worker, write_prompt_file
     data_path = str(tmp_path / "prompts.jsonl")
     write_prompt_file(data_path, ["<|im_start|>user\n1+1?<|im_end|>\n<|im_start|>assistant\n",
                                   "<|im_start|>user\n2+3?<|im_end|>\n<|im_start|>assistant\n"], ["2", "5"])
@@ -96,7 +96,7 @@ def test_untraced_worker_reports_the_loops_step_times_only(tmp_path, tokenizer):
 
 
 def test_phase_tracer_times_watched_calls_and_leaves_them_in_place():
-    from scripts.bench import PhaseTracer, forward_phase
+    from scripts.bench.bench import PhaseTracer, forward_phase
 
     def leaf(seconds):
         time.sleep(seconds)
@@ -183,9 +183,9 @@ def root_name(node):
 ])
 def test_benchmarks_patch_no_training_module_and_copy_no_update(script, replaced):
     """No assignment, setattr or del on anything imported from trainer/ or model/ (but ``generate`` in
-    scripts/full_length.py), and no call of the update's operations (backward, optimizer / scheduler step, clipping,
-    zero_grad): the training loop does those."""
-    tree = ast.parse(open(os.path.join(ROOT, "scripts", script), encoding="utf-8").read())
+    scripts/bench/full_length.py), and no call of the update's operations (backward, optimizer / scheduler step,
+    clipping, zero_grad): the training loop does those."""
+    tree = ast.parse(open(os.path.join(ROOT, "scripts", "bench", script), encoding="utf-8").read())
     training = imported_training_names(tree)
     patched, update_calls = [], []
     for node in ast.walk(tree):
@@ -205,11 +205,11 @@ def test_benchmarks_patch_no_training_module_and_copy_no_update(script, replaced
 
 
 def test_full_length_answers_sample_to_the_limit_and_keep_the_mask(policy, tokenizer):
-    """scripts/full_length.py: every row samples max_new_tokens tokens; through its first EOS a row holds the tokens
-    and log-probs of a plain rollout with the same generator, and its completion mask ends there. On leaving the
+    """scripts/bench/full_length.py: every row samples max_new_tokens tokens; through its first EOS a row holds the
+    tokens and log-probs of a plain rollout with the same generator, and its completion mask ends there. On leaving the
     block ``generate`` is the model's own again."""
     from model.model_minimind import MiniMindForCausalLM
-    from scripts.full_length import full_length_answers
+    from scripts.bench.full_length import full_length_answers
     from trainer.rollout_engine import TorchRolloutEngine, tokenize_prompts
     own_generate = MiniMindForCausalLM.generate
     eos_bias = torch.zeros(policy.config.vocab_size)  # [V]
@@ -250,9 +250,9 @@ def test_bf16_units_are_read_from_the_cpu_flags(tmp_path, monkeypatch):
 
 
 def test_bench_levers_layouts_give_the_same_first_loss(tiny_weights, tmp_path):
-    """scripts/bench_levers.py's runs: every forward layout computes step 1's loss from the same rollout, so the
+    """scripts/bench/bench_levers.py's runs: every forward layout computes step 1's loss from the same rollout, so the
     losses agree to float rounding (the bf16 variant is left out: it rounds differently)."""
-    from scripts.bench_levers import VARIANTS, format_table, run_training
+    from scripts.bench.bench_levers import VARIANTS, format_table, run_training
     save_dir, name = tiny_weights
     tiny = ["--from_weight", os.path.join(save_dir, f"{name}_64.pth"), "--hidden_size", "64",
             "--num_hidden_layers", "2", "--batch_size", "2", "--num_generations", "3", "--max_gen_len", "8"]
@@ -271,7 +271,7 @@ def test_bench_levers_layouts_give_the_same_first_loss(tiny_weights, tmp_path):
 
 
 def test_combine_runs_takes_the_median_of_the_run_medians():
-    from scripts.bench import combine_runs
+    from scripts.bench.bench import combine_runs
     runs = [{"step_s_median": s, "step_s_min": s - 0.1, "step_s_max": s + 0.1, "phases_s": {"rollout": r},
              "rollout_tokens_per_s": t, "mfu": None, "peak_rss_mib": m, "cpu_s_median": c}
             for s, r, t, m, c in ((2.0, 1.0, 10.0, 500.0, 0.5), (1.0, 0.4, 30.0, 700.0, 0.3),
@@ -289,7 +289,7 @@ def test_combine_runs_takes_the_median_of_the_run_medians():
 
 
 def test_ratio_pairs_the_runs():
-    from scripts.bench import ratio
+    from scripts.bench.bench import ratio
     ours = {"step_s_median": 2.0, "run_medians": [1.0, 2.0, 4.0]}
     theirs = {"step_s_median": 4.0, "run_medians": [4.0, 2.0, 5.0]}
     assert ratio(ours, theirs, "step_s_median") == "0.80 (0.25-1.00)"  # pairs 0.25, 1.00, 0.80

@@ -1,4 +1,4 @@
-"""scripts/bench_process.py --tiny end to end: its per-step figures against its raw times, each run's wall time
+"""scripts/bench/bench_process.py --tiny end to end: its per-step figures against its raw times, each run's wall time
 against the run's own record of its steps, the prompts against the data loader, the table's rows (no timing
 asserted)."""
 import json
@@ -18,7 +18,7 @@ def tiny_run(tmp_path_factory):
     require_trl()
     folder = tmp_path_factory.mktemp("bench_process")
     out, work_dir = folder / "process.json", folder / "runs"
-    result = subprocess.run([sys.executable, "scripts/bench_process.py", "--tiny", "--work_dir", str(work_dir),
+    result = subprocess.run([sys.executable, "scripts/bench/bench_process.py", "--tiny", "--work_dir", str(work_dir),
                              "--json", str(out)],
                             cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -73,7 +73,7 @@ def test_ours_wall_time_covers_its_own_metrics_and_the_final_save(tiny_run):
     assert runs
     for run in runs:
         command = run["command"]
-        assert shlex.split(command)[1:3] == [os.path.join(ROOT, "scripts", "full_length.py"), "grpo"]
+        assert shlex.split(command)[1:3] == [os.path.join(ROOT, "scripts", "bench", "full_length.py"), "grpo"]
         for flag, value in (("--thinking_ratio", "1"), ("--eval_interval", "0"),
                             ("--loss_type", "cispo"), ("--reward_model_path", "none"), ("--dtype", "float32"),
                             ("--max_gen_len", "8"), ("--max_steps", str(run["steps"]))):

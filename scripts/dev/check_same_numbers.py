@@ -1,12 +1,12 @@
-"""Same seed, same numbers: compare the metrics.jsonl of both RL scripts between this checkout and a git revision.
+"""Same seed, same numbers: compare the metrics.jsonl of the RL scripts between this checkout and a git revision.
 
 A refactor must keep every logged number identical. Float results depend on the CPU's vector unit and the torch
 release, so the comparison is made on one machine: the revision is checked out into a temporary git worktree, the
 same command runs there and here (one thread, wandb off), and every key of every row is compared bit for bit
 (key order included; only the wall time ``elapsed_s`` is left out).
 
-    python scripts/check_same_numbers.py --against main          # both scripts, --max_steps 5, their defaults
-    python scripts/check_same_numbers.py --against HEAD~3 --scripts grpo --max_steps 2 -- --shared_prefix 0
+    python scripts/dev/check_same_numbers.py --against main          # GRPO and PPO, --max_steps 5, their defaults
+    python scripts/dev/check_same_numbers.py --against HEAD~3 --scripts grpo --max_steps 2 -- --shared_prefix 0
 
 Prints one line per script and exits 1 when any number differs (the first differences are printed).
 """
@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMING_KEYS = ("elapsed_s",)
 
 
@@ -75,7 +75,7 @@ def remove_worktree(path):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--against", required=True, help="git revision to compare with (a branch, tag or commit)")
-    parser.add_argument("--scripts", nargs="+", default=["grpo", "ppo"], choices=["grpo", "ppo"],
+    parser.add_argument("--scripts", nargs="+", default=["grpo", "ppo"], choices=["grpo", "ppo", "agent"],
                         help="which training scripts to run")
     parser.add_argument("--max_steps", type=int, default=5, help="steps of each run (step 0 is the evaluation)")
     parser.add_argument("--allow_new_keys", action="store_true",

@@ -3,10 +3,11 @@
 Each of ``--num_trace`` rows is a ``sft_data`` conversation whose answer restates the question in a column trace,
 behind 0-4 other ``sft_data`` conversations (earlier turns) and, with probability 0.5, a system turn carrying the
 calculator's tools; then every row of ``--agent_sft``; shuffled. The trace rows put the copy the chapter's model
-makes in its own short layout at other positions and behind the tools block (``scripts/copy_probe.py`` measures
-it). Train it with ``trainer/train_full_sft.py --data_path OUT --max_seq_len 1024``.
+makes in its own short layout at other positions and behind the tools block
+(``scripts/agent_copy_study/copy_probe.py`` measures it). Train it with
+``trainer/train_full_sft.py --data_path OUT --max_seq_len 1024``.
 
-Usage: python scripts/make_copy_mix.py --out /tmp/copy_mix.jsonl [--seed 0] [--num_trace 2000]
+Usage: python scripts/agent_copy_study/make_copy_mix.py --out /tmp/copy_mix.jsonl [--seed 0] [--num_trace 2000]
 """
 import argparse
 import json
@@ -14,7 +15,7 @@ import os
 import random
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 from dataset.lm_dataset import iter_jsonl

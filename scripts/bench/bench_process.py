@@ -1,6 +1,6 @@
 """Whole-process speed: ``python trainer/train_grpo.py`` against TRL 1.16's ``GRPOTrainer``, timed from outside.
 
-``scripts/bench.py`` times one step inside a running process. This script times what a user times: the whole
+``scripts/bench/bench.py`` times one step inside a running process. This script times what a user times: the whole
 command, from the interpreter's start through the imports, the loading, the steps and the exit, as the wall
 clock of a subprocess. Each contestant runs the same work twice, once with ``--short_steps`` and once with
 ``--long_steps`` steps; the difference of the two times divided by the difference of the step counts is the time
@@ -15,14 +15,14 @@ times: the table gives the median and min-max over the repeats of each contestan
 ours / TRL taken repeat by repeat.
 
 The contestants, on the same work:
-  * ours: ``python scripts/full_length.py grpo``: ``trainer/train_grpo.py``'s ``main`` with every answer ``--gen_len``
-    tokens, ``--loss_type cispo --epsilon_high 5 --beta 0.1 --temperature 1 --top_k 0 --top_p 1``, no reward model
-    (``--reward_model_path none``: the rule reward and the answer reward), ``--eval_interval 0``, a
+  * ours: ``python scripts/bench/full_length.py grpo``: ``trainer/train_grpo.py``'s ``main`` with every answer
+    ``--gen_len`` tokens, ``--loss_type cispo --epsilon_high 5 --beta 0.1 --temperature 1 --top_k 0 --top_p 1``,
+    no reward model (``--reward_model_path none``: the rule reward and the answer reward), ``--eval_interval 0``, a
     ``--save_interval`` beyond the last step, no ``--use_compile``, no tracker, ``--dtype`` of the row, and the
-    learning rates of ``scripts/bench.py``'s ``ours_grpo`` (the script's defaults).
+    learning rates of ``scripts/bench/bench.py``'s ``ours_grpo`` (the script's defaults).
   * TRL: ``GRPOTrainer.train()`` in a worker mode of this script
-    (``python scripts/bench_process.py --trl_worker SPEC.json``), with ``scripts/bench.py``'s settings of its
-    ``trl_grpo``: the same weights exported as a ``Qwen3ForCausalLM`` folder, ``min_new_tokens`` = ``--gen_len``
+    (``python scripts/bench/bench_process.py --trl_worker SPEC.json``), with ``scripts/bench/bench.py``'s settings of
+    its ``trl_grpo``: the same weights exported as a ``Qwen3ForCausalLM`` folder, ``min_new_tokens`` = ``--gen_len``
     (EOS never sampled: full-length work), ``loss_type="cispo"``, ``epsilon_high=5``, ``beta=0.1``, T = 1, top-k 0,
     top-p 1, learning rate 5e-5, grad norm 1, ``gradient_checkpointing=False``, ``bf16`` in the bf16 rows,
     ``save_strategy="no"``, ``report_to="none"``, a log entry every step (as ours logs every step), and a reward
@@ -31,18 +31,18 @@ The contestants, on the same work:
     ``steps`` times), as ours does.
   Both: 2 prompts x 6 answers (``num_generations`` 6) x ``--gen_len`` tokens, one optimizer step per rollout, the
   torch default of threads. Without TRL installed its rows say "not installed" and ours still runs.
-  What still differs (as in ``scripts/bench.py``): ours samples past EOS and its completion mask (hence the
+  What still differs (as in ``scripts/bench/bench.py``): ours samples past EOS and its completion mask (hence the
   rewarded text and the loss's tokens) ends at the first EOS, while TRL never samples EOS; the tensors and the
   FLOPs are the same. TRL also computes each completion token's entropy in its policy forward and logs more
   metrics per step; ours keeps the final RMSNorm gain in a group of its own (learning rate 1e-2, its gradient
   projected) beside the other weights' 2e-5, TRL has one group at 5e-5.
 
-The prompts: ``scripts/bench.py``'s ``bench_prompts`` (two user turns of the bundled questions, at most 48
+The prompts: ``scripts/bench/bench.py``'s ``bench_prompts`` (two user turns of the bundled questions, at most 48
 tokens with the chat header), written by its ``write_prompt_file`` to a temporary JSONL in the format
 ``--data_path`` reads (the user turn and its reference answer). ``RLAIFDataset`` opens ``<think>`` for a share
 ``--thinking_ratio`` of the prompts (0.9 by default), drawn per prompt from the seed: which of the two opens would
 depend on ``--seed``. Ours runs with ``--thinking_ratio 1``, so both prompts end in ``<think>\\n``, every step, and
-the prompt strings TRL and ``scripts/bench.py``'s other contestants get are read back from ``RLAIFDataset`` itself
+the prompt strings TRL and ``scripts/bench/bench.py``'s other contestants get are read back from ``RLAIFDataset`` itself
 (``loader_prompts``): all see the same text, token for token. With ``--batch_size 2`` and ``--epochs`` =
 ``--max_steps`` = steps, each of ours' steps (one epoch of one batch) takes both prompts.
 
@@ -57,7 +57,7 @@ figure, and it is in every whole-process time):
   * TRL: ``save_strategy="no"`` saves no checkpoint and no model (the JSON lists what its output folder holds
     after the run: nothing); ``train()`` prints a dict of metrics per step and a summary at the end.
 
-Also measured, per repeat: ``scripts/bench.py``'s ``ours_grpo`` worker on the same weights, prompts, lengths, EOS
+Also measured, per repeat: ``scripts/bench/bench.py``'s ``ours_grpo`` worker on the same weights, prompts, lengths, EOS
 ignored, and flags: the same ``train_grpo.py`` loop run in-process for
 ``--bench_warmup`` + ``--bench_steps`` steps, its step the median difference of consecutive ``elapsed_s`` values of
 its metrics.jsonl (the loop's own clock) after the warm-up. ``command / in-process`` = ours' whole-process per-step
@@ -77,13 +77,13 @@ bf16 matrix units (a CUDA GPU, or a CPU listing ``amx_bf16`` or ``avx512_bf16``)
 
 Run (on a quiet machine: every figure is a difference of two wall-clock times):
     pip install -r requirements-bench.txt      # TRL (benchmark only)
-    python scripts/bench_process.py            # default + minimind3 sizes, 64 tokens, steps 2 and 10, 3 repeats
+    python scripts/bench/bench_process.py            # default + minimind3 sizes, 64 tokens, steps 2 and 10, 3 repeats
                                                # (about 65 minutes on a 2-core AMD EPYC with bf16 units: the
                                                # default size took 13 minutes for 3 repeats, the MiniMind-3
                                                # size 34 minutes for 2)
-    python scripts/bench_process.py --tiny     # under a minute: a 2-layer model, 8 tokens, steps 1 and 2, one run
+    python scripts/bench/bench_process.py --tiny     # under a minute: a 2-layer model, 8 tokens, steps 1 and 2, one run
                                                # of each, float32 (what the test runs; its figures are noise)
-    python scripts/bench_process.py --sizes default --dtype float32 --short_steps 1 --long_steps 2 --repeats 1
+    python scripts/bench/bench_process.py --sizes default --dtype float32 --short_steps 1 --long_steps 2 --repeats 1
 """
 import argparse
 import json
@@ -96,13 +96,13 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 CONTESTANTS = ("ours", "trl")
-NUM_PROMPTS = 2  # scripts/bench.py's NUM_PROMPTS and NUM_GENERATIONS (checked in main)
+NUM_PROMPTS = 2  # scripts/bench/bench.py's NUM_PROMPTS and NUM_GENERATIONS (checked in main)
 NUM_GENERATIONS = 6
-TRL_LEARNING_RATE = 5e-5  # scripts/bench.py's trl_grpo
+TRL_LEARNING_RATE = 5e-5  # scripts/bench/bench.py's trl_grpo
 RESULT_PREFIX = "TRL_WORKER_RESULT "
 
 
@@ -124,7 +124,7 @@ def machine_info(device):
     import torch
     import transformers
 
-    from scripts.bench import cpu_model, has_bf16_units
+    from scripts.bench.bench import cpu_model, has_bf16_units
     flags = cpu_flags()
     try:
         trl_version = importlib.metadata.version("trl")
@@ -152,9 +152,10 @@ def describe_machine(info):
 # ----------------------------------------------------------------------------- one timed run
 def ours_command(workload, steps, data_path, save_dir, run_dir):
     """The command line of our contestant: ``train_grpo.py`` on ``workload`` for ``steps`` steps with full-length
-    answers (``scripts/full_length.py``) and the flags ``scripts/bench.py`` gives its ``ours_grpo`` (``ours_argv``)."""
-    from scripts.bench import ours_argv
-    return [sys.executable, os.path.join(ROOT, "scripts", "full_length.py"), "grpo",
+    answers (``scripts/bench/full_length.py``) and the flags ``scripts/bench/bench.py`` gives its ``ours_grpo``
+    (``ours_argv``)."""
+    from scripts.bench.bench import ours_argv
+    return [sys.executable, os.path.join(ROOT, "scripts", "bench", "full_length.py"), "grpo",
             *ours_argv(workload, "grpo", steps, data_path, save_dir, run_dir)]
 
 
@@ -332,7 +333,8 @@ def format_table(workloads, machine, args):
              f"{args.gen_len} tokens x {NUM_PROMPTS} prompts x {NUM_GENERATIONS} answers, EOS ignored; per step = "
              f"(T{args.long_steps} - T{args.short_steps}) / {args.long_steps - args.short_steps}, each T the faster "
              f"of {args.runs} whole-process runs; median [min-max] over {args.repeats} repeats; in-process step: "
-             "scripts/bench.py's ours_grpo (the loop's own clock); command / in-process = ours per step / that step",
+             "scripts/bench/bench.py's ours_grpo (the loop's own clock); "
+             "command / in-process = ours per step / that step",
              "", "| size | dtype | ours s/step | TRL s/step | ours/TRL | in-process step s | command / in-process |",
              "|---|---|---|---|---|---|---|"]
     for w in workloads:
@@ -349,7 +351,7 @@ def format_table(workloads, machine, args):
 # ----------------------------------------------------------------------------- the run
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Whole-process GRPO speed: train_grpo.py against TRL's GRPOTrainer")
-    parser.add_argument("--sizes", default="default,minimind3", help="comma list of scripts/bench.py's sizes")
+    parser.add_argument("--sizes", default="default,minimind3", help="comma list of scripts/bench/bench.py's sizes")
     parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"],
                         help="auto (the default; float32 with --tiny): float32, and bfloat16 too where the machine "
                              "has bf16 units (has_bf16_units)")
@@ -361,7 +363,7 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=3, help="the whole measurement, this many times")
     parser.add_argument("--contestants", default=",".join(CONTESTANTS), help=f"comma list of {', '.join(CONTESTANTS)}")
     parser.add_argument("--bench_steps", type=int, default=3,
-                        help="timed steps of scripts/bench.py's ours_grpo per repeat (0: no in-process figure)")
+                        help="timed steps of scripts/bench/bench.py's ours_grpo per repeat (0: no in-process figure)")
     parser.add_argument("--bench_warmup", type=int, default=1, help="untimed steps of it first")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per run")
     parser.add_argument("--json", default=os.path.join(ROOT, "out", "bench", "process.json"))
@@ -380,7 +382,7 @@ def parse_args(argv=None):
         args.sizes, args.gen_len, args.short_steps, args.long_steps = "tiny", 8, 1, 2
         args.runs, args.repeats, args.bench_steps = 1, 1, 1
     args.dtype = args.dtype or ("float32" if args.tiny else "auto")
-    from scripts.bench import SIZES
+    from scripts.bench.bench import SIZES
     for size in args.sizes.split(","):
         if size not in SIZES:
             parser.error(f"--sizes: unknown size {size!r}; valid: {', '.join(SIZES)}")
@@ -395,13 +397,13 @@ def parse_args(argv=None):
 
 
 def bench_step(workload, args, peaks, work_dir, name):
-    """``scripts/bench.py``'s ``ours_grpo`` worker on ``workload`` (its result dict: step_s_median, phases_s, ...;
+    """``scripts/bench/bench.py``'s ``ours_grpo`` worker on ``workload`` (its result dict: step_s_median, phases_s, ...;
     its metrics.jsonl stays in ``{work_dir}/{name}/run``), or {} with ``--bench_steps 0``."""
     if not args.bench_steps:
         return {}
     import torch
 
-    from scripts import bench
+    from scripts.bench import bench
     spec = dict(contestant="ours_grpo", hidden_size=workload["hidden_size"],
                 num_hidden_layers=workload["num_hidden_layers"], pth=workload["pth"],
                 qwen3_folder=workload["qwen3_folder"], gen_len=workload["gen_len"], prompts=workload["prompts"],
@@ -450,7 +452,7 @@ def main(argv=None):
     import torch
     from transformers import AutoTokenizer
 
-    from scripts import bench
+    from scripts.bench import bench
     from trainer.infra.files import atomic_write
     assert (bench.NUM_PROMPTS, bench.NUM_GENERATIONS) == (NUM_PROMPTS, NUM_GENERATIONS)
     machine = machine_info(args.device)

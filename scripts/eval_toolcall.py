@@ -1,4 +1,4 @@
-"""Greedy tool use and accuracy of a checkpoint on agent prompts, rolled out by trainer/agent_rollout.py.
+"""Greedy tool use and accuracy of a checkpoint on agent prompts, rolled out by trainer/agent/rollout.py.
 
 One greedy multi-turn answer to each of the first --num_prompts rows of --data_path (upstream's agent format:
 tools on the system turn, ``gt``), the calculator and the other registered tools answering its calls. Prints one
@@ -10,7 +10,7 @@ called and did not, turns per answer.
 Greedy by default; ``--seeds 1 2`` adds one sampled answer per prompt and seed (at ``--temperature``), one line
 each. ``--no_tools`` renders the same questions without the tools block (the chapter's models answer in their head).
 
-Usage: python scripts/eval_agent_sft.py [--weight agent_copy] [--data_path dataset/agent_rl_val.jsonl]
+Usage: python scripts/eval_toolcall.py [--weight agent_copy] [--data_path dataset/agent_rl_val.jsonl]
        [--num_prompts 200] [--seeds 1 2] [--no_tools]
 """
 import argparse
@@ -26,7 +26,7 @@ sys.path.insert(0, ROOT)
 import torch
 
 from dataset.lm_dataset import iter_jsonl, prompt_turns
-from trainer.agent_rollout import agent_rollout
+from trainer.agent.rollout import agent_rollout
 from trainer.infra.weights import DEFAULT_SAVE_DIR, build_config, init_model
 
 

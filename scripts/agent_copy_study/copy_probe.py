@@ -7,22 +7,22 @@ block of the agent task) and prints, for each, the mean token count and the mode
 (the first left out: there the model also picks the answer's format). A model that copies by content keeps that loss
 low whatever stands before; one that learned the rows' positions loses it as the prefix grows.
 
-Usage: python scripts/copy_probe.py [--weight full_sft] [--num_rows 12]
+Usage: python scripts/agent_copy_study/copy_probe.py [--weight full_sft] [--num_rows 12]
 """
 import argparse
 import os
 import re
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 import torch
 import torch.nn.functional as F
 
 from dataset.lm_dataset import iter_jsonl
-from trainer.agent_rollout import conversation_tools
-from trainer.agent_tools import tool_schemas
+from trainer.agent.rollout import conversation_tools
+from trainer.agent.tools import tool_schemas
 from trainer.infra.weights import DEFAULT_SAVE_DIR, build_config, init_model
 
 TRACE_LINE = re.compile(r"<think>\n([^\n]*\d[^\n]*), ones first:")

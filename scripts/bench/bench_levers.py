@@ -1,6 +1,6 @@
 """What each speed lever buys on the real default runs: the training scripts with one lever switched off.
 
-``scripts/bench.py`` compares our step with TRL's on a fixed, full-length workload (no padding, so the layouts
+``scripts/bench/bench.py`` compares our step with TRL's on a fixed, full-length workload (no padding, so the layouts
 that skip padding have nothing to skip there). This script times the runs users start: ``python
 trainer/train_grpo.py`` and ``python trainer/train_ppo.py`` on the embedded default (ragged answers of ~50 of up
 to 96 tokens, 4 prompts x 6 answers for GRPO, 16 prompts for PPO), each variant a subprocess, the variants in
@@ -12,8 +12,8 @@ work), then the median and the min-max of those over ``--repeats`` runs, and the
 weights), so equal digits there show that a layout computes the same numbers.
 
 Run:
-    python scripts/bench_levers.py                      # about 10 minutes on a 2-core CPU
-    python scripts/bench_levers.py --steps 3 --repeats 1 --scripts grpo   # a quick look
+    python scripts/bench/bench_levers.py                      # about 10 minutes on a 2-core CPU
+    python scripts/bench/bench_levers.py --steps 3 --repeats 1 --scripts grpo   # a quick look
 """
 import argparse
 import json
@@ -24,10 +24,10 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from scripts.bench import has_bf16_units
+from scripts.bench.bench import has_bf16_units
 
 VARIANTS = {  # script -> [(name, flags)]; the first of each is the defaults
     "grpo": [

@@ -5,14 +5,14 @@ The benchmarks time the same work for every contestant: TRL's with ``min_new_tok
 token has (-1, ``NEVER_SAMPLED``). Rows then sample past the tokenizer's EOS; the rollout's completion mask, the
 rewarded text and the loss still end at the first EOS (they read the tokenizer's EOS id). Nothing else changes.
 
-    python scripts/full_length.py {grpo|ppo} [flags of trainer/train_{grpo|ppo}.py]
+    python scripts/bench/full_length.py {grpo|ppo} [flags of trainer/train_{grpo|ppo}.py]
 """
 import contextlib
 import importlib
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 from model.model_minimind import MiniMindForCausalLM
@@ -40,7 +40,7 @@ def main(argv=None):
     """Run ``trainer/train_{script}.py``'s ``main`` with full-length answers; argv: the script name, then its flags."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in ("grpo", "ppo"):
-        sys.exit("usage: python scripts/full_length.py {grpo|ppo} [flags of trainer/train_{grpo|ppo}.py]")
+        sys.exit("usage: python scripts/bench/full_length.py {grpo|ppo} [flags of trainer/train_{grpo|ppo}.py]")
     module = importlib.import_module(f"trainer.train_{argv[0]}")
     with full_length_answers():
         module.main(argv[1:])

@@ -6,7 +6,7 @@ settings, so that peak resident memory is its own and one contestant's caches do
 Our step contestants run the training scripts as they are: ``ours_grpo`` calls ``trainer.train_grpo.main(argv)``
 and ``ours_ppo`` ``trainer.train_ppo.main(argv)`` in the worker, for ``--warmup`` + ``--steps`` steps, with flags
 for this workload (``ours_argv``: the prompt file below, ``--eval_interval 0``, a log line every step, checkpoints
-only at the end), with full-length answers (``scripts/full_length.py``: ``generate`` gets an EOS id no token has).
+only at the end), with full-length answers (``scripts/bench/full_length.py``: ``generate`` gets an EOS id no token has).
 Nothing else of the training modules is replaced or copied: the bench passes the arguments ``main`` takes (``argv``
 and ``reward_fn``) and reads what the run writes. A step's time is the
 difference of consecutive ``elapsed_s`` values in the run's metrics.jsonl (the loop's own clock; step 1 counts
@@ -67,11 +67,11 @@ the rest of its rollout is the engine's local recomputation of the old log-probs
 Run:
     pip install -r requirements-bench.txt      # TRL (benchmark only)
     pip install --no-deps --target .bench/trl-1.9.2 trl==1.9.2   # for trl_ppo only
-    python scripts/bench.py                    # both sizes, 64 and 256 tokens; table + out/bench/bench.json
-    python scripts/bench.py --tiny             # minutes: a 2-layer model, 8 tokens (what the test runs)
-    python scripts/bench.py --sizes default --lengths 64 --repeats 3 --threads 1   # docs/performance.md
-    python scripts/bench.py --device cuda --dtype bfloat16 --lengths 64   # on a GPU (scripts/check_gpu.py)
-    python scripts/bench.py --contestants sglang_engine,ours_rollout,hf_generate --sizes default --lengths 64 \\
+    python scripts/bench/bench.py                    # both sizes, 64 and 256 tokens; table + out/bench/bench.json
+    python scripts/bench/bench.py --tiny             # minutes: a 2-layer model, 8 tokens (what the test runs)
+    python scripts/bench/bench.py --sizes default --lengths 64 --repeats 3 --threads 1   # docs/performance.md
+    python scripts/bench/bench.py --device cuda --dtype bfloat16 --lengths 64   # on a GPU (scripts/check_gpu.py)
+    python scripts/bench/bench.py --contestants sglang_engine,ours_rollout,hf_generate --sizes default --lengths 64 \\
         --dtype float32 --repeats 3 --json out/bench/bench_sglang.json   # the SGLang rollout (docs/performance.md)
 """
 import argparse
@@ -92,13 +92,13 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 import requests
 import torch
 
-from scripts.full_length import full_length_answers
+from scripts.bench.full_length import full_length_answers
 from scripts.sglang_cpu.server import launch_cpu_server, stop_server
 from trainer.infra.files import atomic_write
 
@@ -970,7 +970,7 @@ def main(argv=None):
     print(table)
     report = {"machine": machine, "torch": torch.__version__, "threads": args.threads, "dtype": args.dtype,
               "device": args.device, "repeats": args.repeats, "natural_eos": args.natural_eos, "phases": args.phases,
-              "command": shlex.join(["python", "scripts/bench.py", *(sys.argv[1:] if argv is None else argv)]),
+              "command": shlex.join(["python", "scripts/bench/bench.py", *(sys.argv[1:] if argv is None else argv)]),
               "prompt_tokens": prompt_len, "prompts": prompts,
               "num_prompts": NUM_PROMPTS, "num_generations": NUM_GENERATIONS, "matmul_peak_gflops": peaks,
               "ours_flags": args.ours_flags, "results": results,
