@@ -6,8 +6,10 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+SUPPORT = os.path.join(ROOT, "tests", "support")  # the tests' helper modules and the workers they start
+for path in (ROOT, SUPPORT):
+    if path not in sys.path:
+        sys.path.insert(0, path)
 
 SHARED = os.path.join(os.path.dirname(ROOT), "shared")
 # Third-party files the tests read, each with its licence beside it (tests/fixtures/README.md).

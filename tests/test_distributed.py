@@ -11,7 +11,7 @@ from conftest import ROOT
 from test_train_agent import flags as agent_flags, write_agent_files
 
 from trainer.infra.weights import build_config, init_model
-from tests.weights_digest import parameter_digest
+from tests.support.weights_digest import parameter_digest
 
 TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--from_weight", "tiny", "--max_gen_len", "8",
         "--eval_interval", "0", "--batch_size", "2", "--max_steps", "3", "--save_interval", "3"]
@@ -28,7 +28,7 @@ def read_rank_files(folder):
 
 
 def test_toy_linear_gradients_are_averaged_over_ranks(tmp_path):
-    result = torchrun(["tests/dist_worker.py", "toy_linear", str(tmp_path)])
+    result = torchrun(["tests/support/dist_worker.py", "toy_linear", str(tmp_path)])
     assert result.returncode == 0, result.stderr[-3000:]
     # grad = mean([1, 0], [0, 1]) = [0.5, 0.5]; w = [1, 1] - 1.0 * [0.5, 0.5]
     assert read_rank_files(tmp_path) == [{"weight": [0.5, 0.5]}, {"weight": [0.5, 0.5]}]
@@ -37,7 +37,8 @@ def test_toy_linear_gradients_are_averaged_over_ranks(tmp_path):
 @pytest.mark.parametrize("early_stop_kl, stops", [(0.5, True), (1.5, False)])
 def test_ppo_early_stop_when_only_one_rank_is_over_the_threshold(tmp_path, early_stop_kl, stops):
     # rank 0's local approx KL is 2.0, rank 1's is 0.0: the decision uses their mean, 1.0, on both ranks
-    result = torchrun(["tests/dist_worker.py", "ppo_one_rank_kl", str(tmp_path), str(early_stop_kl)], timeout=180)
+    result = torchrun(["tests/support/dist_worker.py", "ppo_one_rank_kl", str(tmp_path), str(early_stop_kl)],
+                      timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     rank0, rank1 = read_rank_files(tmp_path)
     assert rank0 == rank1
@@ -46,8 +47,9 @@ def test_ppo_early_stop_when_only_one_rank_is_over_the_threshold(tmp_path, early
 
 
 def assert_ranks_trained_alike(result, trace, initial, steps):
-    """The run of tests/run_patched.py --trace_dir ``trace`` exited, both ranks' last checkpoint (step ``steps``) holds
-    the same weights and not ``initial``'s, the ranks rolled out disjoint prompts, and only rank 0 printed."""
+    """The run of tests/support/run_patched.py --trace_dir ``trace`` exited, both ranks' last checkpoint (step
+    ``steps``) holds the same weights and not ``initial``'s, the ranks rolled out disjoint prompts, and only rank 0
+    printed."""
     assert result.returncode == 0, result.stderr[-3000:]
     digests = [json.loads(open(trace / f"digest_rank{r}.txt").read().splitlines()[-1]) for r in range(2)]
     assert digests[0] == digests[1] and digests[0]["step"] == steps
@@ -63,8 +65,9 @@ def assert_ranks_trained_alike(result, trace, initial, steps):
 def test_two_ranks_end_bit_identical(script, extra, tmp_path, tiny_weights, small_data):
     assert tiny_weights[0] == str(tmp_path)  # the fixture wrote tiny_64.pth here
     trace = tmp_path / "trace"
-    result = torchrun(["tests/run_patched.py", script, "--text_reward", "--trace_dir", str(trace), "--"] + TINY + extra
-                      + ["--save_dir", str(tmp_path), "--run_dir", str(tmp_path / "run"), "--data_path", small_data])
+    result = torchrun(["tests/support/run_patched.py", script, "--text_reward", "--trace_dir", str(trace), "--"]
+                      + TINY + extra + ["--save_dir", str(tmp_path), "--run_dir", str(tmp_path / "run"),
+                                        "--data_path", small_data])
     initial, _ = init_model(build_config(64, 2, 0), "tiny", str(tmp_path))
     assert_ranks_trained_alike(result, trace, initial, 3)
 
@@ -73,7 +76,7 @@ def test_two_agent_ranks_end_bit_identical(tmp_path):
     # upstream-format rows, 2 prompts x 2 ranks a step, up to 2 turns of 8 tokens: 2 steps stay in the first epoch
     save_dir, train, _ = write_agent_files(tmp_path)
     trace = tmp_path / "trace"
-    result = torchrun(["tests/run_patched.py", "agent", "--text_reward", "--trace_dir", str(trace), "--"]
+    result = torchrun(["tests/support/run_patched.py", "agent", "--text_reward", "--trace_dir", str(trace), "--"]
                       + agent_flags(save_dir, train, str(tmp_path / "run"), "--max_steps", "2", "--save_interval", "2"))
     initial, _ = init_model(build_config(64, 2, 0), "tiny", save_dir)
     assert_ranks_trained_alike(result, trace, initial, 2)

@@ -23,7 +23,7 @@ from trainer.train_grpo import grpo_loss
 from trainer.train_ppo import compute_gae, place_sequence_rewards, ppo_policy_loss, ppo_value_loss
 from trainer.infra.files import atomic_write
 from trainer.trainer_utils import calculate_rewards, completion_mask_from_ids
-from tests.weights_digest import parameter_digest
+from tests.support.weights_digest import parameter_digest
 
 TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--from_weight", "tiny", "--max_gen_len", "8",
         "--eval_interval", "0"]  # the held-out evaluation has its own tests (test_evaluation.py)

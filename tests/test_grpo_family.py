@@ -377,8 +377,8 @@ def test_two_real_processes_log_global_means_and_take_the_window_token_mean(tmp_
     from dist_family_worker import DAPO, TokenLogps, rank_data
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                             "tests/dist_family_worker.py", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=300)
+                             "tests/support/dist_family_worker.py", str(tmp_path)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0] == ranks[1]

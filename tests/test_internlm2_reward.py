@@ -1,10 +1,10 @@
 """Upstream MiniMind's default reward model, internlm2-1_8b-reward, as a tiny folder built from its published files.
 
-Expected values come from upstream's own code: ``tests/reference_internlm2_reward.json`` holds what upstream
+Expected values come from upstream's own code: ``tests/support/reference_internlm2_reward.json`` holds what upstream
 MiniMind's ``LMForRewardModel`` and ``calculate_rewards`` (GRPO and PPO) and the published remote code
 (``get_score`` / ``get_scores``, ``trust_remote_code=True``) give for the same tiny folder under transformers 4.57.6,
-recorded by ``tests/record_internlm2_reward.py`` (its docstring has the commands). The folder is rebuilt here by
-``tests/tiny_internlm2_reward.py``; its weights digest must equal the recorded one.
+recorded by ``tests/support/record_internlm2_reward.py`` (its docstring has the commands). The folder is rebuilt here by
+``tests/support/tiny_internlm2_reward.py``; its weights digest must equal the recorded one.
 """
 import json
 import os
@@ -24,7 +24,7 @@ from trainer.infra.reward_models import read_reward_model_config
 from trainer.trainer_utils import LMForRewardModel, calculate_rewards
 
 SOURCE = os.path.join(SHARED, "compat", "internlm2-1_8b-reward")
-with open(os.path.join(ROOT, "tests", "reference_internlm2_reward.json"), encoding="utf-8") as f:
+with open(os.path.join(ROOT, "tests", "support", "reference_internlm2_reward.json"), encoding="utf-8") as f:
     REFERENCE = json.load(f)
 PROMPTS_PER_ANSWER = [p for p in REFERENCE["prompts"] for _ in range(REFERENCE["num_generations"])]
 TOLERANCE = 1e-4  # fp32 on both sides (the requirement is 1e-3)

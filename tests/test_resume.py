@@ -25,7 +25,7 @@ PPO = TINY + ["--batch_size", "2", "--mini_batch_size", "1", "--max_steps", "6",
 
 def harness(script, harness_flags, script_flags, timeout=300):
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    harness_script = os.path.join(ROOT, "tests", "run_patched.py")
+    harness_script = os.path.join(ROOT, "tests", "support", "run_patched.py")
     cmd = [sys.executable, harness_script, script] + harness_flags + ["--"] + script_flags
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 

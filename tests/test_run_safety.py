@@ -16,7 +16,7 @@ import torch
 from conftest import ROOT
 from model.model_minimind import MiniMindForCausalLM
 from trainer import train_grpo
-from trainer.infra import evaluation
+from trainer import evaluation
 from trainer.infra.checkpoints import changed_flags, claim_save_dir, save_checkpoint
 from trainer.infra.weights import build_config, load_weights
 
@@ -31,8 +31,8 @@ def run(args, timeout=300):
 
 
 def harness(harness_flags, script_flags):
-    """tests/run_patched.py grpo (kills at a checkpoint, traces the prompts of every step)."""
-    return run([os.path.join("tests", "run_patched.py"), "grpo", "--text_reward"] + harness_flags + ["--"]
+    """tests/support/run_patched.py grpo (kills at a checkpoint, traces the prompts of every step)."""
+    return run([os.path.join("tests", "support", "run_patched.py"), "grpo", "--text_reward"] + harness_flags + ["--"]
                + script_flags)
 
 

@@ -1,4 +1,4 @@
-"""--rollout_engine sglang against a stand-in SGLang server (tests/sglang_standin.py), no GPU needed."""
+"""--rollout_engine sglang against a stand-in SGLang server (tests/support/sglang_standin.py), no GPU needed."""
 import json
 import os
 import socket
@@ -338,7 +338,7 @@ def test_check_sglang_launches_and_stops_the_server(server_device, tiny_weights,
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("")
     (fake / "launch_server.py").write_text(FAKE_LAUNCH_SERVER)
-    tests_dir = os.path.join(ROOT, "tests")
+    tests_dir = os.path.join(ROOT, "tests", "support")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "fake"), tests_dir, ROOT]))
     save_dir, name = tiny_weights
     port = free_port()

@@ -8,7 +8,7 @@ non-layer weights, in two shards named as in the index. The weights come from ``
 a fixed order, so the folder is the same on every machine; ``weights_digest`` fingerprints them.
 
 Needs numpy and safetensors only (no torch, no transformers), so the recording script can run it under another
-transformers release (``tests/record_internlm2_reward.py``).
+transformers release (``tests/support/record_internlm2_reward.py``).
 """
 import hashlib
 import json

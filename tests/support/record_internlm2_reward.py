@@ -2,9 +2,10 @@
 
 Runs upstream's own code, not this project's: upstream MiniMind's ``LMForRewardModel`` (trainer/trainer_utils.py)
 and the ``calculate_rewards`` of its trainer/train_grpo.py and trainer/train_ppo.py, on the folder that
-``tests/tiny_internlm2_reward.py`` builds from ``../shared/compat/internlm2-1_8b-reward/`` (the published remote code
-``modeling_internlm2.py`` and tokenizer run as published: ``trust_remote_code=True``). The result,
-``tests/reference_internlm2_reward.json``, is what ``tests/test_internlm2_reward.py`` compares this project with.
+``tests/support/tiny_internlm2_reward.py`` builds from ``../shared/compat/internlm2-1_8b-reward/`` (the published
+remote code ``modeling_internlm2.py`` and tokenizer run as published: ``trust_remote_code=True``). The result,
+``tests/support/reference_internlm2_reward.json``, is what ``tests/test_internlm2_reward.py`` compares this project
+with.
 
 How the committed file was made (a throwaway venv outside the repository; protobuf because transformers 4.57's
 AutoTokenizer builds the remote fast tokenizer from tokenizer.model with it; huggingface-hub < 1 for 4.57):
@@ -14,8 +15,8 @@ AutoTokenizer builds the remote fast tokenizer from tokenizer.model with it; hug
         "huggingface-hub<1.0" "datasets<4" requests
     git clone https://github.com/jingyaogong/minimind /tmp/minimind
     git -C /tmp/minimind checkout d65ef2c00ebc6082f9df11541e1b191655eddb00   # the commit the file was recorded at
-    /tmp/tf457/bin/python tests/record_internlm2_reward.py --minimind /tmp/minimind \\
-        --out tests/reference_internlm2_reward.json
+    /tmp/tf457/bin/python tests/support/record_internlm2_reward.py --minimind /tmp/minimind \\
+        --out tests/support/reference_internlm2_reward.json
 """
 import argparse
 import json
@@ -25,7 +26,7 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 SOURCE = os.path.join(os.path.dirname(ROOT), "shared", "compat", "internlm2-1_8b-reward")
 
 

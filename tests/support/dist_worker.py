@@ -1,7 +1,7 @@
 """Small distributed programs for tests/test_distributed.py, launched with torchrun (gloo, CPU).
 
-    torchrun --standalone --nproc_per_node 2 tests/dist_worker.py toy_linear OUT_DIR
-    torchrun --standalone --nproc_per_node 2 tests/dist_worker.py ppo_one_rank_kl OUT_DIR EARLY_STOP_KL
+    torchrun --standalone --nproc_per_node 2 tests/support/dist_worker.py toy_linear OUT_DIR
+    torchrun --standalone --nproc_per_node 2 tests/support/dist_worker.py ppo_one_rank_kl OUT_DIR EARLY_STOP_KL
 
 Each rank writes OUT_DIR/rank{r}.json with what it ended with.
 """
@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 import torch

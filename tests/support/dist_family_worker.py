@@ -1,6 +1,6 @@
 """The GRPO family's collectives on 2 real processes (gloo, CPU), for tests/test_grpo_family.py:
 
-    torchrun --standalone --nproc_per_node 2 tests/dist_family_worker.py OUT_DIR
+    torchrun --standalone --nproc_per_node 2 tests/support/dist_family_worker.py OUT_DIR
 
 Each rank takes its own rows (``rank_data``), computes the logged means and extremes over both processes, and runs
 a dapo accumulation window of two steps through DDP the way train_grpo.py's loop does; it writes OUT_DIR/rank{r}.json.
@@ -9,7 +9,7 @@ import json
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 import torch

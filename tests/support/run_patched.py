@@ -2,7 +2,7 @@
 tests need, injected through main's reward_fn argument and by wrapping the script module's ``resumable_batches``
 and ``save_checkpoint``.
 
-    python tests/run_patched.py {grpo|ppo|agent} [harness flags] -- [script flags]
+    python tests/support/run_patched.py {grpo|ppo|agent} [harness flags] -- [script flags]
 
 Harness flags:
     --trace_dir DIR        per rank: the dataset indices of every step's prompts (indices_rank{r}.jsonl) and,
@@ -21,13 +21,13 @@ import os
 import signal
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 import torch
 import torch.distributed as dist
 
-from tests.weights_digest import parameter_digest
+from tests.support.weights_digest import parameter_digest
 from trainer import train_agent, train_grpo, train_ppo
 
 

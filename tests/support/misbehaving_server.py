@@ -1,6 +1,6 @@
 """An HTTP server on 127.0.0.1 that answers ``/generate`` the way a broken or foreign server would (a test fixture).
 
-    python tests/misbehaving_server.py   # prints its port on the first line, serves until killed
+    python tests/support/misbehaving_server.py   # prints its port on the first line, serves until killed
 
 The first part of the request path picks the reply, e.g. ``POST /id_outside_vocab/generate``; every batch element
 gets the same reply, built from one well-formed SGLang answer (output_ids [5, 2], log-probs -0.25 and -0.5,
