@@ -203,6 +203,36 @@ def test_the_top_of_scripts_holds_the_user_tools_of_the_readme_tour():
         assert f"scripts/{folder}/" in readme, folder
 
 
+def test_the_top_of_tests_holds_the_test_files_only():
+    """tests/'s top level holds the test files and conftest.py; helper modules, workers and recorded references
+    sit in tests/support/, third-party files in tests/fixtures/, the benchmarks' tests in tests/bench/."""
+    names = [n for n in os.listdir(os.path.join(ROOT, "tests")) if n != "__pycache__"]
+    files = [n for n in names if os.path.isfile(os.path.join(ROOT, "tests", n))]
+    assert [n for n in files if not (n.startswith("test_") and n.endswith(".py")) and n != "conftest.py"] == []
+    assert sorted(set(names) - set(files)) == ["bench", "fixtures", "support"]
+
+
+LEARNER_FILES = ("trainer/train_grpo.py", "trainer/train_ppo.py", "trainer/rollout_engine.py",
+                 "trainer/trainer_utils.py", "model/model_minimind.py")
+
+
+def line_count(path):
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        return sum(1 for _ in f)
+
+
+def test_what_a_reader_opens_first_stays_short():
+    """The README keeps its Quick start, results and chapter map within 250 lines; the five files a learner reads
+    beside the chapter hold at most 2,000 lines together; the agent script at most 400, its ``main`` at most 110."""
+    assert line_count("README.md") <= 250
+    sizes = {path: line_count(path) for path in LEARNER_FILES}
+    assert sum(sizes.values()) <= 2000, sizes
+    assert line_count("trainer/train_agent.py") <= 400
+    tree = ast.parse(open(os.path.join(ROOT, "trainer", "train_agent.py"), encoding="utf-8").read())
+    main = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "main")
+    assert main.end_lineno - main.lineno + 1 <= 110
+
+
 def names_bound_in(function):
     """Names a function binds itself: its parameters, assignment and loop targets."""
     names = {arg.arg for arg in function.args.args}
