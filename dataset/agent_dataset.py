@@ -9,6 +9,7 @@ import torch
 
 from dataset.lm_dataset import DataFormatError, escape_conversations, iter_jsonl
 from trainer.agent.tools import conversation_tools
+from trainer.infra.errors import InputError
 
 DATASET_DIR = os.path.dirname(os.path.abspath(__file__))
 AGENT_TRAIN_DATA = os.path.join(DATASET_DIR, "agent_rl_train.jsonl")
@@ -27,7 +28,7 @@ class AgentRLDataset(torch.utils.data.Dataset):
 
     def __init__(self, path, tokenizer, thinking_ratio=0.0, seed=42):
         if not 0.0 <= thinking_ratio <= 1.0:
-            raise ValueError(f"thinking_ratio must be in [0, 1], got {thinking_ratio}")
+            raise InputError(f"thinking_ratio must be in [0, 1], got {thinking_ratio}")
         special_tokens = list(tokenizer.all_special_tokens)
         self.rows = [check_agent_row(row, f"{path}:{line}", special_tokens) for line, row in iter_jsonl(path)]
         self.thinking_ratio, self.seed = thinking_ratio, seed

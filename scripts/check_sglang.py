@@ -34,6 +34,7 @@ from dataset.lm_dataset import RLAIFDataset
 from model.hf_qwen3 import save_qwen3_folder
 from scripts.sglang_cpu.server import launch_cpu_server, stop_server
 from trainer.rollout_engine import SGLangRolloutEngine, TorchRolloutEngine, tokenize_prompts
+from trainer.infra.errors import run_script
 from trainer.infra.weights import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, init_model, weight_path
 
 
@@ -189,4 +190,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)  # a user's mistake ends in one line naming it; a bug keeps its traceback

@@ -21,6 +21,7 @@ import torch
 
 from model.hf_qwen3 import DTYPES, load_qwen3_folder, save_qwen3_folder
 from model.model_minimind import MiniMindForCausalLM
+from trainer.infra.errors import run_script
 from trainer.infra.flags import add_bool_flag
 from trainer.infra.weights import (
     DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, init_model, save_weights, weight_path,
@@ -91,4 +92,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)  # a user's mistake ends in one line naming it; a bug keeps its traceback

@@ -22,6 +22,7 @@ sys.path.insert(0, ROOT)
 
 from dataset.lm_dataset import RLAIFDataset
 from trainer.evaluation import evaluate
+from trainer.infra.errors import run_script
 from trainer.infra.weights import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, init_model
 from trainer.infra.flags import add_bool_flag
 from trainer.infra.reward_models import read_reward_model_config
@@ -123,4 +124,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)  # a user's mistake ends in one line naming it; a bug keeps its traceback

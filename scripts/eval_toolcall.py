@@ -27,6 +27,7 @@ import torch
 
 from dataset.lm_dataset import iter_jsonl, prompt_turns
 from trainer.agent.rollout import agent_rollout
+from trainer.infra.errors import run_script
 from trainer.infra.weights import DEFAULT_SAVE_DIR, build_config, init_model
 
 
@@ -111,4 +112,4 @@ def evaluate(policy, tokenizer, rows, args, mode, generator):
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)  # a user's mistake ends in one line naming it; a bug keeps its traceback

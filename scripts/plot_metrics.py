@@ -22,6 +22,7 @@ import matplotlib.pyplot as plt
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from dataset.lm_dataset import iter_jsonl
+from trainer.infra.errors import run_script
 from trainer.infra.files import atomic_write
 
 # (metric key, panel title); the order of the panels. The keys are those train_grpo.py / train_ppo.py log.
@@ -196,4 +197,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)  # a user's mistake ends in one line naming it; a bug keeps its traceback

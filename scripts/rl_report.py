@@ -27,6 +27,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from dataset.lm_dataset import RLAIFDataset
+from trainer.infra.errors import run_script
 from trainer.infra.weights import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, init_model
 from trainer.evaluation import evaluate
 from trainer.trainer_utils import extract_final_number, prompt_to_messages, split_thinking
@@ -221,4 +222,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)  # a user's mistake ends in one line naming it; a bug keeps its traceback

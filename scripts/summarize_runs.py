@@ -22,6 +22,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from trainer.infra.errors import run_script
 from trainer.infra.files import atomic_write
 
 CLIP_KEYS = ("clip_ratio/region_mean", "cispo_clip_ratio", "clipfrac")
@@ -119,4 +120,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)  # a user's mistake ends in one line naming it; a bug keeps its traceback

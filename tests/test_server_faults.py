@@ -1,5 +1,5 @@
-"""A server that misbehaves (tests/misbehaving_server.py, a real HTTP server process on 127.0.0.1): its replies are
-checked like any input, and one that never answers stops the run within --sglang_timeout or on SIGTERM
+"""A server that misbehaves (tests/support/misbehaving_server.py, a real HTTP server process on 127.0.0.1): its
+replies are checked like any input, and one that never answers stops the run within --sglang_timeout or on SIGTERM
 (docs/troubleshooting.md, "the SGLang server")."""
 import os
 import signal
@@ -17,7 +17,7 @@ SAMPLING = sglang_sampling_params(temperature=1.0, top_p=1.0, top_k=0, max_new_t
 
 @pytest.fixture(scope="module")
 def server_url():
-    process = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "misbehaving_server.py")],
+    process = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "support", "misbehaving_server.py")],
                                stdout=subprocess.PIPE, text=True)
     try:
         yield f"http://127.0.0.1:{int(process.stdout.readline())}"
@@ -63,7 +63,8 @@ def test_a_server_that_never_answers_stops_the_run_within_the_timeout_and_on_sig
                                cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert timed_out.returncode == 1
     assert (f"SGLang server {server_url}/hang/generate took the request but did not answer within --sglang_timeout 2 "
-            f"s") in timed_out.stderr
+            f"s") in timed_out.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in timed_out.stderr
     assert "step 1/" not in timed_out.stdout
 
     process = subprocess.Popen([sys.executable] + flags + ["--run_dir", str(tmp_path / "b")], cwd=ROOT, env=env,
@@ -79,3 +80,22 @@ def test_a_server_that_never_answers_stops_the_run_within_the_timeout_and_on_sig
     assert process.returncode == 1
     assert f"SIGTERM received while SGLang server {server_url}/hang/generate had not answered (10 s more" in stderr
     assert "rerun the same command with --from_resume 1" in stderr
+    assert "Traceback" not in stderr
+
+
+def test_a_reply_from_other_weights_ends_the_script_in_one_line_naming_it(server_url, tiny_weights, small_data,
+                                                                           tmp_path):
+    """The stand-in ignores the trainer's weight sync: its answer comes from weights the trainer never pushed."""
+    flags = ["trainer/train_grpo.py", "--hidden_size", "64", "--num_hidden_layers", "2", "--from_weight", "tiny",
+             "--max_gen_len", "4", "--eval_interval", "0", "--reward_model_path", "none", "--batch_size", "2",
+             "--num_generations", "2", "--max_steps", "2", "--save_dir", tiny_weights[0], "--data_path", small_data,
+             "--rollout_engine", "sglang", "--sglang_url", server_url + "/float_id",
+             "--run_dir", str(tmp_path / "run")]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable] + flags, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"train_grpo.py: error: SGLang {server_url}/float_id/generate answer 0 came from weights "
+                           f"'default', but the trainer synced '"), last
+    assert last.endswith("Give each run its own server, then resume the run (the resumed run pushes its weights at "
+                         "start-up).")

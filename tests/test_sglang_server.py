@@ -27,7 +27,7 @@ from model.hf_qwen3 import save_qwen3_folder
 from scripts.sglang_cpu.server import launch_cpu_server, stop_server
 from trainer import rollout_engine as rollout_module
 from trainer.rollout_engine import SGLangRolloutEngine, compute_per_token_logps, tokenize_prompts
-from trainer.agent.rollout import agent_rollout
+from trainer.agent.rollout import agent_rollout, server_turn
 from trainer.agent.tools import execute_call, parse_tool_calls
 from trainer.train_agent import main as agent_main
 from trainer.train_grpo import main as grpo_main
@@ -261,14 +261,14 @@ def test_agent_turns_generated_by_the_server_carry_the_trainers_log_probs_and_th
 
 
 def test_each_row_of_a_turn_is_sent_its_own_budget(server_url, prompts, tmp_path):
-    """``generate_turn``: a conversation that nearly fills the server's context (2048, scripts/launch_sglang.sh's
+    """``server_turn``: a conversation that nearly fills the server's context (2048, scripts/launch_sglang.sh's
     --context-length) is served in the same request as a short one with a larger budget; a single max_new_tokens
     for both would pass the context length and the server would refuse the request."""
     model, tokenizer = load_policy()
     engine = SGLangRolloutEngine(model, tokenizer, server_url, str(tmp_path / "shared"), **ENGINE)
     prompt_ids = tokenizer(prompts[0], add_special_tokens=False)["input_ids"]
     long_context = (prompt_ids * (2048 // len(prompt_ids) + 1))[-2030:]  # ending in a prompt; the server takes
-    turns = engine.generate_turn([long_context, prompt_ids], [4, 64], 1.0)  # at most 2042 input tokens
+    turns = server_turn(engine, [long_context, prompt_ids], [4, 64], 1.0)  # at most 2042 input tokens
     assert 1 <= len(turns[0][0]) <= 4 and 1 <= len(turns[1][0]) <= 64
     assert len(long_context) + 64 > 2048  # the request one budget for both would have made
 

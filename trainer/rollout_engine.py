@@ -17,6 +17,7 @@ import torch
 from dataset.lm_dataset import prompt_tail
 from model.hf_qwen3 import save_qwen3_folder
 from trainer.infra.distributed import is_main_process, run_on_rank0, unwrap_model
+from trainer.infra.errors import ServerError
 from trainer.infra.sglang_client import (
     ROLLOUT_ENGINES, SGLANG_LOGPROB_MODES, SGLangClient, check_sglang_prompts, sglang_sampling_params,
 )
@@ -104,14 +105,6 @@ def decode_completions(tokenizer, completion_ids, completion_mask, eos_token_id)
             tokens = tokens[:-1]
         texts.append(tokenizer.decode(tokens, skip_special_tokens=False))
     return texts
-
-
-def cut_turn(ids, logps, budget, eos_token_id):
-    """One generated turn of a multi-turn rollout: (ids, logps), two lists, kept up to and including the first EOS
-    and to at most ``budget`` tokens (a prefix of a sample is a sample of that prefix)."""
-    ids, logps = list(ids[:budget]), list(logps[:budget])
-    end = ids.index(eos_token_id) + 1 if eos_token_id in ids else len(ids)
-    return ids[:end], logps[:end]
 
 
 class RolloutEngine(ABC):
@@ -246,29 +239,6 @@ class SGLangRolloutEngine(RolloutEngine):
             metrics=metrics,
         )
 
-    @torch.no_grad()
-    def generate_turn(self, contexts, budgets, temperature=1.0):
-        """One turn of multi-turn rollouts (``trainer/agent/rollout.py``) in one ``/generate`` request.
-
-        contexts: A lists of token ids, each conversation so far (prompt, earlier turns, tool replies);
-        budgets: A ints >= 1, each row's most new tokens, sent as its own ``max_new_tokens`` (the server refuses a
-        request whose prompt + max_new_tokens passes its context length); sampled at ``temperature`` with the
-        engine's top-p / top-k, kept up to and including the first EOS (``cut_turn``). Returns A (token ids, the
-        server's log-probs) pairs of lists; the caller settles the old log-probs with ``old_per_token_logps`` once
-        the conversations are whole. Raises ValueError for contexts the server cannot take
-        (``check_sglang_prompts``) and RuntimeError for answers that fail ``SGLangClient``'s checks.
-        """
-        vocab_size = unwrap_model(self.policy_model).config.vocab_size
-        padded = torch.nn.utils.rnn.pad_sequence([torch.tensor(ids, dtype=torch.long) for ids in contexts],
-                                                 batch_first=True)  # [A, L], right-padded with 0
-        lengths = torch.tensor([len(ids) for ids in contexts])  # [A]
-        check_sglang_prompts(padded, (torch.arange(padded.size(1)) < lengths.unsqueeze(1)).long(), vocab_size)
-        sampling_params = [sglang_sampling_params(temperature, self.sampling["top_p"], self.sampling["top_k"], budget,
-                                                  self.tokenizer.eos_token_id) for budget in budgets]  # per row
-        answers = self.client.generate([list(ids) for ids in contexts], sampling_params)
-        return [cut_turn(ids, logps, budget, self.tokenizer.eos_token_id)
-                for (ids, logps), budget in zip(answers, budgets)]
-
     def old_per_token_logps(self, model, output_ids, full_mask, completion_mask, server_per_token_logps,
                             temperature):
         """(log pi_old [N, R], metrics) by ``logprobs_mode``; raises RuntimeError when the server's log-probs fail
@@ -284,7 +254,7 @@ class SGLangRolloutEngine(RolloutEngine):
         if self.logprobs_mode == "recompute":
             return local_per_token_logps, {"logprob_gap": gap}
         if gap > self.logprob_tolerance:
-            raise RuntimeError(
+            raise ServerError(
                 f"--sglang_logprobs server: the server's log-probs differ from the trainer's by a mean of {gap:.4f} "
                 f"per token (tolerance {self.logprob_tolerance}) at temperature {temperature}. The trainer uses "
                 f"log softmax(logits / temperature), SGLang's default: start the server WITHOUT "

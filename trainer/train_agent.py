@@ -45,6 +45,7 @@ from trainer.infra.distributed import (
     setup_seed, shutdown_distributed, wrap_ddp,
 )
 from trainer.infra.dtypes import autocast_context, resolve_train_dtype, reward_model_dtype
+from trainer.infra.errors import InputError, run_script
 from trainer.infra.flags import (
     add_common_rl_args, check_common_rl_args, check_ranges, rollout_engine_kwargs, same_file,
 )
@@ -206,7 +207,7 @@ def main(argv=None, reward_fn=calculate_agent_rewards):
     tokenizer = load_tokenizer(args.tokenizer_path, start_weight, args.tokenizer_path_named)
     train_ds = AgentRLDataset(args.data_path, tokenizer, args.thinking_ratio, args.seed)
     if len(train_ds) < args.batch_size * world_size:
-        raise ValueError(f"--data_path {args.data_path}: found {len(train_ds)} rows, need at least "
+        raise InputError(f"--data_path {args.data_path}: found {len(train_ds)} rows, need at least "
                          f"{args.batch_size * world_size} (--batch_size x processes) for one full batch")
     batch_sampler = ResumableBatchSampler(train_ds, args.batch_size, world_size, rank, args.seed)
     loader = DataLoader(train_ds, batch_sampler=batch_sampler, num_workers=args.num_workers,
@@ -294,4 +295,4 @@ def main(argv=None, reward_fn=calculate_agent_rewards):
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)  # a user's mistake ends in one line naming it; a bug keeps its traceback

@@ -31,6 +31,7 @@ from dataset.lm_dataset import SFTDataset, sft_collate
 from trainer.infra.distributed import (
     Logger, any_rank, init_distributed_mode, is_main_process, setup_seed, unwrap_model,
 )
+from trainer.infra.errors import InputError, run_script
 from trainer.infra.files import atomic_write, check_writable_dir
 from trainer.infra.flags import add_bool_flag
 from trainer.infra.optimizer import build_cosine_scheduler, project_scale_only_gradients
@@ -100,7 +101,7 @@ def load_resume_state(args):
     changed = [f"--{key} {state['args'][key]!r} (now {getattr(args, key)!r})" for key in RESUME_KEYS
                if state["args"].get(key) != getattr(args, key)]
     if changed:
-        raise ValueError(f"{resume_path(args)} was written by a run with {', '.join(changed)}: resume with the "
+        raise InputError(f"{resume_path(args)} was written by a run with {', '.join(changed)}: resume with the "
                          f"same flags, or start anew without --from_resume")
     return state
 
@@ -125,7 +126,7 @@ def main(argv=None):
     model, tokenizer = init_model(lm_config, args.from_weight, args.save_dir, device=device)
     dataset = SFTDataset(args.data_path, tokenizer, max_length=args.max_seq_len)
     if len(dataset) == 0:
-        raise ValueError(f"--data_path {args.data_path}: found 0 conversations, need at least 1")
+        raise InputError(f"--data_path {args.data_path}: found 0 conversations, need at least 1")
     sampler = DistributedSampler(dataset, seed=args.seed) if dist.is_initialized() else None
     generator = torch.Generator().manual_seed(args.seed)
     loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=sampler is None, sampler=sampler,
@@ -198,4 +199,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)  # a user's mistake ends in one line naming it; a bug keeps its traceback

@@ -38,6 +38,7 @@ from trainer.infra.distributed import (
 )
 from trainer.infra.dtypes import autocast_context, resolve_train_dtype, reward_model_dtype
 from trainer.evaluation import build_evaluator, evaluate_if_due
+from trainer.infra.errors import run_script
 from trainer.infra.flags import (
     add_bool_flag, add_common_rl_args, check_common_rl_args, check_ranges, rollout_engine_kwargs,
 )
@@ -47,7 +48,7 @@ from trainer.infra.metrics import (
 from trainer.infra.optimizer import (
     accumulation_window_size, build_cosine_scheduler, build_policy_optimizer, project_scale_only_gradients,
 )
-from trainer.infra.stopping import BadStepGuard, StopSignal, nonfinite_parts
+from trainer.infra.stopping import BadStepGuard, StopSignal, finish_run, nonfinite_parts
 from trainer.infra.weights import build_config, load_policy, load_tokenizer, weight_path
 from trainer.rollout_engine import RolloutResult, compute_per_token_logps, create_rollout_engine, tokenize_prompts
 from trainer.speed.shared_prefix import shared_prefix_forward
@@ -367,17 +368,11 @@ def main(argv=None, reward_fn=calculate_rewards):
         if stop:
             break
 
-    if stop:
-        Logger(stop_signal.stopped_message(step, resume_command(__file__, argv, world_size)))
-    for line in evaluator.summary_lines() if evaluator is not None else []:
-        Logger(line)
-    writer.close()
-    stop_signal.restore()
-    if run_lock is not None:
-        run_lock.close()  # another run may use these checkpoint files now
+    finish_run(stop_signal, step if stop else None, resume_command(__file__, argv, world_size), evaluator, writer,
+               run_lock)  # the stop line, the before/after lines; the metrics and the save folder released
     del ddp_model  # free the DDP wrapper while the process group is alive (see shutdown_distributed)
     shutdown_distributed()
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)  # a user's mistake ends in one line naming it; a bug keeps its traceback

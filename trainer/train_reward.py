@@ -36,6 +36,7 @@ from transformers import AutoTokenizer, Qwen3ForSequenceClassification
 
 from dataset.lm_dataset import read_preference_pairs
 from model.hf_qwen3 import qwen3_config_from_minimind
+from trainer.infra.errors import InputError, run_script
 from trainer.infra.weights import (
     DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, check_state_dict_fits, weight_path,
 )
@@ -73,7 +74,7 @@ def qwen3_config(lm_config, pad_token_id):
         ValueError: for an MoE config (Qwen3ForSequenceClassification has dense MLPs only).
     """
     if lm_config.use_moe:
-        raise ValueError("--use_moe 1: the reward model is a dense Qwen3ForSequenceClassification; use --use_moe 0")
+        raise InputError("--use_moe 1: the reward model is a dense Qwen3ForSequenceClassification; use --use_moe 0")
     config = qwen3_config_from_minimind(lm_config)  # the same backbone the exported policy gets
     config.architectures = ["Qwen3ForSequenceClassification"]
     config.num_labels = 1
@@ -244,7 +245,7 @@ def main(argv=None):
                                           read_preference_pairs(args.eval_path) if args.eval_path else None,
                                           args.eval_ratio, args.seed)
     if len(train_pairs) < args.batch_size:
-        raise ValueError(f"--data_path {args.data_path}: {len(train_pairs)} training pairs, fewer than --batch_size "
+        raise InputError(f"--data_path {args.data_path}: {len(train_pairs)} training pairs, fewer than --batch_size "
                          f"{args.batch_size}")
     train_encoded = encode_pairs(tokenizer, train_pairs, args.max_seq_len)
     eval_encoded = encode_pairs(tokenizer, eval_pairs, args.max_seq_len)
@@ -308,4 +309,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)  # a user's mistake ends in one line naming it; a bug keeps its traceback

@@ -31,7 +31,8 @@ import torch
 
 from trainer.agent.tools import conversation_tools, count_valid_calls, execute_call, parse_tool_calls
 from trainer.infra.distributed import unwrap_model
-from trainer.rollout_engine import cut_turn
+from trainer.infra.errors import InputError
+from trainer.infra.sglang_client import check_sglang_prompts, sglang_sampling_params
 
 
 @dataclass
@@ -107,12 +108,21 @@ def observation_ids(tokenizer, conversation, ended_with_eos):
     full = render(tokenizer, messages, conversation.tools, True, kwargs)
     close = partial.rfind(eos)
     if not full.startswith(partial) or close < 0:
-        raise ValueError(f"agent_rollout needs a chat template that only appends to earlier turns and closes an "
+        raise InputError(f"agent_rollout needs a chat template that only appends to earlier turns and closes an "
                          f"assistant turn with {eos!r}; this one renders {partial[-60:]!r} then {full[-60:]!r}")
     start = close + len(eos) if ended_with_eos else close
     ids = tokenizer(full[start:], add_special_tokens=False)["input_ids"]
     retokenized = tokenizer(full, add_special_tokens=False)["input_ids"][conversation.prompt_cut:]
     return ids, retokenized == conversation.token_ids + ids
+
+
+def cut_turn(ids, logps, budget, eos_token_id):
+    """One generated turn of a multi-turn rollout: (ids, logps), two lists, kept up to and including the first EOS
+    and to at most ``budget`` tokens (a prefix of a sample is a sample of that prefix)."""
+    ids, logps = list(ids[:budget]), list(logps[:budget])
+    end = ids.index(eos_token_id) + 1 if eos_token_id in ids else len(ids)
+    return ids[:end], logps[:end]
+
 
 
 @torch.no_grad()
@@ -139,6 +149,31 @@ def generate_turn(model, contexts, budgets, temperature, eos_token_id, pad_token
 
 
 @torch.no_grad()
+def server_turn(engine, contexts, budgets, temperature=1.0):
+    """One turn of the multi-turn rollouts in one ``/generate`` request to ``engine``'s server
+    (an ``SGLangRolloutEngine``, chapter 8.2).
+
+    contexts: A lists of token ids, each conversation so far (prompt, earlier turns, tool replies);
+    budgets: A ints >= 1, each row's most new tokens, sent as its own ``max_new_tokens`` (the server refuses a
+    request whose prompt + max_new_tokens passes its context length); sampled at ``temperature`` with the
+    engine's top-p / top-k, kept up to and including the first EOS (``cut_turn``). Returns A (token ids, the
+    server's log-probs) pairs of lists; the caller settles the old log-probs with ``engine.old_per_token_logps`` once
+    the conversations are whole. Raises ValueError for contexts the server cannot take
+    (``check_sglang_prompts``) and RuntimeError for answers that fail ``SGLangClient``'s checks.
+    """
+    vocab_size = unwrap_model(engine.policy_model).config.vocab_size
+    padded = torch.nn.utils.rnn.pad_sequence([torch.tensor(ids, dtype=torch.long) for ids in contexts],
+                                             batch_first=True)  # [A, L], right-padded with 0
+    lengths = torch.tensor([len(ids) for ids in contexts])  # [A]
+    check_sglang_prompts(padded, (torch.arange(padded.size(1)) < lengths.unsqueeze(1)).long(), vocab_size)
+    sampling_params = [sglang_sampling_params(temperature, engine.sampling["top_p"], engine.sampling["top_k"], budget,
+                                              engine.tokenizer.eos_token_id) for budget in budgets]  # per row
+    answers = engine.client.generate([list(ids) for ids in contexts], sampling_params)
+    return [cut_turn(ids, logps, budget, engine.tokenizer.eos_token_id)
+            for (ids, logps), budget in zip(answers, budgets)]
+
+
+@torch.no_grad()
 def agent_rollout(model, tokenizer, conversations, num_generations, *, max_new_tokens, max_total_len,
                   temperature=1.0, max_turns=3, generator=None, chat_template_kwargs=None, server=None):
     """Roll out ``num_generations`` multi-turn tool-using answers to each conversation, all rows batched per turn.
@@ -149,7 +184,7 @@ def agent_rollout(model, tokenizer, conversations, num_generations, *, max_new_t
     chat_template_kwargs: extra template arguments (e.g. ``open_thinking``), one dict for every conversation or a
     list of B dicts, one per prompt (upstream's ``--thinking_ratio`` draws ``open_thinking`` per prompt).
     server: None, the turns sampled with ``model.generate`` and their log-probs recorded while sampling; or an
-    ``SGLangRolloutEngine`` (chapter 8.2) whose server generates each turn (``generate_turn``), the old log-probs
+    ``SGLangRolloutEngine`` (chapter 8.2) whose server generates each turn (``server_turn``), the old log-probs
     then settled on the whole conversations by ``server.old_per_token_logps`` (``--sglang_logprobs``: a forward of
     ``model``, or the server's once checked; ``metrics["logprob_gap"]``). Returns ``AgentRolloutResult`` with
     N = B * num_generations rows ordered P0, P0, ..., P1, ... on the model's device. Raises ValueError for bad
@@ -179,7 +214,7 @@ def agent_rollout(model, tokenizer, conversations, num_generations, *, max_new_t
                 break
             budgets = [min(max_new_tokens, max_total_len - len(rows[i].token_ids)) for i in active]
             contexts = [rows[i].token_ids for i in active]
-            generated = server.generate_turn(contexts, budgets, temperature) if server is not None else \
+            generated = server_turn(server, contexts, budgets, temperature) if server is not None else \
                 generate_turn(generating_model, contexts, budgets, temperature, tokenizer.eos_token_id,
                               tokenizer.pad_token_id, generator)
             still_active = []

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from trainer.infra.distributed import Logger, is_main_process, run_on_rank0, setup_seed, unwrap_model
 from trainer.infra.files import atomic_write
 from trainer.infra.weights import check_finite_state, weight_path, weight_writes
+from trainer.infra.errors import InputError, SaveFolderBusyError
 
 RESUME_FORMAT_VERSION = 1
 ARCHITECTURE_FLAGS = ("hidden_size", "num_hidden_layers", "use_moe")
@@ -137,12 +138,12 @@ def load_resume(path, script, args, mmap=False):
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as err:  # a truncated or foreign file
-        raise ValueError(f"{path} is not a readable resume checkpoint ({type(err).__name__}: {err})") from err
+        raise InputError(f"{path} is not a readable resume checkpoint ({type(err).__name__}: {err})") from err
     if not isinstance(checkpoint, dict) or checkpoint.get("format_version") != RESUME_FORMAT_VERSION:
         found = checkpoint.get("format_version") if isinstance(checkpoint, dict) else type(checkpoint).__name__
-        raise ValueError(f"{path} has resume format {found!r}, this code reads format {RESUME_FORMAT_VERSION}")
+        raise InputError(f"{path} has resume format {found!r}, this code reads format {RESUME_FORMAT_VERSION}")
     if checkpoint["script"] != script:
-        raise ValueError(f"{path} was written by train_{checkpoint['script']}.py, not train_{script}.py; "
+        raise InputError(f"{path} was written by train_{checkpoint['script']}.py, not train_{script}.py; "
                          f"use another --save_weight or --save_dir for this run")
     check_resume_flags(path, checkpoint["args"], args)
     return checkpoint
@@ -179,11 +180,11 @@ def check_resume_flags(path, saved_args, args):
     """
     for flag in ARCHITECTURE_FLAGS:
         if saved_args.get(flag) != getattr(args, flag):
-            raise ValueError(f"{path} was saved with --{flag} {saved_args.get(flag)} but this run has "
+            raise InputError(f"{path} was saved with --{flag} {saved_args.get(flag)} but this run has "
                              f"--{flag} {getattr(args, flag)}; pass --{flag} {saved_args.get(flag)} to resume it")
     for flag, reason in FIXED_ON_RESUME.items():
         if flag in saved_args and hasattr(args, flag) and saved_args[flag] != getattr(args, flag):
-            raise ValueError(f"{path} was saved with --{flag} {saved_args[flag]} but this run has --{flag} "
+            raise InputError(f"{path} was saved with --{flag} {saved_args[flag]} but this run has --{flag} "
                              f"{getattr(args, flag)}, which a resume cannot take ({reason}): pass --{flag} "
                              f"{saved_args[flag]} to resume, or start a new run (another --save_dir or "
                              f"--save_weight) from the saved weights")
@@ -290,7 +291,7 @@ def load_training_states(objects, states, path):
     """
     for name, obj in objects.items():
         if name not in states:
-            raise ValueError(f"{path} has no saved {name!r}; it was written by a different kind of run")
+            raise InputError(f"{path} has no saved {name!r}; it was written by a different kind of run")
         if isinstance(obj, torch.Generator):
             obj.set_state(states[name])
         elif isinstance(obj, torch.nn.Module):
@@ -364,7 +365,7 @@ def claim_save_dir(args, script, total_steps):
         if checkpoint is not None and not run_finished(checkpoint):
             progress = checkpoint["progress"]
             of = f" of {progress['total_steps']}" if "total_steps" in progress else ""
-            raise ValueError(f"{path} holds an unfinished run (step {progress['step']}{of}) that this fresh run would "
+            raise InputError(f"{path} holds an unfinished run (step {progress['step']}{of}) that this fresh run would "
                              f"replace: resume it with --from_resume 1, start this run elsewhere (another --save_dir "
                              f"or --save_weight), or delete that file to start over")
 
@@ -399,7 +400,7 @@ def take_lock(path, refusal):
         lock.seek(0)
         holder = lock.read().strip() or "another process"
         lock.close()
-        raise RuntimeError(refusal(holder)) from None
+        raise SaveFolderBusyError(refusal(holder)) from None
     lock.truncate(0)
     lock.write(f"PID {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     lock.flush()
@@ -419,7 +420,7 @@ def check_fresh_run_dir(run_dir):
     to that run's, and the curves of both would be mixed. Raises ValueError naming the file and the ways on."""
     metrics_path = os.path.join(run_dir, "metrics.jsonl") if run_dir else None
     if metrics_path and os.path.isfile(metrics_path) and os.path.getsize(metrics_path) > 0:
-        raise ValueError(f"--run_dir {run_dir} already holds another run's metrics ({metrics_path}): this fresh run "
+        raise InputError(f"--run_dir {run_dir} already holds another run's metrics ({metrics_path}): this fresh run "
                          f"would append its rows to that run's; give a new --run_dir (or none: "
                          f"{{save_dir}}/runs/NAME-TIME), resume that run with --from_resume 1, or delete the file")
 
@@ -434,7 +435,7 @@ def check_start_weights_kept(args):
     saved = weight_path(args.save_weight, args.save_dir, args.hidden_size, args.use_moe, allow_file=False)
     same = os.path.isfile(start) and os.path.isfile(saved) and os.path.samefile(start, saved)
     if same or os.path.abspath(start) == os.path.abspath(saved):
-        raise ValueError(f"--from_weight {args.from_weight} is {start}, the file this run saves its policy to "
+        raise InputError(f"--from_weight {args.from_weight} is {start}, the file this run saves its policy to "
                          f"(--save_weight {args.save_weight}): the run's first save would overwrite its starting "
                          f"weights; give this run another --save_weight (or start from a copy of that file)")
 
@@ -451,7 +452,7 @@ def check_resume_run_dir(args, path, checkpoint):
         return
     metrics_path = os.path.join(args.run_dir, "metrics.jsonl")
     if os.path.isfile(metrics_path) and os.path.getsize(metrics_path) > 0:
-        raise ValueError(f"--run_dir {args.run_dir} holds another run's metrics ({metrics_path}); the run saved in "
+        raise InputError(f"--run_dir {args.run_dir} holds another run's metrics ({metrics_path}); the run saved in "
                          f"{path} writes its metrics to {saved or 'no recorded folder'}: drop --run_dir to resume "
                          f"into its own folder, or give a --run_dir without metrics")
 
@@ -489,7 +490,7 @@ def check_resume_data(args, path, checkpoint):
         Logger(f"warning: --data_path {args.data_path} changed since {path} was saved ({what}); "
                f"--allow_data_change 1: the run continues at the saved position, counted in prompts of this file")
         return
-    raise ValueError(f"--data_path {args.data_path} changed since {path} was saved ({what}): the saved data position "
+    raise InputError(f"--data_path {args.data_path} changed since {path} was saved ({what}): the saved data position "
                      f"and the sample indices of the metrics count prompts of the saved file. Put that file back to "
                      f"resume exactly, or pass --allow_data_change 1 to continue at the same position in this one")
 
@@ -508,7 +509,7 @@ def check_work_left(args, path, checkpoint, total_steps, world_size):
     if step != progress["step"]:
         at = (f"step {progress['step']} of {saved_prompts} prompts per step, which is step {step} at this run's "
               f"{prompts} (--batch_size {args.batch_size} x {world_size} processes)")
-    raise ValueError(f"nothing to resume: {path} is at {at} and this run has {total_steps} steps. To train further "
+    raise InputError(f"nothing to resume: {path} is at {at} and this run has {total_steps} steps. To train further "
                      f"pass a --max_steps above {step} (or more --epochs; the schedule is rebuilt); for a new run "
                      f"give another --save_weight or --save_dir")
 
@@ -527,7 +528,7 @@ def check_other_resume_files(args, path):
         flags = (f" (--save_weight {match[1]} --hidden_size {match[2]}{' --use_moe 1' if match[3] else ''})"
                  if match else "")
         described.append(f"{name}{flags}")
-    raise ValueError(f"--from_resume 1: there is no {path}, but {args.save_dir} holds {', '.join(described)}: pass "
+    raise InputError(f"--from_resume 1: there is no {path}, but {args.save_dir} holds {', '.join(described)}: pass "
                      f"the flags of the run to resume, or --from_resume 0 to start this run at step 0")
 
 
@@ -582,7 +583,7 @@ def start_or_resume(args, script, objects, steps_per_epoch, device, rank, world_
         steps = torch.tensor([progress["step"], -progress["step"]], dtype=torch.float64, device=device)
         dist.all_reduce(steps, op=dist.ReduceOp.MAX)
         if steps[0].item() != -steps[1].item():
-            raise ValueError(f"ranks would resume from different steps (up to {int(steps[0].item())}, this one "
+            raise InputError(f"ranks would resume from different steps (up to {int(steps[0].item())}, this one "
                              f"{progress['step']}): every node needs the same {path} (a shared --save_dir)")
     return progress, rollout_engine_state
 
@@ -593,7 +594,7 @@ def restore_from_checkpoint(args, objects, steps_per_epoch, path, checkpoint, pr
     start_weights = weight_path(args.from_weight, args.save_dir, args.hidden_size, args.use_moe)
     saved_weights = weight_path(args.save_weight, args.save_dir, args.hidden_size, args.use_moe, allow_file=False)
     if os.path.abspath(start_weights) == os.path.abspath(saved_weights):
-        raise ValueError(f"--from_weight {args.from_weight} is {saved_weights}, the file this run saves its policy "
+        raise InputError(f"--from_weight {args.from_weight} is {saved_weights}, the file this run saves its policy "
                          f"to, so on resume the reference model would be the step-{checkpoint['progress']['step']} "
                          f"policy, not the starting one; start runs from a copy (another --save_weight)")
     load_training_states(objects, checkpoint["states"], path)

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from trainer.infra.errors import RankZeroError, user_message
+
 
 def is_main_process():
     """True on rank 0, or when not running distributed."""
@@ -135,15 +137,17 @@ def broadcast_from_rank0(value):
 
 def run_on_rank0(work, what="rank 0's work"):
     """Call ``work()`` on rank 0 only; every rank raises when it failed there (rank 0 its own error, the other ranks
-    a RuntimeError that quotes it), so that no rank trains on while rank 0 stops. Not distributed: ``work()``."""
+    a RuntimeError that quotes it, a ``RankZeroError`` when rank 0's is a user's error), so that no rank trains on
+    while rank 0 stops. Not distributed: ``work()``."""
     error, caught = None, None
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
             work()
         except (RuntimeError, OSError, ValueError) as err:
-            error, caught = f"{type(err).__name__}: {err}", err
+            error, caught = (f"{type(err).__name__}: {err}", user_message(err) is not None), err
     error = broadcast_from_rank0(error)
     if caught is not None:
         raise caught
     if error is not None:
-        raise RuntimeError(f"{what} failed on rank 0: {error}")
+        text, by_the_user = error
+        raise (RankZeroError if by_the_user else RuntimeError)(f"{what} failed on rank 0: {text}")

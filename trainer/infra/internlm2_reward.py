@@ -34,6 +34,8 @@ import re
 import torch
 from torch import nn
 
+from trainer.infra.errors import InputError, MissingPackageError
+
 INTERNLM2_REWARD_CLASS = "InternLM2ForRewardModel"
 SENTENCEPIECE_HINT = "pip install sentencepiece"
 
@@ -59,7 +61,7 @@ def require_sentencepiece(path):
     try:
         import sentencepiece
     except ModuleNotFoundError as err:
-        raise ModuleNotFoundError(f"--reward_model_path {path}: this InternLM2 reward model's tokenizer "
+        raise MissingPackageError(f"--reward_model_path {path}: this InternLM2 reward model's tokenizer "
                                   f"(tokenizer.model) needs the sentencepiece package: {SENTENCEPIECE_HINT}") from err
     return sentencepiece
 
@@ -74,7 +76,7 @@ def llama_config_from_internlm2(config):
     from transformers import LlamaConfig
 
     if config.get("rope_scaling") is not None:
-        raise ValueError(f"InternLM2 rope_scaling {config['rope_scaling']!r} is not supported here "
+        raise InputError(f"InternLM2 rope_scaling {config['rope_scaling']!r} is not supported here "
                          f"(only null, as in internlm2-1_8b-reward)")
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     return LlamaConfig(
@@ -202,17 +204,17 @@ class InternLM2RewardModel(nn.Module):
                     try:
                         converted = convert_internlm2_weight(name, shard.get_tensor(name), llama_config)
                     except KeyError as err:
-                        raise ValueError(f"{file}: {err.args[0]}") from err
+                        raise InputError(f"{file}: {err.args[0]}") from err
                     for target, tensor in converted:
                         if tuple(tensor.shape) != tuple(parameters[target].shape):
-                            raise ValueError(f"{file}: {name} has shape {tuple(tensor.shape)}, config.json gives "
+                            raise InputError(f"{file}: {name} has shape {tuple(tensor.shape)}, config.json gives "
                                              f"{tuple(parameters[target].shape)} for {target}")
                         with torch.no_grad():
                             parameters[target].copy_(tensor)
                         filled.add(target)
         missing = sorted(set(parameters) - filled)
         if missing:
-            raise ValueError(f"--reward_model_path {path}: the checkpoint has no weights for {missing[:4]}"
+            raise InputError(f"--reward_model_path {path}: the checkpoint has no weights for {missing[:4]}"
                              f"{' ...' if len(missing) > 4 else ''} ({len(missing)} of {len(parameters)})")
         return model.eval()
 
@@ -277,7 +279,7 @@ class InternLM2RewardTokenizer:
             re.escape(t) for t in sorted(self.special_tokens, key=len, reverse=True)) + ")")
         self.chat_template = tokenizer_config.get("chat_template")
         if not self.chat_template:
-            raise ValueError(f"--reward_model_path {path}: tokenizer_config.json has no chat_template")
+            raise InputError(f"--reward_model_path {path}: tokenizer_config.json has no chat_template")
         self.template_tokens = {key: tokenizer_config[key] for key in ("bos_token", "eos_token", "unk_token",
                                                                        "pad_token") if key in tokenizer_config}
         self.pad_token_id = self.token_id(tokenizer_config.get("pad_token", "</s>"))

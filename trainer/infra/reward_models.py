@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 from trainer.infra.internlm2_reward import (
     InternLM2RewardModel, InternLM2RewardTokenizer, is_internlm2_reward, require_sentencepiece,
 )
+from trainer.infra.errors import InputError
 
 
 def read_reward_model_config(path, trust_remote_code):
@@ -36,14 +37,14 @@ def read_reward_model_config(path, trust_remote_code):
         with open(config_path, encoding="utf-8") as f:
             config = json.load(f)
     except json.JSONDecodeError as err:
-        raise ValueError(f"{config_path}:{err.lineno}: invalid JSON ({err.msg})") from err
+        raise InputError(f"{config_path}:{err.lineno}: invalid JSON ({err.msg})") from err
     if is_internlm2_reward(config):
         try:
             require_sentencepiece(path)
         except ModuleNotFoundError as err:
-            raise ValueError(str(err)) from err
+            raise InputError(str(err)) from err
     elif config.get("auto_map") and not trust_remote_code:
-        raise ValueError(f"--reward_model_path {path} runs its own Python code (auto_map in config.json: "
+        raise InputError(f"--reward_model_path {path} runs its own Python code (auto_map in config.json: "
                          f"{sorted(config['auto_map'])}); pass --trust_remote_code to allow it "
                          f"(after reading that code)")
     return config
@@ -82,7 +83,7 @@ def load_reward_model_files(path, device, dtype, trust_remote_code):
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         model = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=True)
         if not callable(getattr(model, "get_score", None)):
-            raise ValueError(f"--reward_model_path {path}: {type(model).__name__} has no "
+            raise InputError(f"--reward_model_path {path}: {type(model).__name__} has no "
                              f"get_score(tokenizer, messages) and is not a sequence-classification model")
     else:
         kind = "classifier"
@@ -90,7 +91,7 @@ def load_reward_model_files(path, device, dtype, trust_remote_code):
         model = AutoModelForSequenceClassification.from_pretrained(
             path, dtype=dtype, trust_remote_code=trust_remote_code)
         if model.config.num_labels != 1:
-            raise ValueError(f"--reward_model_path {path}: a reward model has one output label, this one has "
+            raise InputError(f"--reward_model_path {path}: a reward model has one output label, this one has "
                              f"{model.config.num_labels}")
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token

@@ -16,6 +16,7 @@ import requests
 
 from trainer.infra.distributed import broadcast_from_rank0
 from trainer.infra.stopping import stop_received
+from trainer.infra.errors import InputError, ServerError
 
 ROLLOUT_ENGINES = ("torch", "sglang")  # --rollout_engine: the policy's own generate, or an SGLang server
 SGLANG_LOGPROB_MODES = ("recompute", "server")  # --sglang_logprobs: old log-probs by the trainer, or the server's
@@ -43,7 +44,8 @@ def sglang_sampling_params(temperature, top_p, top_k, max_new_tokens, eos_token_
     }
 
 
-def parse_sglang_output(output, index, max_new_tokens, eos_token_id, weight_version=None, vocab_size=None):
+def parse_sglang_output(output, index, max_new_tokens, eos_token_id, weight_version=None, vocab_size=None,
+                        url=""):
     """Completion token ids and their log-probs from one element of SGLang's ``/generate`` answer, every field checked
     as any input is.
 
@@ -58,76 +60,77 @@ def parse_sglang_output(output, index, max_new_tokens, eos_token_id, weight_vers
         weight_version: the label of the weights the trainer synced last; None skips the check (nothing
             synced yet, so the trainer does not know what the server holds).
         vocab_size: ids must lie in [0, vocab_size) (None: not checked).
+        url: the server's address, named in the messages.
     Returns:
         (token_ids list[int], logps list[float]) of equal length, at least one token, finite log-probs.
     Raises:
-        RuntimeError: for an aborted request, an answer from other weights than ``weight_version`` (a server
-            that was restarted, or that another client loaded other weights into: its rollouts would be
-            trained on as if they came from the policy), a field of the wrong type, ids that are not integers in
-            [0, vocab_size), missing or non-finite log-probs (never padded), token ids in the log-prob triples
-            that differ from ``output_ids`` (older servers put prompt tokens into ``output_ids``), counts that
-            disagree, no token at all, or more than ``max_new_tokens`` tokens.
+        ServerError (a RuntimeError): for an aborted request, an answer from other weights than
+            ``weight_version`` (a server that was restarted, or that another client loaded other weights into: its
+            rollouts would be trained on as if they came from the policy), a field of the wrong type, ids that are
+            not integers in [0, vocab_size), missing or non-finite log-probs (never padded), token ids in the
+            log-prob triples that differ from ``output_ids`` (older servers put prompt tokens into
+            ``output_ids``), counts that disagree, no token at all, or more than ``max_new_tokens`` tokens.
     """
-    where = f"SGLang /generate answer {index}"
+    where = f"SGLang {url}/generate answer {index}"
     if not isinstance(output, dict) or "output_ids" not in output or "meta_info" not in output:
         keys = sorted(output) if isinstance(output, dict) else type(output).__name__
-        raise RuntimeError(f"{where}: expected a dict with output_ids and meta_info, got {keys}")
+        raise ServerError(f"{where}: expected a dict with output_ids and meta_info, got {keys}")
     meta_info = output["meta_info"]
     if not isinstance(meta_info, dict):
-        raise RuntimeError(f"{where}: meta_info is a JSON {type(meta_info).__name__}, expected an object")
+        raise ServerError(f"{where}: meta_info is a JSON {type(meta_info).__name__}, expected an object")
     finish_reason = meta_info.get("finish_reason") or {}
     if not isinstance(finish_reason, dict):
-        raise RuntimeError(f"{where}: meta_info.finish_reason is {finish_reason!r}, expected an object or null")
+        raise ServerError(f"{where}: meta_info.finish_reason is {finish_reason!r}, expected an object or null")
     if finish_reason.get("type") == "abort":
-        raise RuntimeError(f"{where}: the server aborted the request ({finish_reason.get('message', finish_reason)});"
+        raise ServerError(f"{where}: the server aborted the request ({finish_reason.get('message', finish_reason)});"
                            " an aborted rollout is not an empty answer, so the step stops here")
     if weight_version is not None and meta_info.get("weight_version") != weight_version:
         if "weight_version" not in meta_info:
-            raise RuntimeError(f"{where}: no meta_info.weight_version, so the trainer cannot tell which weights "
+            raise ServerError(f"{where}: no meta_info.weight_version, so the trainer cannot tell which weights "
                                "generated it; use an SGLang server that reports it (0.5.21 does)")
-        raise RuntimeError(f"{where} came from weights {meta_info['weight_version']!r}, but the trainer synced "
+        raise ServerError(f"{where} came from weights {meta_info['weight_version']!r}, but the trainer synced "
                            f"{weight_version!r}: the server was restarted or another client loaded other weights "
                            "into it, so its rollouts are not the policy's. Give each run its own server, then "
                            "resume the run (the resumed run pushes its weights at start-up).")
     triples = meta_info.get("output_token_logprobs")
     if triples is None:
-        raise RuntimeError(f"{where}: no meta_info.output_token_logprobs (the request sets return_logprob: true; "
+        raise ServerError(f"{where}: no meta_info.output_token_logprobs (the request sets return_logprob: true; "
                            "is this an SGLang /generate endpoint?)")
     token_ids = output["output_ids"]
     if not isinstance(token_ids, list) or not isinstance(triples, list):
-        raise RuntimeError(f"{where}: output_ids and meta_info.output_token_logprobs must be JSON lists, got "
+        raise ServerError(f"{where}: output_ids and meta_info.output_token_logprobs must be JSON lists, got "
                            f"{type(token_ids).__name__} and {type(triples).__name__}")
     short = [i for i, triple in enumerate(triples) if not isinstance(triple, list) or len(triple) < 2]
     if short:
-        raise RuntimeError(f"{where}: output_token_logprobs entries {short[:8]} are not [logprob, token_id, ...] "
+        raise ServerError(f"{where}: output_token_logprobs entries {short[:8]} are not [logprob, token_id, ...] "
                            f"(first: {triples[short[0]]!r})")
     check_token_ids(f"{where}: output_ids", token_ids, vocab_size)
     triple_ids = [triple[1] for triple in triples]
     check_token_ids(f"{where}: the token ids of output_token_logprobs", triple_ids, vocab_size)
     if triple_ids != token_ids:
-        raise RuntimeError(f"{where}: output_ids ({len(token_ids)} ids, starting {token_ids[:8]}) differ from the "
+        raise ServerError(f"{where}: output_ids ({len(token_ids)} ids, starting {token_ids[:8]}) differ from the "
                            f"token ids of output_token_logprobs ({len(triple_ids)} ids, starting {triple_ids[:8]}); "
                            "older SGLang servers return stray prompt tokens in output_ids: upgrade SGLang")
     logps = [triple[0] for triple in triples]
     if any(logp is None for logp in logps):
         missing = [i for i, logp in enumerate(logps) if logp is None]
-        raise RuntimeError(f"{where}: log-probs missing at completion positions {missing[:8]}; they are never "
+        raise ServerError(f"{where}: log-probs missing at completion positions {missing[:8]}; they are never "
                            "filled with zeros")
     bad = [i for i, logp in enumerate(logps) if type(logp) not in (int, float) or not math.isfinite(logp)]
     if bad:
-        raise RuntimeError(f"{where}: log-probs at completion positions {bad[:8]} are not finite numbers "
+        raise ServerError(f"{where}: log-probs at completion positions {bad[:8]} are not finite numbers "
                            f"(first: {logps[bad[0]]!r}); the server's numbers cannot be trained on")
     completion_tokens = meta_info.get("completion_tokens", len(token_ids))
     if completion_tokens != len(token_ids) or type(completion_tokens) is not int:
-        raise RuntimeError(f"{where}: completion_tokens {completion_tokens!r} != {len(token_ids)} output_ids")
+        raise ServerError(f"{where}: completion_tokens {completion_tokens!r} != {len(token_ids)} output_ids")
     if not token_ids and max_new_tokens >= 1:
-        raise RuntimeError(f"{where}: no token; a server generates at least one (the EOS) for max_new_tokens "
+        raise ServerError(f"{where}: no token; a server generates at least one (the EOS) for max_new_tokens "
                            f"{max_new_tokens}, so this answer cannot be trained on")
     if len(token_ids) > max_new_tokens:
-        raise RuntimeError(f"{where}: {len(token_ids)} tokens for max_new_tokens {max_new_tokens}")
+        raise ServerError(f"{where}: {len(token_ids)} tokens for max_new_tokens {max_new_tokens}")
     if finish_reason.get("type") == "stop" and finish_reason.get("matched") == eos_token_id \
             and token_ids[-1:] != [eos_token_id]:
-        raise RuntimeError(f"{where}: stopped on EOS {eos_token_id} but output_ids do not end with it")
+        raise ServerError(f"{where}: stopped on EOS {eos_token_id} but output_ids do not end with it")
     return list(token_ids), [float(logp) for logp in logps]
 
 
@@ -137,7 +140,7 @@ def check_token_ids(what, token_ids, vocab_size):
            if type(t) is not int or t < 0 or (vocab_size is not None and t >= vocab_size)]
     if bad:
         limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
-        raise RuntimeError(f"{what}: ids that are not integers in {limit} as (position, id): {bad[:8]}; the server "
+        raise ServerError(f"{what}: ids that are not integers in {limit} as (position, id): {bad[:8]}; the server "
                            "and the trainer disagree on the model (or the reply is not SGLang's)")
 
 
@@ -153,13 +156,13 @@ def check_sglang_prompts(prompt_ids, attention_mask, vocab_size):
     mask = attention_mask.bool()  # [B, P]
     empty_rows = (~mask.any(dim=1)).nonzero().flatten().tolist()
     if empty_rows:
-        raise ValueError(f"SGLang rollout: prompt rows {empty_rows[:8]} have no token (attention_mask all 0); "
+        raise InputError(f"SGLang rollout: prompt rows {empty_rows[:8]} have no token (attention_mask all 0); "
                          "an empty prompt crashes the SGLang server, so it is not sent")
     outside = mask & ((prompt_ids < 0) | (prompt_ids >= vocab_size))  # [B, P]
     if outside.any():
         rows, cols = outside.nonzero(as_tuple=True)
         found = [(int(r), int(prompt_ids[r, c])) for r, c in zip(rows[:8], cols[:8])]
-        raise ValueError(f"SGLang rollout: prompt token ids outside the vocabulary [0, {vocab_size}) as (row, id): "
+        raise InputError(f"SGLang rollout: prompt token ids outside the vocabulary [0, {vocab_size}) as (row, id): "
                          f"{found}; such an id crashes the SGLang server, so it is not sent (tokenizer and model "
                          "disagree?)")
 
@@ -204,7 +207,7 @@ class SGLangClient:
             try:
                 response = self.send(method, path, payload)
             except requests.ReadTimeout:
-                raise RuntimeError(f"SGLang server {self.url}{path} took the request but did not answer within "
+                raise ServerError(f"SGLang server {self.url}{path} took the request but did not answer within "
                                    f"--sglang_timeout {self.timeout_s:g} s: restart it (its log names the cause), "
                                    f"then resume the run, or pass a larger --sglang_timeout if its steps are that "
                                    f"slow. {self.resume_hint}".rstrip()) from None
@@ -214,7 +217,7 @@ class SGLangClient:
             if response.status_code not in RETRIED_HTTP_STATUSES:
                 return response
             last_error = f"HTTP {response.status_code}: {response.text[:200]}"
-        raise RuntimeError(f"SGLang server {self.url}{path} failed {self.max_retries + 1} times ({last_error}). "
+        raise ServerError(f"SGLang server {self.url}{path} failed {self.max_retries + 1} times ({last_error}). "
                            f"Start the server again, then resume the run. {self.resume_hint}".rstrip())
 
     def send(self, method, path, payload):
@@ -238,7 +241,7 @@ class SGLangClient:
             if stop_seen is None and stop_received():
                 stop_seen = time.monotonic()
             if stop_seen is not None and worker.is_alive() and time.monotonic() - stop_seen > self.stop_grace_s:
-                raise RuntimeError(f"{stop_received()} received while SGLang server {self.url}{path} had not "
+                raise ServerError(f"{stop_received()} received while SGLang server {self.url}{path} had not "
                                    f"answered ({self.stop_grace_s:g} s more were given): the run stops without "
                                    f"this step. {self.resume_hint}".rstrip())
         if "error" in outcome:
@@ -264,7 +267,7 @@ class SGLangClient:
                 return
             last_error = f"HTTP {response.status_code}"
         port = urllib.parse.urlparse(self.url).port or 30000
-        raise RuntimeError(
+        raise ServerError(
             f"no SGLang server answers at {self.url}/health after {health_retries} attempts ({last_error}). "
             f"Start one on the policy's weights, e.g. on a GPU (pip install sglang)\n"
             f"  python -m sglang.launch_server --model-path {launch_folder} --port {port} --host 127.0.0.1\n"
@@ -285,22 +288,22 @@ class SGLangClient:
         payload = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": True}
         response = self.request("POST", "/generate", payload)
         if response.status_code != 200:
-            raise RuntimeError(f"SGLang {self.url}/generate answered HTTP {response.status_code}: "
+            raise ServerError(f"SGLang {self.url}/generate answered HTTP {response.status_code}: "
                                f"{response.text[:500]!r} to a request with sampling_params "
                                f"{sorted(sampling_params[0] if isinstance(sampling_params, list) else sampling_params)}"
                                "; the server's log names the cause")
         try:
             outputs = json.loads(response.content)  # NaN and Infinity parse, so the checks below name them
         except ValueError:
-            raise RuntimeError(f"SGLang {self.url}/generate answered HTTP 200 with a body that is not JSON "
+            raise ServerError(f"SGLang {self.url}/generate answered HTTP 200 with a body that is not JSON "
                                f"(Content-Type {response.headers.get('Content-Type')!r}, starting "
                                f"{response.text[:200]!r}): is --sglang_url an SGLang server?") from None
         if not isinstance(outputs, list) or len(outputs) != len(input_ids):
             got = len(outputs) if isinstance(outputs, list) else type(outputs).__name__
-            raise RuntimeError(f"SGLang {self.url}/generate: expected a list of {len(input_ids)} answers, got {got}")
+            raise ServerError(f"SGLang {self.url}/generate: expected a list of {len(input_ids)} answers, got {got}")
         per_row = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(outputs)
         return [parse_sglang_output(output, i, params["max_new_tokens"], params["stop_token_ids"][0],
-                                    self.server_weight_version, self.vocab_size)
+                                    self.server_weight_version, self.vocab_size, self.url)
                 for i, (output, params) in enumerate(zip(outputs, per_row))]
 
     def next_weight_version(self):
@@ -322,7 +325,7 @@ class SGLangClient:
         except ValueError:
             body = {"success": False, "message": response.text[:500]}
         if response.status_code != 200 or not body.get("success"):
-            raise RuntimeError(f"SGLang {self.url}/update_weights_from_disk failed for {folder} "
+            raise ServerError(f"SGLang {self.url}/update_weights_from_disk failed for {folder} "
                                f"(HTTP {response.status_code}): {body.get('message')}")
 
     def weights_pushed(self):

@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from trainer.infra.distributed import Logger, unwrap_model
 from trainer.infra.files import atomic_write
+from trainer.infra.errors import InputError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 DEFAULT_TOKENIZER_PATH = os.path.join(ROOT, "model")
@@ -75,14 +76,14 @@ def check_state_dict_fits(path, own, state_dict, flag_hint, may_be_missing=()):
         found = f" ({path} holds a MiniMind of {describe_dims(dims)}: pass {flags} --use_moe {dims['use_moe']})"
     for name, tensor in state_dict.items():
         if name in own and own[name].shape != tensor.shape:
-            raise ValueError(
+            raise InputError(
                 f"{path}: parameter {name} has shape {tuple(tensor.shape)} but the model built from the flags "
                 f"expects {tuple(own[name].shape)}; change {flag_hint} to match the checkpoint{found}"
             )
     missing = sorted(set(own) - set(state_dict) - set(may_be_missing))
     unexpected = sorted(set(state_dict) - set(own))
     if missing or unexpected:
-        raise ValueError(f"{path}: missing keys {missing[:8]}, unexpected keys {unexpected[:8]}; "
+        raise InputError(f"{path}: missing keys {missing[:8]}, unexpected keys {unexpected[:8]}; "
                          f"check {flag_hint}{found}")
 
 
@@ -97,7 +98,7 @@ def load_tensors_only(path, mmap=False):
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
         found = re.search(r"Unsupported global: GLOBAL [\w.]+", str(err))
-        raise ValueError(f"{path} holds Python objects besides tensors "
+        raise InputError(f"{path} holds Python objects besides tensors "
                          f"({found[0] if found else 'a pickle weights_only refuses'});"
                          f" it is not loaded, since unpickling it could run code. If you trust the file, load it once "
                          f"with torch.load(weights_only=False) and torch.save its state_dict()") from None
@@ -121,10 +122,10 @@ def load_weights(model, path, flag_hint="--hidden_size / --num_hidden_layers / -
     except ValueError:
         raise
     except Exception as err:  # torch raises RuntimeError, pickle errors, EOFError... for a damaged file
-        raise ValueError(f"{path} cannot be read as MiniMind weights ({type(err).__name__}: {err}); the file is "
+        raise InputError(f"{path} cannot be read as MiniMind weights ({type(err).__name__}: {err}); the file is "
                          f"truncated or not a .pth state dict: copy it again or pass another --from_weight") from err
     if not isinstance(state_dict, dict):
-        raise ValueError(f"{path} holds a {type(state_dict).__name__}, not a state dict of MiniMind weights")
+        raise InputError(f"{path} holds a {type(state_dict).__name__}, not a state dict of MiniMind weights")
     check_finite_state(state_dict, f"{path} (a damaged file? copy it again)", "refusing to load")
     own = model.state_dict()
     check_state_dict_fits(path, own, state_dict, flag_hint)
@@ -164,7 +165,7 @@ def init_model(lm_config, from_weight="none", save_dir=DEFAULT_SAVE_DIR, tokeniz
             Logger(f"note: {', '.join(map(os.path.basename, others))} in {save_dir} too: --hidden_size, "
                    f"--num_hidden_layers and --use_moe choose which {from_weight} a run starts from")
     if len(tokenizer) > lm_config.vocab_size:
-        raise ValueError(f"tokenizer {tokenizer_path} has {len(tokenizer)} tokens but vocab_size is "
+        raise InputError(f"tokenizer {tokenizer_path} has {len(tokenizer)} tokens but vocab_size is "
                          f"{lm_config.vocab_size}")
     return model.to(device), tokenizer
 
@@ -189,7 +190,7 @@ def check_finite_state(state_dict, what, action="refusing to save"):
     for name, tensor in state_dict.items():
         if torch.is_tensor(tensor) and tensor.is_floating_point() and not torch.isfinite(tensor).all():
             count = int((~torch.isfinite(tensor)).sum())
-            raise ValueError(f"{action} {what}: {name} holds {count} NaN or inf values")
+            raise InputError(f"{action} {what}: {name} holds {count} NaN or inf values")
 
 
 def weight_writes(weights, save_dir, lm_config, tokenizer_path):
@@ -309,10 +310,10 @@ def check_tokenizer_fits_checkpoint(tokenizer, tokenizer_path, checkpoint_path, 
     vocab = tokenizer.get_vocab()
     missing = [t for t in CHAT_TOKENS if t not in vocab or tokenizer.encode(t, add_special_tokens=False) != [vocab[t]]]
     if missing:
-        raise ValueError(f"--tokenizer_path {tokenizer_path}: the chat template needs {missing} as single tokens and "
+        raise InputError(f"--tokenizer_path {tokenizer_path}: the chat template needs {missing} as single tokens and "
                          f"this tokenizer of {len(tokenizer)} tokens lacks them (a MiniMind tokenizer has them)")
     if tokenizer.eos_token_id is None:
-        raise ValueError(f"--tokenizer_path {tokenizer_path}: the tokenizer has no EOS token "
+        raise InputError(f"--tokenizer_path {tokenizer_path}: the tokenizer has no EOS token "
                          f"(MiniMind's is <|im_end|>)")
     if checkpoint_path is None or not os.path.isfile(checkpoint_path):
         return
@@ -322,11 +323,11 @@ def check_tokenizer_fits_checkpoint(tokenizer, tokenizer_path, checkpoint_path, 
             record = json.load(f)
         ours = tokenizer_record(tokenizer)
         if record["tokenizer_size"] != ours["tokenizer_size"]:
-            raise ValueError(f"{checkpoint_path} was trained with a tokenizer of {record['tokenizer_size']} tokens "
+            raise InputError(f"{checkpoint_path} was trained with a tokenizer of {record['tokenizer_size']} tokens "
                              f"({record_path}), but --tokenizer_path {tokenizer_path} has {ours['tokenizer_size']}: "
                              f"pass --tokenizer_path with the tokenizer it was trained with")
         if record["vocab_sha256"] != ours["vocab_sha256"]:
-            raise ValueError(f"{checkpoint_path} was trained with another vocabulary of the same size "
+            raise InputError(f"{checkpoint_path} was trained with another vocabulary of the same size "
                              f"({record['tokenizer_size']} tokens, {record_path}) than --tokenizer_path "
                              f"{tokenizer_path}: pass --tokenizer_path with the tokenizer it was trained with")
         return
@@ -338,7 +339,7 @@ def check_tokenizer_fits_checkpoint(tokenizer, tokenizer_path, checkpoint_path, 
                f"trusting --tokenizer_path {tokenizer_path} as named ({len(tokenizer)} tokens for an embedding of "
                f"{rows} rows). If these weights were trained with another tokenizer, the run trains on wrong ids.")
         return
-    raise ValueError(f"{checkpoint_path} has an embedding of {rows} rows (a {rows}-token vocabulary) and no "
+    raise InputError(f"{checkpoint_path} has an embedding of {rows} rows (a {rows}-token vocabulary) and no "
                      f"record of its tokenizer ({os.path.basename(record_path)} beside it), but --tokenizer_path "
                      f"{tokenizer_path} has {len(tokenizer)} tokens. Copy the record beside the weights, or name "
                      f"the tokenizer they were trained with on the command line (--tokenizer_path DIR: it is then "
