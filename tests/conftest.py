@@ -11,6 +11,9 @@ for path in (ROOT, SUPPORT):
     if path not in sys.path:
         sys.path.insert(0, path)
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: N processes share the cores; one thread each, no contention
+    torch.set_num_threads(1)
+
 SHARED = os.path.join(os.path.dirname(ROOT), "shared")
 # Third-party files the tests read, each with its licence beside it (tests/fixtures/README.md).
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
