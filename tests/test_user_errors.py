@@ -31,16 +31,21 @@ def assert_ends_with_user_error(result, script, *parts):
         assert part in last, (part, last)
 
 
-def test_saving_over_the_start_weights_names_both_flags(tmp_path):
-    result = run("train_grpo.py", ["--save_weight", "full_sft"] + QUICK)
-    assert_ends_with_user_error(result, "train_grpo.py", "--from_weight full_sft is",
-                                os.path.join(ROOT, "out", "full_sft_256.pth"), "give this run another --save_weight")
+TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--from_weight", "tiny"]
 
 
-def test_start_weights_that_do_not_exist_are_named_with_what_the_folder_holds():
-    result = run("train_ppo.py", ["--from_weight", "no_such_weights"] + QUICK)
-    assert_ends_with_user_error(result, "train_ppo.py", "weights not found: "
-                                + os.path.join(ROOT, "out", "no_such_weights_256.pth"), "full_sft_256.pth")
+def test_saving_over_the_start_weights_names_both_flags(tiny_weights):
+    save_dir, _ = tiny_weights
+    result = run("train_grpo.py", TINY + ["--save_weight", "tiny", "--save_dir", save_dir] + QUICK)
+    assert_ends_with_user_error(result, "train_grpo.py", "--from_weight tiny is",
+                                os.path.join(save_dir, "tiny_64.pth"), "give this run another --save_weight")
+
+
+def test_start_weights_that_do_not_exist_are_named_with_what_the_folder_holds(tiny_weights):
+    save_dir, _ = tiny_weights
+    result = run("train_ppo.py", TINY[:4] + ["--from_weight", "no_such_weights", "--save_dir", save_dir] + QUICK)
+    assert_ends_with_user_error(result, "train_ppo.py", "weights not found: ", "no_such_weights_64.pth",
+                                f"(in {save_dir}: ['tiny_64.pth'])")
 
 
 @pytest.mark.parametrize("script", ["train_grpo.py", "train_ppo.py", "train_full_sft.py"])
@@ -69,10 +74,11 @@ def test_a_full_disk_names_the_file_and_the_way_on(tmp_path):
                                 "the disk is full", "free space")
 
 
-def test_debug_mode_shows_the_traceback_of_a_user_error():
-    result = run("train_grpo.py", ["--save_weight", "full_sft", "--debug_mode", "1"] + QUICK)
+def test_debug_mode_shows_the_traceback_of_a_user_error(tiny_weights):
+    save_dir, _ = tiny_weights
+    result = run("train_grpo.py", TINY + ["--save_weight", "tiny", "--save_dir", save_dir, "--debug_mode", "1"] + QUICK)
     assert result.returncode == 1
-    assert "Traceback" in result.stderr and "InputError: --from_weight full_sft is" in result.stderr
+    assert "Traceback" in result.stderr and "InputError: --from_weight tiny is" in result.stderr
 
 
 def test_run_script_sorts_user_errors_from_bugs(capsys, monkeypatch):
