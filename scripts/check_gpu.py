@@ -10,7 +10,9 @@ It prints, in this order:
   2. ``--steps`` GRPO and PPO steps of the embedded default (``--dtype auto`` = bf16 on the GPU): median step
      time over the steps after the first, and peak GPU memory;
   3. GRPO with ``--use_compile 1`` against 0: median step time after the first step (the compile);
-  4. ``scripts/bench/bench.py`` at both model sizes in bf16 (ours against TRL where TRL is installed), when
+  4. ``scripts/bench/profile_run.py`` for GRPO and PPO, ``--steps`` steps each: where the command's and a step's
+     time goes, and the operator calls per decode step (the tables of docs/performance.md);
+  5. ``scripts/bench/bench.py`` at both model sizes in bf16 (ours against TRL where TRL is installed), when
      ``--bench 1``.
 Each training run is ``python trainer/train_*.py`` in a subprocess, as a user runs it; its metrics.jsonl is read.
 """
@@ -113,10 +115,15 @@ def main(argv=None):
                 _, seconds, _ = train("train_grpo", common + ["--use_compile", use_compile],
                                       os.path.join(work_dir, f"compile{use_compile}"), args.timeout)
                 print(f"3. train_grpo --use_compile {use_compile}: step {median_text(seconds)}", flush=True)
+    for script in ("grpo", "ppo"):
+        command = [sys.executable, os.path.join(ROOT, "scripts", "bench", "profile_run.py"), "--script", script,
+                   "--device", args.device, "--", "--max_steps", str(args.steps)]
+        print("4. " + " ".join(command), flush=True)
+        subprocess.run(command, check=False, timeout=args.timeout)
     if args.bench:
         command = [sys.executable, os.path.join(ROOT, "scripts", "bench", "bench.py"), "--dtype", "bfloat16",
                    "--device", args.device, "--lengths", "64", "--steps", "3"]
-        print("4. " + " ".join(command), flush=True)
+        print("5. " + " ".join(command), flush=True)
         subprocess.run(command, check=False)
 
 

@@ -178,7 +178,7 @@ def root_name(node):
 
 
 @pytest.mark.parametrize("script, replaced", [
-    ("bench.py", []), ("bench_process.py", []), ("bench_levers.py", []),
+    ("bench.py", []), ("bench_process.py", []), ("bench_levers.py", []), ("profile_run.py", []),
     ("full_length.py", ["MiniMindForCausalLM.generate"] * 2),  # set, then restored
 ])
 def test_benchmarks_patch_no_training_module_and_copy_no_update(script, replaced):
@@ -297,3 +297,27 @@ def test_ratio_pairs_the_runs():
     assert ratio(ours, None, "step_s_median") == "-"
     ours["rollout_tokens_per_s"], theirs["rollout_tokens_per_s"] = 10.0, 5.0
     assert ratio(ours, theirs, "rollout_tokens_per_s") == "1.25 (1.00-4.00)"  # theirs' time / ours: 4, 1, 1.25
+
+
+def test_profile_run_times_a_short_run_phase_by_phase(tiny_weights, small_data, tmp_path):
+    """scripts/bench/profile_run.py on 3 steps of a tiny run: the steps, rows and decode steps the flags ask for, every
+    step phase seen, the phases of a step within its time, the evaluations and saves of the run found."""
+    from scripts.bench.profile_run import main
+    save_dir, name = tiny_weights
+    out = tmp_path / "profile.json"
+    main(["--script", "grpo", "--json", str(out), "--", "--from_weight", os.path.join(save_dir, f"{name}_64.pth"),
+          "--hidden_size", "64", "--num_hidden_layers", "2", "--max_steps", "3", "--batch_size", "2",
+          "--num_generations", "2", "--max_gen_len", "8", "--reward_model_path", "none", "--data_path", small_data,
+          "--eval_data_path", small_data, "--eval_interval", "2", "--eval_num_prompts", "4",
+          "--run_dir", str(tmp_path / "run")])
+    result = json.loads(out.read_text())
+    assert result["steps"] == 3
+    assert result["decode"]["rows"] == 4 and result["decode"]["decode_steps"] == 8  # random weights: no EOS in 8
+    assert result["decode"]["operator_calls_per_decode_step"] > 50
+    for phase in ("rollout decode", "reward (rule + reward model)", "reference and old log-probs", "policy forward",
+                  "policy_backward", "optimizer", "logging"):
+        assert result["per_step"][phase] > 0, phase
+    assert result["per_step"]["other"] >= 0  # the watched phases fit inside the steps' time
+    assert result["command"]["evaluations"] > 0 and result["command"]["saves"] > 0  # steps 0, 2, 3; saved at 3
+    loop_clock = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [row["step"] for row in loop_clock if "elapsed_s" in row] == [1, 2, 3]
