@@ -5,13 +5,12 @@ import math
 import os
 import random
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from conftest import ROOT
+from in_process import run_main
 from run_patched import text_rewards
 
 from dataset.lm_dataset import RLAIFDataset, SFTDataset
@@ -29,12 +28,6 @@ TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--from_weight", "tin
         "--eval_interval", "0"]  # the held-out evaluation has its own tests (test_evaluation.py)
 
 
-def run_script(args, timeout=300):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable] + args, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
 def conv(user, answer="3"):
     return json.dumps({"conversations": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]},
                       ensure_ascii=False)
@@ -49,7 +42,7 @@ def test_row_without_user_turn_fails_at_start_naming_file_and_line(tiny_weights,
     data = tmp_path / "rl.jsonl"
     system_only = json.dumps({"conversations": [{"role": "system", "content": "be brief"}]})
     data.write_text("\n".join([conv("1+2?"), system_only, conv("2+1?")]) + "\n")
-    result = run_script(["trainer/train_grpo.py", "--save_dir", tiny_weights[0], "--data_path", str(data)] + TINY)
+    result = run_main("train_grpo", ["--save_dir", tiny_weights[0], "--data_path", str(data)] + TINY)
     assert result.returncode != 0
     assert "rl.jsonl:2: no user turn to use as the prompt" in result.stderr
     assert "step 1" not in result.stdout  # before the first rollout
@@ -59,7 +52,7 @@ def test_row_without_user_turn_fails_at_start_naming_file_and_line(tiny_weights,
 def test_empty_data_file_says_found_and_needed(script, tiny_weights, tmp_path):
     data = tmp_path / "empty.jsonl"
     data.write_text("\n\n")
-    result = run_script([f"trainer/{script}", "--save_dir", tiny_weights[0], "--data_path", str(data),
+    result = run_main(script[:-3], ["--save_dir", tiny_weights[0], "--data_path", str(data),
                          "--batch_size", "4"] + TINY)
     assert result.returncode != 0
     assert "found 0 prompts, need at least 4 (--batch_size 4 x 1 processes)" in result.stderr
@@ -68,7 +61,7 @@ def test_empty_data_file_says_found_and_needed(script, tiny_weights, tmp_path):
 def test_sft_empty_data_file(tmp_path):
     data = tmp_path / "empty.jsonl"
     data.write_text("")
-    result = run_script(["trainer/train_full_sft.py", "--data_path", str(data), "--save_dir", str(tmp_path),
+    result = run_main("train_full_sft", ["--data_path", str(data), "--save_dir", str(tmp_path),
                          "--hidden_size", "64", "--num_hidden_layers", "2"])
     assert result.returncode != 0
     assert "found 0 conversations, need at least 1" in result.stderr
@@ -77,7 +70,7 @@ def test_sft_empty_data_file(tmp_path):
 def test_tokenizer_training_names_bad_line(tmp_path):
     data = tmp_path / "corpus.jsonl"
     data.write_bytes(conv("hello").encode() + b"\n" + b'{"conversations": [{"role": "user", "content": "\xff"}]}\n')
-    result = run_script(["trainer/train_tokenizer.py", "--data", str(data), "--out_dir", str(tmp_path / "tok")])
+    result = run_main("train_tokenizer", ["--data", str(data), "--out_dir", str(tmp_path / "tok")])
     assert result.returncode != 0
     assert "corpus.jsonl:2: not valid UTF-8" in result.stderr
     assert not (tmp_path / "tok" / "tokenizer.json").exists()
@@ -87,7 +80,7 @@ def test_long_prompts_are_counted_once_and_cut_from_the_left(tiny_weights, tmp_p
     data = tmp_path / "rl.jsonl"
     long_question = "what is " + " + ".join(["1"] * 60) + "?"
     data.write_text("\n".join([conv(long_question), conv("1+2?"), conv(long_question), conv("2+2?")]) + "\n")
-    result = run_script(["trainer/train_grpo.py", "--save_dir", tiny_weights[0], "--data_path", str(data),
+    result = run_main("train_grpo", ["--save_dir", tiny_weights[0], "--data_path", str(data),
                          "--batch_size", "4", "--num_generations", "2", "--max_steps", "1", "--max_seq_len", "40",
                          "--run_dir", str(tmp_path / "run")] + TINY)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -240,7 +233,7 @@ def test_checkpoint_with_nan_is_refused_and_previous_file_kept(tiny_weights, tmp
 def test_save_dir_that_is_not_a_folder_fails_at_start(script, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
-    result = run_script([f"trainer/{script}", "--save_dir", str(blocker / "out")], timeout=120)
+    result = run_main(script[:-3], ["--save_dir", str(blocker / "out")])
     assert result.returncode == 2
     assert f"--save_dir: {blocker / 'out'} is not a writable folder" in result.stderr
 
@@ -356,8 +349,8 @@ def test_bad_data_line_is_reported_before_missing_weights(script, tmp_path):
     # the data is validated before any model is built: with both a bad line and no weights, the line is named
     data = tmp_path / "rl.jsonl"
     data.write_text("\n".join([conv("1+2?"), "{not json", conv("2+1?")]) + "\n")
-    result = run_script([f"trainer/{script}", "--save_dir", str(tmp_path), "--data_path", str(data)] + TINY[:4]
-                        + ["--from_weight", "missing", "--reward_model_path", "none"], timeout=120)
+    result = run_main(script[:-3], ["--save_dir", str(tmp_path), "--data_path", str(data)] + TINY[:4]
+                        + ["--from_weight", "missing", "--reward_model_path", "none"])
     assert result.returncode != 0
     assert "rl.jsonl:2" in result.stderr
     assert "weights not found" not in result.stderr

@@ -8,6 +8,7 @@ import sys
 import torch
 
 from conftest import ROOT
+from in_process import run_main
 
 TINY = ["--hidden_size", "64", "--num_hidden_layers", "2"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -134,7 +135,7 @@ def check_debug_output(stdout, metrics_path, num_prompts, answers_per_prompt, an
 def test_grpo_debug_mode_prints_prompts_answers_and_reward_parts(tiny_weights, tmp_path):
     save_dir, name = tiny_weights
     run_dir = tmp_path / "run"
-    result = run_script(["trainer/train_grpo.py", "--max_steps", "1", "--save_dir", save_dir, "--from_weight", name,
+    result = run_main("train_grpo", ["--max_steps", "1", "--save_dir", save_dir, "--from_weight", name,
                          "--batch_size", "2", "--num_generations", "3", "--max_gen_len", "8", "--run_dir",
                          str(run_dir), "--debug_mode", "--debug_interval", "1"] + TINY)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -144,7 +145,7 @@ def test_grpo_debug_mode_prints_prompts_answers_and_reward_parts(tiny_weights, t
 def test_ppo_debug_mode_prints_prompts_answers_and_reward_parts(tiny_weights, tmp_path):
     save_dir, name = tiny_weights
     run_dir = tmp_path / "run"
-    result = run_script(["trainer/train_ppo.py", "--max_steps", "1", "--save_dir", save_dir, "--from_weight", name,
+    result = run_main("train_ppo", ["--max_steps", "1", "--save_dir", save_dir, "--from_weight", name,
                          "--batch_size", "2", "--mini_batch_size", "2", "--max_gen_len", "8", "--run_dir",
                          str(run_dir), "--debug_mode", "--debug_interval", "1", "--reward_model_path", "none"] + TINY)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -154,7 +155,7 @@ def test_ppo_debug_mode_prints_prompts_answers_and_reward_parts(tiny_weights, tm
 
 def test_debug_interval_skips_steps(tiny_weights, tmp_path):
     save_dir, name = tiny_weights
-    result = run_script(["trainer/train_grpo.py", "--max_steps", "2", "--save_dir", save_dir, "--from_weight", name,
+    result = run_main("train_grpo", ["--max_steps", "2", "--save_dir", save_dir, "--from_weight", name,
                          "--batch_size", "1", "--num_generations", "2", "--max_gen_len", "4", "--run_dir",
                          str(tmp_path / "run"), "--debug_mode", "--debug_interval", "2"] + TINY)
     assert result.returncode == 0, result.stderr[-3000:]

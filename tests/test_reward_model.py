@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, Qwen3Config, Qwen3ForSequenceClassification
 
 from conftest import FIXTURES, MINIMIND_TOKENIZER, ROOT
+from in_process import run_main
 from dataset.lm_dataset import DataFormatError, parse_hh_transcript, read_preference_pairs
 from test_scripts import TINY, run_script
 from trainer.infra.reward_models import read_reward_model_config
@@ -172,7 +173,7 @@ def test_remote_code_refused_at_start_of_the_scripts(remote_code_reward_model, c
 
 
 def test_missing_reward_model_fails_at_start(tmp_path):
-    result = run_script(["trainer/train_ppo.py", "--reward_model_path", str(tmp_path / "nope")], timeout=120)
+    result = run_main("train_ppo", ["--reward_model_path", str(tmp_path / "nope")])
     assert result.returncode == 2
     assert f"--reward_model_path {tmp_path / 'nope'} does not exist" in result.stderr
     assert "parameters" not in result.stdout  # failed before any model was built

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import ROOT
+from in_process import run_main
 from model.model_minimind import MiniMindForCausalLM
 from trainer import train_grpo
 from trainer import evaluation
@@ -57,14 +58,14 @@ def test_a_fresh_run_refuses_to_replace_an_unfinished_run_and_replaces_a_finishe
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     resume_file = folder / "grpo_64_resume.pth"
     before = resume_file.read_bytes()
-    fresh = run(["trainer/train_grpo.py"] + flags)
+    fresh = run_main("train_grpo", flags)
     assert fresh.returncode != 0
     assert f"{resume_file} holds an unfinished run (step 1 of 4)" in fresh.stderr
     assert "--from_resume 1" in fresh.stderr and "step 1/" not in fresh.stdout
     assert resume_file.read_bytes() == before  # nothing replaced
-    resumed = run(["trainer/train_grpo.py"] + flags + ["--from_resume", "1"])
+    resumed = run_main("train_grpo", flags + ["--from_resume", "1"])
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    again = run(["trainer/train_grpo.py"] + flags)  # the run is finished: its files may be replaced
+    again = run_main("train_grpo", flags)  # the run is finished: its files may be replaced
     assert again.returncode == 0, again.stderr[-2000:]
     assert "saved step 4" in again.stdout
 
@@ -73,11 +74,11 @@ def test_a_fresh_run_refuses_a_run_dir_holding_another_runs_metrics(tmp_path, ti
     folder = folder_with_weights(tmp_path, tiny_weights)
     flags = GRPO + ["--save_dir", str(folder), "--data_path", small_data, "--max_steps", "1",
                     "--run_dir", str(tmp_path / "curves")]
-    first = run(["trainer/train_grpo.py"] + flags)
+    first = run_main("train_grpo", flags)
     assert first.returncode == 0, first.stderr[-2000:]
     metrics_file = tmp_path / "curves" / "metrics.jsonl"
     before = metrics_file.read_bytes()
-    second = run(["trainer/train_grpo.py"] + flags + ["--seed", "1"])
+    second = run_main("train_grpo", flags + ["--seed", "1"])
     assert second.returncode != 0
     assert f"--run_dir {tmp_path / 'curves'} already holds another run's metrics ({metrics_file})" in second.stderr
     assert "loaded weights" not in second.stdout and metrics_file.read_bytes() == before  # refused at start-up
@@ -130,7 +131,7 @@ def test_a_flag_a_resume_cannot_take_is_refused_before_any_model_is_built(tmp_pa
     flags = GRPO + ["--data_path", small_data, "--save_dir", str(folder)]
     killed = harness(["--kill_after_save", "1"], flags)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    refused = run(["trainer/train_grpo.py"] + flags + ["--from_resume", "1", "--seed", "7"])
+    refused = run_main("train_grpo", flags + ["--from_resume", "1", "--seed", "7"])
     assert refused.returncode != 0
     assert "was saved with --seed 42 but this run has --seed 7, which a resume cannot take" in refused.stderr
     assert "pass --seed 42 to resume" in refused.stderr and "loaded weights" not in refused.stdout
@@ -155,7 +156,7 @@ def test_a_copied_run_resumes_into_its_own_metrics(tmp_path, tiny_weights, small
     shutil.copytree(original, copy)
     (original_metrics,) = (original / "runs").glob("*/metrics.jsonl")
     lines_before = original_metrics.read_text()
-    resumed = run(["trainer/train_grpo.py"] + flags + ["--save_dir", str(copy), "--from_resume", "1"])
+    resumed = run_main("train_grpo", flags + ["--save_dir", str(copy), "--from_resume", "1"])
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert original_metrics.read_text() == lines_before  # the original run is untouched
     copied_metrics = copy / original_metrics.relative_to(original)
@@ -257,10 +258,10 @@ def test_a_checkpoint_without_its_tokenizer_record_trusts_a_named_tokenizer(tmp_
     folder = folder_with_weights(tmp_path, tiny_weights)
     os.remove(folder / "tiny_64.tokenizer.json")  # copied without the record, as upstream users copy a .pth
     flags = GRPO + ["--data_path", small_data, "--save_dir", str(folder), "--max_steps", "1"]
-    unnamed = run(["trainer/train_grpo.py"] + flags)
+    unnamed = run_main("train_grpo", flags)
     assert unnamed.returncode != 0
     assert "Copy the record beside the weights, or name the tokenizer" in unnamed.stderr
-    named = run(["trainer/train_grpo.py"] + flags + ["--tokenizer_path", "model"])
+    named = run_main("train_grpo", flags + ["--tokenizer_path", "model"])
     assert named.returncode == 0, named.stderr[-2000:]
     assert "trusting --tokenizer_path model as named (441 tokens for an embedding of 6400 rows)" in named.stdout
 
@@ -339,7 +340,7 @@ def test_a_resume_refuses_another_runs_run_dir(tmp_path, tiny_weights, small_dat
     flags = GRPO + ["--save_dir", str(folder), "--data_path", small_data]
     killed = harness(["--kill_after_save", "1"], flags + ["--run_dir", str(folder / "own")])
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    refused = run(["trainer/train_grpo.py"] + flags + ["--from_resume", "1", "--run_dir", str(other)])
+    refused = run_main("train_grpo", flags + ["--from_resume", "1", "--run_dir", str(other)])
     assert refused.returncode != 0
     assert (f"--run_dir {other} holds another run's metrics ({other / 'metrics.jsonl'}); the run saved in "
             f"{folder / 'grpo_64_resume.pth'} writes its metrics to {folder / 'own'}") in refused.stderr
@@ -350,7 +351,7 @@ def test_a_resume_refuses_another_runs_run_dir(tmp_path, tiny_weights, small_dat
 def test_a_run_whose_save_weight_is_its_from_weight_is_refused_before_it_writes(tmp_path, tiny_weights, small_data):
     folder = folder_with_weights(tmp_path, tiny_weights)
     before = (folder / "tiny_64.pth").read_bytes()
-    result = run(["trainer/train_grpo.py"] + GRPO + ["--save_dir", str(folder), "--data_path", small_data,
+    result = run_main("train_grpo", GRPO + ["--save_dir", str(folder), "--data_path", small_data,
                                                     "--save_weight", "tiny"])
     assert result.returncode != 0
     assert (f"--from_weight tiny is {folder / 'tiny_64.pth'}, the file this run saves its policy to (--save_weight "
@@ -363,7 +364,7 @@ def test_from_resume_without_this_runs_file_names_the_resume_files_beside_it(tmp
     flags = GRPO + ["--save_dir", str(folder), "--data_path", small_data]
     killed = harness(["--kill_after_save", "1"], flags)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    typo = run(["trainer/train_grpo.py"] + flags + ["--save_weight", "gpro", "--from_resume", "1"])
+    typo = run_main("train_grpo", flags + ["--save_weight", "gpro", "--from_resume", "1"])
     assert typo.returncode != 0
     assert (f"--from_resume 1: there is no {folder / 'gpro_64_resume.pth'}, but {folder} holds grpo_64_resume.pth "
             f"(--save_weight grpo --hidden_size 64)") in typo.stderr
@@ -395,11 +396,11 @@ def test_a_resume_with_nothing_left_to_do_is_refused(tmp_path, tiny_weights, sma
     killed = harness(["--kill_after_save", "2"], flags)  # step 2 of 4 at 2 prompts per step
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     resume_file = folder / "grpo_64_resume.pth"
-    halved = run(["trainer/train_grpo.py"] + flags + ["--from_resume", "1", "--batch_size", "1"])
+    halved = run_main("train_grpo", flags + ["--from_resume", "1", "--batch_size", "1"])
     assert halved.returncode != 0  # 2 steps x 2 prompts = step 4 at 1 prompt per step: the run's end
     assert (f"nothing to resume: {resume_file} is at step 2 of 2 prompts per step, which is step 4 at this run's 1 "
             f"(--batch_size 1 x 1 processes) and this run has 4 steps") in halved.stderr
-    shorter = run(["trainer/train_grpo.py"] + flags + ["--from_resume", "1", "--max_steps", "2"])
+    shorter = run_main("train_grpo", flags + ["--from_resume", "1", "--max_steps", "2"])
     assert shorter.returncode != 0
     assert f"nothing to resume: {resume_file} is at step 2 and this run has 2 steps" in shorter.stderr
     assert "pass a --max_steps above 2" in shorter.stderr and "loaded weights" not in shorter.stdout
@@ -410,7 +411,7 @@ def test_a_changed_num_iterations_is_refused_on_resume(tmp_path, tiny_weights, s
     flags = GRPO + ["--save_dir", str(folder), "--data_path", small_data]
     killed = harness(["--kill_after_save", "1"], flags)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    refused = run(["trainer/train_grpo.py"] + flags + ["--from_resume", "1", "--num_iterations", "2"])
+    refused = run_main("train_grpo", flags + ["--from_resume", "1", "--num_iterations", "2"])
     assert refused.returncode != 0
     assert ("was saved with --num_iterations 1 but this run has --num_iterations 2, which a resume cannot take (the "
             "schedule counts that many updates per rollout): pass --num_iterations 1") in refused.stderr
@@ -427,12 +428,12 @@ def test_a_changed_data_file_is_refused_on_resume_unless_allowed(tmp_path, tiny_
     assert recorded == {"size": len(original), "sha256": hashlib.sha256(original).hexdigest()}
     lines = original.splitlines(keepends=True)
     open(small_data, "wb").write(b"".join([lines[1], lines[0]] + lines[2:]))  # same size, two prompts swapped
-    refused = run(["trainer/train_grpo.py"] + flags + ["--from_resume", "1"])
+    refused = run_main("train_grpo", flags + ["--from_resume", "1"])
     assert refused.returncode != 0
     assert (f"--data_path {small_data} changed since {folder / 'grpo_64_resume.pth'} was saved (same size, sha256 "
             f"{hashlib.sha256(original).hexdigest()[:12]}...") in refused.stderr
     assert "--allow_data_change 1" in refused.stderr and "loaded weights" not in refused.stdout
-    allowed = run(["trainer/train_grpo.py"] + flags + ["--from_resume", "1", "--allow_data_change", "1"])
+    allowed = run_main("train_grpo", flags + ["--from_resume", "1", "--allow_data_change", "1"])
     assert allowed.returncode == 0, allowed.stderr[-2000:]
     assert "--allow_data_change 1: the run continues at the saved position" in allowed.stdout
     assert "resumed from" in allowed.stdout and "saved step 4" in allowed.stdout
@@ -478,7 +479,7 @@ def test_a_from_weight_file_with_pickled_objects_is_named_and_never_run(tmp_path
     state_dict = torch.load(folder / "tiny_64.pth", weights_only=True)
     torch.save(dict(state_dict, extra=RunsCode()), folder / "pickled_64.pth")
     shutil.copy(folder / "tiny_64.tokenizer.json", folder / "pickled_64.tokenizer.json")
-    result = run(["trainer/train_grpo.py"] + GRPO + ["--save_dir", str(folder), "--data_path", small_data,
+    result = run_main("train_grpo", GRPO + ["--save_dir", str(folder), "--data_path", small_data,
                                                     "--from_weight", "pickled"])
     assert result.returncode != 0
     assert (f"{folder / 'pickled_64.pth'} holds Python objects besides tensors (Unsupported global: GLOBAL "

@@ -37,11 +37,13 @@ def test_new_keys_are_allowed_only_when_asked_and_old_keys_still_compared():
         "row 0 (step 1): keys ['step', 'loss'] instead of ['step', 'reward', 'loss']"]
 
 
-def test_both_scripts_give_the_same_numbers_twice(tmp_path):
+def test_both_scripts_give_the_same_numbers_twice(tmp_path, tiny_weights):
     """Two runs of each script with the same seed, one thread: every logged number equal, bit for bit (what the
-    comparison against a git revision relies on)."""
+    comparison against a git revision relies on). A tiny policy (hidden 64, 2 layers) with the bundled reward model."""
+    tiny = ["--eval_interval", "0", "--hidden_size", "64", "--num_hidden_layers", "2",
+            "--from_weight", os.path.join(tiny_weights[0], f"{tiny_weights[1]}_64.pth")]
     for script in ("grpo", "ppo"):
-        first, second = (check_same_numbers.run_metrics(ROOT, script, 2, ["--eval_interval", "0"],
-                                                        str(tmp_path / f"{script}{i}")) for i in range(2))
+        first, second = (check_same_numbers.run_metrics(ROOT, script, 2, tiny, str(tmp_path / f"{script}{i}"))
+                         for i in range(2))
         assert len(first) == 2 and first[0]["step"] == 1 and "reward" in first[0]
         assert check_same_numbers.compare_rows(first, second) == []

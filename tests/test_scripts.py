@@ -1,4 +1,5 @@
-"""Smoke runs of every script on a tiny config, in subprocesses (as a user runs them)."""
+"""Smoke runs of every script on a tiny config, in subprocesses (as a user runs them); the flag and weight checks
+run ``main`` in this process (tests/support/in_process.py), one bad flag per script on the command line."""
 import json
 import os
 import subprocess
@@ -7,6 +8,7 @@ import sys
 import pytest
 
 from conftest import MINIMIND_TOKENIZER, ROOT
+from in_process import run_main
 
 
 def run_script(args, cwd=ROOT, timeout=600):
@@ -59,24 +61,22 @@ def test_grpo_loss_type_grpo_from_another_folder(tiny_weights, tmp_path):
     (["--use_moe", "1", "--shared_prefix", "1"], "--shared_prefix 1 is for dense models"),
 ])
 def test_grpo_bad_flags_fail_at_start(flags, message):
-    result = run_script(["trainer/train_grpo.py"] + flags, timeout=120)
+    result = run_main("train_grpo", flags)
     assert result.returncode == 2
     assert message in result.stderr
 
 
 def test_grpo_missing_weight_lists_existing(tiny_weights, tmp_path):
     save_dir, _ = tiny_weights
-    result = run_script(["trainer/train_grpo.py", "--save_dir", save_dir, "--from_weight", "nope",
-                         "--max_steps", "1"] + TINY, timeout=120)
+    result = run_main("train_grpo", ["--save_dir", save_dir, "--from_weight", "nope", "--max_steps", "1"] + TINY)
     assert result.returncode != 0
     assert "nope_64.pth" in result.stderr and "tiny_64.pth" in result.stderr
 
 
 def test_grpo_shape_mismatch_names_flag(tiny_weights):
     save_dir, name = tiny_weights
-    result = run_script(["trainer/train_grpo.py", "--save_dir", save_dir, "--from_weight",
-                         os.path.join(save_dir, "tiny_64.pth"), "--max_steps", "1", "--hidden_size", "128",
-                         "--num_hidden_layers", "2"], timeout=120)
+    result = run_main("train_grpo", ["--save_dir", save_dir, "--from_weight", os.path.join(save_dir, "tiny_64.pth"),
+                                     "--max_steps", "1", "--hidden_size", "128", "--num_hidden_layers", "2"])
     assert result.returncode != 0
     assert "--hidden_size" in result.stderr and "(6400, 64)" in result.stderr
 
@@ -152,9 +152,16 @@ def test_bf16_autocast_run(tiny_weights, tmp_path, script, extra):
     (["--early_stop_kl", "0"], "--early_stop_kl must be > 0"),
 ])
 def test_ppo_bad_flags_fail_at_start(flags, message):
-    result = run_script(["trainer/train_ppo.py"] + flags, timeout=120)
+    result = run_main("train_ppo", flags)
     assert result.returncode == 2
     assert message in result.stderr
+
+
+@pytest.mark.parametrize("script, flag", [("train_grpo.py", "--num_generations"), ("train_ppo.py", "--gamma")])
+def test_a_bad_flag_on_the_command_line_exits_2_with_argparse_usage(script, flag):
+    result = run_script([os.path.join("trainer", script), flag, "-3"], timeout=120)
+    assert result.returncode == 2 and "usage: " in result.stderr
+    assert f"{script}: error: {flag} must be" in result.stderr and "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize("script, extra", [
