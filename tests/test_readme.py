@@ -63,10 +63,12 @@ def test_readme_commands():
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         text = f.read()
     assert "pip install -r requirements.txt && python trainer/train_grpo.py" in text
-    assert "pip install -r requirements-test.txt && python -m ruff check . && python -m pytest -q tests" in text
+    assert ("pip install -r requirements-test.txt && python -m ruff check . && "
+            "python -m pytest -q -n 2 --dist loadfile tests") in text
     with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
         ci = f.read()
-    assert "pip install -q -r requirements-test.txt" in ci and "ruff check ." in ci and "pytest -q tests" in ci
+    assert "pip install -q -r requirements-test.txt" in ci and "ruff check ." in ci
+    assert "pytest -q -n 2 --dist loadfile tests" in ci
 
 
 def test_mapped_functions_cite_their_section():

@@ -4,8 +4,8 @@
     python scripts/bench/profile_run.py --script ppo -- --max_steps 30   # flags after -- go to the script
 
 The script runs ``trainer.train_{grpo,ppo}.main(argv)`` in this process, as ``python trainer/train_X.py ARGV``
-would, on a copy-free save folder (``--save_dir`` under a temporary folder, the bundled start weights and reward
-model linked into it), and times it with ``PhaseTracer`` (``scripts/bench/bench.py``: ``sys.settrace`` sees the
+would, with ``--save_dir`` a temporary folder (the bundled start weights and reward model linked into it, the
+folder removed at the end), and times it with ``PhaseTracer`` (``scripts/bench/bench.py``: ``sys.settrace`` sees the
 entry and return of chosen functions; nothing is replaced). It prints three tables:
 
 1. the whole command: imports, set-up (weights, reward model, optimizer, until the first rollout, less the
@@ -21,6 +21,7 @@ With ``--json FILE`` the figures are also written there. ``scripts/check_gpu.py`
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -157,6 +158,7 @@ def main(argv=None):
     per_step = {name: sum(p.get(name, 0.0) for p in step_phases) / num_steps for name in step_names}
     per_step["other"] = command["steps"] / num_steps - sum(per_step.values())
     decode = decode_profile(module, args, args.device or device)
+    shutil.rmtree(tmp, ignore_errors=True)  # the run's checkpoints and metrics (its figures are printed)
 
     print(f"{options.script}: {' '.join(script_argv[2:]) or 'the defaults'}, {num_steps} steps, device {device}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
