@@ -126,7 +126,7 @@ def parse_args(argv=None):
                   help="1: the forwards run each prompt once for its G answers (same log-probs; the default for "
                        "dense models); 0: every answer with its own copy of the prompt (the default with --use_moe 1)")
     add_family_args(parser)
-    # the default run: 120 steps, the final norm's gain at 2e-2 (docs/departures.md, "The default runs' length")
+    # the default run: 120 steps, the final norm's gain at 2e-2 (docs/departures.md: GRPO's default run)
     parser.set_defaults(max_steps=120, final_norm_learning_rate=2e-2, eval_interval=60,
                         shared_prefix=0 if parser.parse_known_args(argv)[0].use_moe else 1)
     args = parser.parse_args(argv)
