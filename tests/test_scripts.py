@@ -157,7 +157,8 @@ def test_ppo_bad_flags_fail_at_start(flags, message):
     assert message in result.stderr
 
 
-@pytest.mark.parametrize("script, flag", [("train_grpo.py", "--num_generations"), ("train_ppo.py", "--gamma")])
+@pytest.mark.parametrize("script, flag", [("train_grpo.py", "--num_generations"), ("train_ppo.py", "--gamma"),
+                                          ("train_tokenizer.py", "--vocab_size")])
 def test_a_bad_flag_on_the_command_line_exits_2_with_argparse_usage(script, flag):
     result = run_script([os.path.join("trainer", script), flag, "-3"], timeout=120)
     assert result.returncode == 2 and "usage: " in result.stderr
