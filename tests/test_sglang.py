@@ -438,3 +438,49 @@ def test_parse_checks_the_weight_version_label():
     del good["meta_info"]["weight_version"]
     with pytest.raises(RuntimeError, match="no meta_info.weight_version"):
         parse_sglang_output(good, 0, 1, 2, weight_version="ab12-v3")
+
+
+# ----------------------------------------------------------------------------- --rollout_correction
+def test_the_engine_keeps_the_trainers_old_log_probs_and_the_servers_beside_them(start_standin, tokenizer, tmp_path):
+    """``--sglang_logprobs server --rollout_correction ...``: old = the trainer's forward on every batch (TRL's),
+    the server's in ``sampling_per_token_logps``; the server here holds other weights, so the two differ."""
+    trainer_policy = make_policy(0)
+    server = start_standin(make_policy(1))
+    engine = SGLangRolloutEngine(trainer_policy, tokenizer, server.url, str(tmp_path / "shared"),
+                                 logprobs_mode="server", rollout_correction=True, logprob_tolerance=10.0, **FAST)
+    trainer_policy.load_state_dict(make_policy(2).state_dict())  # the trainer moves on; the server keeps the push
+    prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, PROMPTS[:1], 256, "cpu")
+    prompt = prompt_ids[0][attention_mask[0].bool()].tolist()
+    for _ in range(2):  # the first batch (checked against the tolerance) and the next
+        result = engine.rollout(prompt_ids, attention_mask, 2, 8, temperature=0.7)
+        for i in range(2):
+            completion = result.completion_ids[i][result.completion_mask[i].bool()].tolist()
+            n = len(completion)
+            trainer = plain_logps(trainer_policy, prompt, completion, 0.7)
+            torch.testing.assert_close(result.per_token_logps[i, :n], trainer, rtol=0, atol=1e-5)
+            served = plain_logps(make_policy(0), prompt, completion, 0.7)  # the weights the server holds
+            torch.testing.assert_close(result.sampling_per_token_logps[i, :n], served, rtol=0, atol=1e-4)
+            assert (served - trainer).abs().max() > 1e-2
+            assert (result.sampling_per_token_logps[i, n:] == 0).all()
+
+
+@pytest.mark.parametrize("script", ["grpo", "ppo"])
+def test_two_corrected_steps_log_the_mismatch(script, start_standin, tiny_weights, tmp_path):
+    save_dir, name = tiny_weights
+    server = start_standin(make_policy(5))
+    run_dir = tmp_path / "run"
+    argv = ["--max_steps", "2", "--save_dir", save_dir, "--from_weight", name, "--batch_size", "2",
+            "--max_gen_len", "8", "--run_dir", str(run_dir), "--rollout_engine", "sglang", "--sglang_url", server.url,
+            "--sglang_shared_path", str(tmp_path / "shared"), "--temperature", "0.8", "--sglang_logprobs", "server",
+            "--rollout_correction", "token_truncate", "--eval_interval", "0"] + TINY
+    if script == "grpo":
+        grpo_main(argv + ["--num_generations", "3"])
+    else:
+        ppo_main(argv + ["--mini_batch_size", "1"])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:  # the stand-in scores with the trainer's own code on the synced weights: weights near 1
+        assert row["sampling/sampling_logp_difference/mean"] == pytest.approx(row["logprob_gap"], abs=1e-7)
+        assert row["sampling/importance_sampling_ratio/max"] <= 3.0
+        assert abs(row["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3
+        assert row["sampling/corrected_share"] == 0.0 and row["sampling/kl_server_trainer"] < 1e-6

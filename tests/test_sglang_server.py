@@ -26,6 +26,7 @@ from conftest import ROOT
 from model.hf_qwen3 import save_qwen3_folder
 from scripts.sglang_cpu.server import launch_cpu_server, stop_server
 from trainer import rollout_engine as rollout_module
+from trainer.grpo_family import rollout_correction_weights
 from trainer.rollout_engine import SGLangRolloutEngine, compute_per_token_logps, tokenize_prompts
 from trainer.agent.rollout import agent_rollout, server_turn
 from trainer.agent.tools import execute_call, parse_tool_calls
@@ -228,6 +229,61 @@ def test_three_training_steps_against_the_server(script, server_url, tmp_path):
     assert [row["step"] for row in rows] == [1, 2, 3]
     assert all(row["logprob_gap"] <= TOLERANCE for row in rows)  # the server sampled from the trainer's weights
     assert os.listdir(tmp_path / "shared") == ["policy_v3"]  # start-up push + one per step, older ones removed
+    assert os.path.isfile(tmp_path / f"{script}_{HIDDEN}.pth")
+
+
+def test_the_correction_weighs_the_servers_samples_of_bfloat16_weights(server_url, prompts, tmp_path):
+    """``--sglang_export_dtype bfloat16 --sglang_logprobs server --rollout_correction ...``: the old log-probs are the
+    trainer's forward of its float32 weights, the server's equal a forward of the bfloat16-rounded weights, and the
+    correction's weights are exp of the difference of those two forwards, truncated at the cap."""
+    model, tokenizer = load_policy()
+    engine = SGLangRolloutEngine(model, tokenizer, server_url, str(tmp_path / "shared"), logprobs_mode="server",
+                                 rollout_correction=True, export_dtype=torch.bfloat16, **ENGINE)
+    prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, prompts, 256, "cpu")
+    result = engine.rollout(prompt_ids, attention_mask, 2, 32, 1.0)
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for parameter in rounded.parameters():
+            parameter.copy_(parameter.to(torch.bfloat16).float())
+    forward = (result.output_ids, result.completion_ids.size(1), result.attention_mask, 1.0)
+    trainer = compute_per_token_logps(model, *forward).per_token_logps  # [N, R]
+    served = compute_per_token_logps(rounded, *forward).per_token_logps  # [N, R], what the server holds
+    mask = result.completion_mask.bool()
+    assert (result.per_token_logps - trainer)[mask].abs().max().item() <= 1e-6
+    server_error = (result.sampling_per_token_logps - served)[mask].abs().mean().item()
+    assert server_error <= TOLERANCE
+    assert (served - trainer)[mask].abs().mean().item() > 10 * server_error  # a mismatch to correct
+    cap = 1 + 0.5 * (torch.exp(trainer - served)[mask].max().item() - 1)  # half-way to the largest weight
+    weights = rollout_correction_weights(result.per_token_logps, result.sampling_per_token_logps,
+                                         result.completion_mask, "token_truncate", cap)
+    expected = torch.exp(trainer - served).clamp(max=cap)  # [N, R]
+    assert (weights - expected)[mask].abs().max().item() <= 1e-3
+    assert (weights[mask] == cap).any() and (weights[mask] < 1).any()
+
+
+@pytest.mark.parametrize("script, mode", [("grpo", "token_truncate"), ("ppo", "sequence_mask"),
+                                          ("agent", "token_mask")])
+def test_corrected_training_steps_against_the_server(script, mode, server_url, tmp_path):
+    run_dir = tmp_path / "run"
+    argv = ["--max_steps", "2", "--save_dir", str(tmp_path), "--batch_size", "2", "--run_dir", str(run_dir),
+            "--rollout_engine", "sglang", "--sglang_url", server_url, "--sglang_shared_path", str(tmp_path / "shared"),
+            "--eval_interval", "0", "--hidden_size", str(HIDDEN), "--num_hidden_layers", str(LAYERS),
+            "--sglang_logprobs", "server", "--sglang_export_dtype", "bfloat16", "--rollout_correction", mode]
+    if script == "grpo":
+        grpo_main(argv + ["--from_weight", BUNDLED, "--num_generations", "2", "--max_gen_len", "16"])
+    elif script == "ppo":
+        ppo_main(argv + ["--from_weight", BUNDLED, "--mini_batch_size", "1", "--max_gen_len", "16"])
+    else:
+        agent_main(argv + ["--from_weight", AGENT_SFT, "--num_generations", "2", "--max_gen_len", "48",
+                           "--reward_model_path", "none"])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:  # bfloat16 weights on the server, float32 in the trainer: a real mismatch, measured
+        assert row["sampling/sampling_logp_difference/mean"] == pytest.approx(row["logprob_gap"], rel=1e-5)
+        assert row["sampling/sampling_logp_difference/mean"] > 3e-5  # float32 weights: 3.4e-6 to 4e-6 (docs)
+        low, mean, high = (row[f"sampling/importance_sampling_ratio/{key}"] for key in ("min", "mean", "max"))
+        assert 0 < low <= mean <= high <= 3 and high > low
+        assert 0 <= row["sampling/corrected_share"] < 0.5 and row["sampling/kl_server_trainer"] > 0
     assert os.path.isfile(tmp_path / f"{script}_{HIDDEN}.pth")
 
 

@@ -5,6 +5,10 @@ is bounded (clip-higher, two-sided clip, SAPO's soft gate, VESPO's gamma weight)
 (BNPO, DAPO, Dr. GRPO, LUSPO). ``train_grpo.py`` calls ``family_loss`` for every member except the chapter's two at
 token level. Names are TRL's; every loss, gradient and logged fraction equals TRL's (tests/test_grpo_family.py), with
 the departures listed in docs/grpo_family.md.
+
+After the members, TRL's correction of rollouts an SGLang server sampled (``--rollout_correction``: the weight
+pi_trainer / pi_server per token or per answer, truncated or masked at a cap; TRL 1.16's
+``vllm_importance_sampling_*``, verl's TIS / MIS), which PPO and the agent script take too: docs/sglang.md.
 """
 import math
 from dataclasses import dataclass
@@ -16,6 +20,7 @@ import torch.distributed as dist
 from trainer.infra.distributed import any_rank
 from trainer.infra.flags import add_bool_flag
 from trainer.infra.optimizer import accumulation_window_size, project_scale_only_gradients
+from trainer.infra.sglang_client import ROLLOUT_CORRECTIONS
 from trainer.infra.stopping import nonfinite_parts
 from trainer.trainer_utils import k3_kl
 
@@ -148,25 +153,34 @@ def importance_ratio(per_token_logps, old_per_token_logps, completion_mask, impo
 
 
 @torch.no_grad()
-def vespo_gamma_weights(per_token_logps, old_per_token_logps, advantages, completion_mask, vespo_gamma):
+def vespo_gamma_weights(per_token_logps, old_per_token_logps, advantages, completion_mask, vespo_gamma,
+                        importance_sampling_ratio=None):
     """VESPO's detached weight phi(w) = exp(lambda) w^k exp(-lambda w) of each answer, w = exp(sum of its log-ratios)
     (log-ratios clamped to [-20, 20], log w to [log 1e-8, 20]); (k, lambda) by the sign of A (A >= 0: the _pos pair).
+    ``importance_sampling_ratio`` (the rollout correction's per-token weights [N, R], ``rollout_correction``):
+    log w also sums their logs, each clamped to [log 1e-8, 20], so w is pi_theta / pi_server.
     Source: VESPO (2026), TRL's ``get_gamma_weights``. advantages [N, 1] -> fp32 [N, 1], 0 where not finite."""
     k_pos, lambda_pos, k_neg, lambda_neg = vespo_gamma
     log_ratio = torch.clamp(per_token_logps - old_per_token_logps, -20.0, 20.0)  # [N, R]
-    log_w = torch.clamp((log_ratio * completion_mask).sum(dim=-1, keepdim=True), math.log(1e-8), 20.0)  # [N, 1]
+    sequence_log_ratio = (log_ratio * completion_mask).sum(dim=-1, keepdim=True)  # [N, 1]
+    if importance_sampling_ratio is not None:  # log(pi_theta / pi_server) = log(pi_theta / pi_old) + log(w_correction)
+        sequence_log_ratio = sequence_log_ratio + torch.clamp(torch.log(importance_sampling_ratio), math.log(1e-8),
+                                                              20.0).sum(dim=-1, keepdim=True)
+    log_w = torch.clamp(sequence_log_ratio, math.log(1e-8), 20.0)  # [N, 1]
     k = torch.where(advantages >= 0, k_pos, k_neg)  # [N, 1]
     lam = torch.where(advantages >= 0, lambda_pos, lambda_neg).clamp(min=1e-4)  # [N, 1]
     return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def policy_objective(ratio, per_token_logps, old_per_token_logps, advantages, completion_mask, config):
+def policy_objective(ratio, per_token_logps, old_per_token_logps, advantages, completion_mask, config,
+                     importance_sampling_ratio=None):
     """The per-token objective J_t each member maximises (TRL 1.16's ``_compute_loss``):
       cispo: sg[min(ratio, eps_high)] A logp (MiniMax-M1 2025, eq. 4);
       clipped family: min(ratio A, clip(ratio, 1 - eps, 1 + eps_high) A), the first ratio capped at ``delta`` when
         set (PPO, Schulman et al. 2017, eq. 7; clip-higher: DAPO, Yu et al. 2025, eq. 10; two-sided: INTELLECT-2);
       sapo: sigmoid(tau (ratio - 1)) 4 / tau A, tau by the sign of A (SAPO, Gao et al. 2025, eq. 6);
-      vespo: sg[phi(w)] A logp (``vespo_gamma_weights``).
+      vespo: sg[phi(w)] A logp (``vespo_gamma_weights``, which reads the rollout correction's
+        ``importance_sampling_ratio`` [N, R] when given).
     ratio [N, R]; per_token_logps, old_per_token_logps [N, R]; advantages [N, 1] -> fp32 [N, R].
     """
     loss_type = config.loss_type
@@ -182,7 +196,7 @@ def policy_objective(ratio, per_token_logps, old_per_token_logps, advantages, co
         return torch.sigmoid(temperatures * (ratio - 1)) * 4 / temperatures * advantages
     if loss_type == "vespo":
         phi = vespo_gamma_weights(per_token_logps, old_per_token_logps, advantages, completion_mask,
-                                  config.vespo_gamma)  # [N, 1]
+                                  config.vespo_gamma, importance_sampling_ratio)  # [N, 1]
         return phi * advantages * per_token_logps
     raise ValueError(f"unknown loss_type {loss_type!r}; valid: {', '.join(LOSS_TYPES)}")
 
@@ -214,12 +228,14 @@ def aggregate_loss(per_token_loss, completion_mask, loss_type, max_completion_le
 
 
 def family_loss(per_token_logps, old_per_token_logps, ref_per_token_logps, advantages, completion_mask, config,
-                num_items_in_batch=None):
+                num_items_in_batch=None, importance_sampling_ratio=None):
     """Policy loss of any member with beta x k3 KL (8.5.2, 8.6): -(``policy_objective`` - beta k3), then
     ``aggregate_loss``. Equals TRL 1.16's ``_compute_loss`` (``use_bias_correction_kl=False``; cispo on answers of
     equal length: TRL sums cispo's tokens like dapo's).
 
     fp32 [N, R] log-probs (``ref_per_token_logps`` None when beta is 0), advantages fp32 [N], completion_mask [N, R].
+    ``importance_sampling_ratio``: the rollout correction's weights, fp32 [N, R] or [N, 1] (``rollout_correction``),
+    multiplying the objective (not the KL) as TRL does; vespo reads them inside its gamma weight instead.
     Returns (policy_loss scalar, per_token_kl [N, R] detached, ratio [N, R] detached).
     """
     mask = completion_mask.bool()  # [N, R]
@@ -227,7 +243,9 @@ def family_loss(per_token_logps, old_per_token_logps, ref_per_token_logps, advan
         else k3_kl(ref_per_token_logps, per_token_logps, mask)  # [N, R]
     ratio = importance_ratio(per_token_logps, old_per_token_logps, completion_mask, config.importance_sampling_level)
     objective = policy_objective(ratio, per_token_logps, old_per_token_logps, advantages.unsqueeze(1), completion_mask,
-                                 config)  # [N, R]
+                                 config, importance_sampling_ratio)  # [N, R]
+    if importance_sampling_ratio is not None and config.loss_type != "vespo":
+        objective = objective * importance_sampling_ratio  # [N, R], the rollout correction
     per_token_loss = -(objective - config.beta * per_token_kl)  # [N, R]
     policy_loss = aggregate_loss(per_token_loss, completion_mask, config.loss_type, config.max_completion_length,
                                  num_items_in_batch)
@@ -363,3 +381,83 @@ def frac_reward_zero_std(rewards, num_generations):
     and they teach nothing (DAPO's dynamic sampling drops them). rewards fp32 [B*G] -> float."""
     grouped_rewards = rewards.double().view(-1, num_generations)  # [B, G]
     return (grouped_rewards.std(dim=1, unbiased=False) == 0).double().mean().item()
+
+
+# ----------------------------------------------------------------------------- the rollout correction
+# The server samples the answers from pi_server (its kernels, often bf16); the loss treats them as drawn from pi_old.
+# With a correction the old log-probs are the trainer's (TRL's construction) and the server's enter only the weight
+# pi_old / pi_server multiplying each token's policy loss (Yao et al. 2025, "Your efficient RL framework secretly
+# brings you off-policy RL training").
+def rollout_correction(old_per_token_logps, sampling_per_token_logps, completion_mask, mode, cap):
+    """``--rollout_correction``'s (importance_sampling_ratio, metrics) of one rollout: ``rollout_correction_weights``
+    and ``rollout_mismatch_metrics``; (None, {}) for "none". Tensors fp32 [N, R], mask [N, R] 0/1."""
+    if mode == "none":
+        return None, {}
+    return (rollout_correction_weights(old_per_token_logps, sampling_per_token_logps, completion_mask, mode, cap),
+            rollout_mismatch_metrics(old_per_token_logps, sampling_per_token_logps, completion_mask, mode, cap))
+
+
+def rollout_correction_weights(old_per_token_logps, sampling_per_token_logps, completion_mask, mode, cap):
+    """The importance weight of the trainer's policy against the server's (TRL 1.16's
+    ``vllm_importance_sampling_ratio``):
+      token_*:    w_t = exp(logp_old_t - logp_server_t), one per token;
+      sequence_*: w = exp(sum over the answer's tokens of (logp_old_t - logp_server_t)), one per answer;
+      *_truncate: min(w, cap) (TIS); *_mask: w where w <= cap, else 0 (MIS).
+    The log difference is 0 on masked tokens and where the server gave no log-prob (NaN), so there w_t is 1.
+
+    old_per_token_logps (the trainer's), sampling_per_token_logps (the server's): fp32 [N, R]; completion_mask [N, R]
+    0/1. Returns fp32 [N, R] (token modes) or [N, 1] (sequence modes), detached; None for "none". Raises
+    ValueError for an unknown mode.
+    """
+    if mode == "none":
+        return None
+    if mode not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"unknown rollout correction {mode!r}; valid: {', '.join(ROLLOUT_CORRECTIONS)}")
+    mask = completion_mask.to(old_per_token_logps.dtype)  # [N, R]
+    per_token_logps_diff = torch.nan_to_num((old_per_token_logps - sampling_per_token_logps) * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        logps_diff = per_token_logps_diff.sum(dim=-1, keepdim=True)  # [N, 1]
+    else:
+        logps_diff = per_token_logps_diff  # [N, R]
+    importance_sampling_ratio = torch.exp(logps_diff)  # [N, R] or [N, 1]
+    if mode.endswith("truncate"):
+        return torch.clamp(importance_sampling_ratio, max=cap).detach()
+    return importance_sampling_ratio.masked_fill(importance_sampling_ratio > cap, 0.0).detach()
+
+
+@torch.no_grad()
+def rollout_mismatch_metrics(old_per_token_logps, sampling_per_token_logps, completion_mask, mode, cap):
+    """What the mismatch of one rollout looks like, over every process, on the answer tokens (answers in sequence
+    modes):
+      ``sampling/sampling_logp_difference/mean|max``: |logp_old - logp_server| (TRL's names);
+      ``sampling/importance_sampling_ratio/min|mean|max``: the weights as the loss uses them (TRL's names);
+      ``sampling/kl_server_trainer``: k3 estimate of KL(pi_server || pi_trainer) per token, on the server's samples;
+      ``sampling/corrected_share``: the share of weights above the cap, so truncated or masked (0 with "none").
+    Tensors as ``rollout_correction_weights``; mode "none" gives the first three only. -> dict of floats."""
+    mask = completion_mask.to(old_per_token_logps.dtype)  # [N, R]
+    delta = torch.nan_to_num((old_per_token_logps - sampling_per_token_logps).abs(), nan=0.0)  # [N, R]
+    known = mask * (~torch.isnan(sampling_per_token_logps)).to(mask.dtype)  # [N, R], tokens the server scored
+    sampling = torch.where(known.bool(), sampling_per_token_logps, old_per_token_logps)  # [N, R], no NaN
+    metrics = {"sampling/sampling_logp_difference/mean": global_masked_mean(delta, known),
+               "sampling/sampling_logp_difference/max": global_extremes(delta, known)[1],
+               "sampling/kl_server_trainer": global_masked_mean(k3_kl(old_per_token_logps, sampling, known), known)}
+    if mode == "none":
+        return metrics
+    weights = rollout_correction_weights(old_per_token_logps, sampling_per_token_logps, completion_mask, mode, cap)
+    raw = rollout_correction_weights(old_per_token_logps, sampling_per_token_logps, completion_mask,
+                                     mode.split("_")[0] + "_truncate", math.inf)  # the weights before the cap
+    if mode.startswith("sequence"):
+        per_row = torch.ones_like(mask)  # every answer counted once, its weight in column 0
+        weights, raw = weights.expand_as(mask), raw.expand_as(mask)
+        low, high = global_extremes(weights[:, :1], per_row[:, :1])
+        metrics.update({"sampling/importance_sampling_ratio/min": low,
+                        "sampling/importance_sampling_ratio/mean": global_masked_mean(weights, per_row, True),
+                        "sampling/importance_sampling_ratio/max": high,
+                        "sampling/corrected_share": global_masked_mean((raw > cap).to(mask.dtype), per_row, True)})
+        return metrics
+    low, high = global_extremes(weights, mask)
+    metrics.update({"sampling/importance_sampling_ratio/min": low,
+                    "sampling/importance_sampling_ratio/mean": global_masked_mean(weights, mask),
+                    "sampling/importance_sampling_ratio/max": high,
+                    "sampling/corrected_share": global_masked_mean((raw > cap).to(mask.dtype), mask)})
+    return metrics

@@ -73,6 +73,7 @@ class RolloutResult:
     completion_mask: torch.Tensor  # long [N, R], 1 through the first EOS (``completion_mask_from_ids``)
     prompt_mask: torch.Tensor  # long [N, P], the prompts' attention mask
     metrics: dict = field(default_factory=dict)  # floats the engine measured (SGLang: ``logprob_gap``)
+    sampling_per_token_logps: Optional[torch.Tensor] = None  # fp32 [N, R], the server's log-probs (SGLang), else None
 
     @property
     def attention_mask(self):
@@ -166,14 +167,15 @@ class TorchRolloutEngine(RolloutEngine):
         self.policy_model = model
 
 
-
 class SGLangRolloutEngine(RolloutEngine):
     """Rollouts from an SGLang server over HTTP; the policy's weights synced to it through a shared folder (8.2).
 
     ``rollout`` sends the prompts in one ``/generate`` request and pads the answers into tensors; ``SGLangClient``
     checks every answer, including its ``weight_version`` (a server serving other weights stops the run). Old
     log-probs: "recompute" (default) takes the local policy's; "server" the server's, checked on the first batch
-    against the local ones (masked mean |gap| <= ``logprob_tolerance``, reported as ``metrics["logprob_gap"]``).
+    against the local ones (masked mean |gap| <= ``logprob_tolerance``, reported as ``metrics["logprob_gap"]``);
+    with ``rollout_correction`` the local ones on every batch, the server's beside them (``sampling_per_token_logps``,
+    for ``grpo_family.rollout_correction``: TRL's construction).
     The constructor pushes the starting policy; ``update_policy`` saves it as a Qwen3ForCausalLM folder
     ``{shared_path}/policy_v{n}`` (rank 0) and asks the server to load it, every ``sync_interval``-th call.
     ``client_options`` (url, retries, timeouts, ``resume_hint``, session) go to ``SGLangClient``.
@@ -183,7 +185,7 @@ class SGLangRolloutEngine(RolloutEngine):
 
     def __init__(self, policy_model, tokenizer, url, shared_path, logprobs_mode="recompute", sync_interval=1,
                  top_p=1.0, top_k=0, export_dtype=torch.float32, logprob_tolerance=0.05, health_retries=5,
-                 **client_options):
+                 rollout_correction=False, **client_options):
         if logprobs_mode not in SGLANG_LOGPROB_MODES:
             raise ValueError(f"unknown SGLang log-prob mode {logprobs_mode!r}; "
                              f"valid: {', '.join(SGLANG_LOGPROB_MODES)}")
@@ -195,6 +197,7 @@ class SGLangRolloutEngine(RolloutEngine):
         self.shared_path = os.path.abspath(shared_path)
         self.sampling = {"top_p": top_p, "top_k": top_k}
         self.logprobs_mode = logprobs_mode
+        self.rollout_correction = rollout_correction  # the old log-probs stay the trainer's; the server's weigh them
         self.logprob_tolerance = logprob_tolerance  # None once the server's log-probs passed the check
         self.export_dtype = export_dtype
         self.sync_interval = sync_interval
@@ -236,14 +239,14 @@ class SGLangRolloutEngine(RolloutEngine):
             completions=decode_completions(self.tokenizer, completion_ids, completion_mask,
                                            self.tokenizer.eos_token_id),
             completion_mask=completion_mask, prompt_mask=prompt_mask,
-            metrics=metrics,
+            metrics=metrics, sampling_per_token_logps=server_per_token_logps.to(prompt_ids.device) * completion_mask,
         )
 
     def old_per_token_logps(self, model, output_ids, full_mask, completion_mask, server_per_token_logps,
                             temperature):
-        """(log pi_old [N, R], metrics) by ``logprobs_mode``; raises RuntimeError when the server's log-probs fail
-        the first-batch check (naming the temperature convention and the flags that fix it)."""
-        if self.logprobs_mode == "server" and self.logprob_tolerance is None:
+        """(log pi_old [N, R], metrics) by ``logprobs_mode`` (and ``rollout_correction``); raises RuntimeError when
+        the server's log-probs fail the first-batch check (naming the temperature convention and the fixes)."""
+        if self.logprobs_mode == "server" and self.logprob_tolerance is None and not self.rollout_correction:
             return server_per_token_logps, {}
         was_training = model.training
         model.eval()
@@ -251,7 +254,7 @@ class SGLangRolloutEngine(RolloutEngine):
                                                         temperature).per_token_logps  # [N, R]
         model.train(was_training)
         gap = masked_mean((server_per_token_logps - local_per_token_logps).abs(), completion_mask).item()
-        if self.logprobs_mode == "recompute":
+        if self.logprobs_mode == "recompute" or (self.rollout_correction and self.logprob_tolerance is None):
             return local_per_token_logps, {"logprob_gap": gap}
         if gap > self.logprob_tolerance:
             raise ServerError(
@@ -261,7 +264,7 @@ class SGLangRolloutEngine(RolloutEngine):
                 f"SGLANG_RETURN_ORIGINAL_LOGPROB=1, sync the same weights in full precision (--sglang_export_dtype "
                 f"float32, server --dtype float32), or run with --sglang_logprobs recompute (the default).")
         self.logprob_tolerance = None
-        return server_per_token_logps, {"logprob_gap": gap}
+        return (local_per_token_logps if self.rollout_correction else server_per_token_logps), {"logprob_gap": gap}
 
     def update_policy(self, model):
         """Every ``sync_interval``-th call: save ``model``'s weights and ask the server to load them."""
@@ -301,7 +304,6 @@ class SGLangRolloutEngine(RolloutEngine):
         ``--rollout_engine torch``) starts the cadence afresh."""
         self.num_update_calls = int(state.get("num_update_calls", 0))
         self.client.weight_pushes = max(self.client.weight_pushes, int(state.get("weight_version", 0)))
-
 
 
 def create_rollout_engine(engine_type, policy_model, tokenizer, **kwargs):

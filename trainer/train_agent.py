@@ -37,7 +37,7 @@ from trainer.agent.rollout import agent_rollout, ended_with_eos, template_kwargs
 from trainer.evaluation import build_agent_evaluator, evaluate_if_due
 from trainer.grpo_family import (
     LOSS_TYPES, TOKEN_SUM_LOSS_TYPES, GRPOUpdate, add_family_args, build_loss_config, check_family_args, family_loss,
-    frac_reward_zero_std, update_metrics,
+    frac_reward_zero_std, rollout_correction, update_metrics,
 )
 from trainer.infra.checkpoints import claim_save_dir, resume_command, save_checkpoint, start_or_resume
 from trainer.infra.distributed import (
@@ -116,6 +116,7 @@ class AgentRolloutBatch:
     reward_parts: dict  # the reward function's parts, each [B*G]
     num_items_in_batch: float  # model tokens of every process's batch / processes (dapo's normaliser)
     metrics: dict  # the rollout's own: calls, turns, cuts, groups of equal rewards
+    importance_sampling_ratio: Optional[torch.Tensor] = None  # [B*G, R] or [B*G, 1], --rollout_correction's weights
 
 
 @torch.no_grad()
@@ -151,6 +152,10 @@ def agent_step_rollout(batch, model, ref_model, reward_fn, reward_model, tokeniz
         with autocast:
             ref_per_token_logps = compute_per_token_logps(ref_model, rollout.output_ids, rollout.completion_ids.size(1),
                                                           rollout.attention_mask, args.temperature).per_token_logps
+
+    importance_sampling_ratio, mismatch_metrics = rollout_correction(  # grpo_family.py: [B*G, R] or [B*G, 1] or None
+        rollout.old_per_token_logps, rollout.sampling_per_token_logps, completion_mask, args.rollout_correction,
+        args.rollout_correction_cap)  # the rollout correction (beyond the chapter): trainer against server
     calls = rollout.num_tool_calls.sum().item()
     metrics = {"tool_call_share": (rollout.num_tool_calls > 0).float().mean().item(),
                "valid_call_share": rollout.num_valid_calls.sum().item() / calls if calls else 0.0,
@@ -159,11 +164,12 @@ def agent_step_rollout(batch, model, ref_model, reward_fn, reward_model, tokeniz
                "observation_len": (rollout.attention_mask[:, -completion_mask.size(1):] - rollout.completion_mask
                                    ).sum(dim=1).float().mean().item(),  # tool replies and template tokens
                **{key: float(value) for key, value in rollout.metrics.items()},
-               "frac_reward_zero_std": frac_reward_zero_std(rewards, G)}
+               "frac_reward_zero_std": frac_reward_zero_std(rewards, G), **mismatch_metrics}
     return AgentRolloutBatch(
         rollout=rollout, completion_mask=completion_mask, advantages=advantages,
         ref_per_token_logps=ref_per_token_logps, rewards=rewards, reward_parts=reward_parts,
-        num_items_in_batch=all_ranks_mean(completion_mask.sum().double(), device), metrics=metrics)
+        num_items_in_batch=all_ranks_mean(completion_mask.sum().double(), device), metrics=metrics,
+        importance_sampling_ratio=importance_sampling_ratio)
 
 
 def agent_policy_loss(model, rollout_batch, loss_config, args, autocast):
@@ -179,7 +185,7 @@ def agent_policy_loss(model, rollout_batch, loss_config, args, autocast):
     token_sum = loss_config.loss_type in TOKEN_SUM_LOSS_TYPES  # the window's normaliser waits for its end
     policy_loss, per_token_kl, ratio = family_loss(
         per_token_logps, old_per_token_logps, rollout_batch.ref_per_token_logps, rollout_batch.advantages,
-        completion_mask, loss_config, 1.0 if token_sum else None)
+        completion_mask, loss_config, 1.0 if token_sum else None, rollout_batch.importance_sampling_ratio)
     logged_policy_loss = policy_loss.item() / (rollout_batch.num_items_in_batch if token_sum else 1.0)
     metrics = {"policy_loss": logged_policy_loss, "aux_loss": float(aux_loss)}
     metrics.update(update_metrics(per_token_logps.detach(), old_per_token_logps, per_token_kl, ratio, entropies,

@@ -29,7 +29,7 @@ from dataset.lm_dataset import (
 )
 from trainer.grpo_family import (
     DEFAULT_CISPO_EPSILON_HIGH, LOSS_TYPES, TOKEN_SUM_LOSS_TYPES, add_family_args, build_loss_config,
-    check_family_args, family_loss, frac_reward_zero_std, scale_gradients, update_metrics,
+    check_family_args, family_loss, frac_reward_zero_std, rollout_correction, scale_gradients, update_metrics,
 )
 from trainer.infra.checkpoints import claim_save_dir, resume_command, save_checkpoint, start_or_resume
 from trainer.infra.distributed import (
@@ -169,6 +169,7 @@ class GRPORolloutBatch:
     num_items_in_batch: float  # answer tokens of every process's batch / processes (TRL's dapo normaliser)
     debug: dict  # "prompts", "completions": B*G strings each, for --debug_mode
     metrics: dict  # the rollout's own: prompts cut, groups of equal rewards, the engine's metrics
+    importance_sampling_ratio: Optional[torch.Tensor] = None  # [B*G, R] or [B*G, 1], --rollout_correction's weights
 
 
 @torch.no_grad()
@@ -207,13 +208,17 @@ def grpo_rollout(batch, ref_model, rollout_engine, reward_fn, reward_model, toke
         with autocast:
             ref_per_token_logps = group_policy_forward(ref_model, rollout, args.num_generations, args.temperature,
                                                        args.shared_prefix, compute_entropy=False).per_token_logps
+    importance_sampling_ratio, mismatch_metrics = rollout_correction(  # grpo_family.py: [B*G, R] or [B*G, 1] or None
+        rollout.per_token_logps, rollout.sampling_per_token_logps, completion_mask, args.rollout_correction,
+        args.rollout_correction_cap)  # the rollout correction (beyond the chapter): trainer against server
     return GRPORolloutBatch(
         rollout=rollout, completion_mask=completion_mask, advantages=advantages,
         ref_per_token_logps=ref_per_token_logps, rewards=rewards, reward_parts=reward_parts,
         num_items_in_batch=all_ranks_mean(completion_mask.sum().double(), device),
         debug={"prompts": repeated_prompts, "completions": rollout.completions},
         metrics={"truncated_prompts": truncated, **rollout.metrics,
-                 "frac_reward_zero_std": frac_reward_zero_std(rewards, args.num_generations)},
+                 "frac_reward_zero_std": frac_reward_zero_std(rewards, args.num_generations), **mismatch_metrics},
+        importance_sampling_ratio=importance_sampling_ratio,
     )
 
 
@@ -228,14 +233,15 @@ def grpo_policy_loss(model, rollout_batch, loss_config, args, autocast):
                                                                     args.temperature, args.shared_prefix)
     inputs = (per_token_logps, old_per_token_logps, rollout_batch.ref_per_token_logps, rollout_batch.advantages,
               completion_mask)  # each [B*G, R], advantages [B*G]
-    if loss_config.is_chapter_loss:  # 8.5.2: CISPO or the clipped surrogate
+    if loss_config.is_chapter_loss and rollout_batch.importance_sampling_ratio is None:  # 8.5.2: CISPO or clipped
         policy_loss, per_token_kl, ratio = grpo_loss(
             *inputs, loss_type=loss_config.loss_type, epsilon=loss_config.epsilon,
             epsilon_high=loss_config.epsilon_high, beta=loss_config.beta)
         logged_policy_loss = policy_loss.item()
-    else:  # the family after the chapter (grpo_family.py); a token sum's normaliser waits for the window's end
+    else:  # the family (grpo_family.py), also under a correction; a token sum's normaliser waits for the window's end
         token_sum = loss_config.loss_type in TOKEN_SUM_LOSS_TYPES
-        policy_loss, per_token_kl, ratio = family_loss(*inputs, loss_config, 1.0 if token_sum else None)
+        policy_loss, per_token_kl, ratio = family_loss(*inputs, loss_config, 1.0 if token_sum else None,
+                                                       rollout_batch.importance_sampling_ratio)
         logged_policy_loss = policy_loss.item() / (rollout_batch.num_items_in_batch if token_sum else 1.0)
     loss = policy_loss + aux_loss  # the loop divides by the size of its accumulation window
     metrics = {"policy_loss": logged_policy_loss, "aux_loss": float(aux_loss)}

@@ -28,6 +28,7 @@ from dataset.lm_dataset import (
     RLAIFDataset, ResumableBatchSampler, check_prompt_count, count_total_steps, resumable_batches,
 )
 from model.model_minimind import CriticModel
+from trainer.grpo_family import rollout_correction
 from trainer.infra.checkpoints import claim_save_dir, resume_command, save_checkpoint, start_or_resume
 from trainer.infra.distributed import (
     Logger, all_ranks_mean, any_rank, compile_for_training, init_distributed_mode, mean_over_ranks,
@@ -281,12 +282,18 @@ def ppo_rollout(batch, ref_model, critic, rollout_engine, reward_fn, reward_mode
                                                            completion_mask, args.kl_coef)  # [B, R]
     advantages, returns = compute_gae(token_rewards, old_resp_values, completion_mask, args.gamma, args.lam)
     advantages = masked_whiten(advantages, completion_mask)  # [B, R]
+    # the rollout correction (grpo_family.py): max(-A r, -A clip(r)) w = max(-wA r, -wA clip(r)) for its w >= 0
+    importance_sampling_ratio, mismatch_metrics = rollout_correction(  # [B, R] or [B, 1], or None with "none"
+        rollout.per_token_logps, rollout.sampling_per_token_logps, completion_mask, args.rollout_correction,
+        args.rollout_correction_cap)
+    if importance_sampling_ratio is not None:
+        advantages = advantages * importance_sampling_ratio  # [B, R]
     return PPORolloutBatch(
         output_ids=output_ids, full_mask=full_mask, completion_mask=completion_mask,
         old_per_token_logps=rollout.per_token_logps, ref_per_token_logps=ref_per_token_logps,
         old_resp_values=old_resp_values * completion_mask, advantages=advantages, returns=returns,
         rewards=rewards, reward_parts=reward_parts, debug={"prompts": prompts, "completions": rollout.completions},
-        rollout_metrics={"truncated_prompts": truncated, **rollout.metrics},
+        rollout_metrics={"truncated_prompts": truncated, **rollout.metrics, **mismatch_metrics},
     )
 
 

@@ -26,6 +26,7 @@ conversation whose observation leaves no room for one more token ends there, unf
 import copy
 import json
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -50,6 +51,7 @@ class AgentRolloutResult:
     num_turns: torch.Tensor  # long [N], model turns
     unfinished: torch.Tensor  # bool [N], the last turn called a tool (max_turns or max_total_len reached)
     metrics: dict = field(default_factory=dict)  # prefix_mismatches, prompts_cut, length_stops (ints)
+    sampling_per_token_logps: Optional[torch.Tensor] = None  # fp32 [N, R], the server's on the model's tokens (SGLang)
 
     @property
     def prompt_mask(self):
@@ -231,6 +233,7 @@ def agent_rollout(model, tokenizer, conversations, num_generations, *, max_new_t
         old_per_token_logps, gap_metrics = server.old_per_token_logps(
             generating_model, result.output_ids, result.attention_mask, result.completion_mask,
             result.old_per_token_logps, temperature)  # [N, R]
+        result.sampling_per_token_logps = result.old_per_token_logps * result.completion_mask  # the server's
         result.old_per_token_logps = old_per_token_logps * result.completion_mask
         result.metrics.update(gap_metrics)
     return result

@@ -2,6 +2,7 @@
 
 Infrastructure, not RL: a learner can skip this file; ``python trainer/train_grpo.py --help`` lists every flag.
 """
+import math
 import os
 import re
 
@@ -12,7 +13,9 @@ from trainer.infra.files import check_creatable_dir, check_writable_dir
 from trainer.infra.dtypes import DTYPE_CHOICES, DTYPES
 from trainer.infra.metrics import TRACKERS
 from trainer.infra.reward_models import read_reward_model_config
-from trainer.infra.sglang_client import ROLLOUT_ENGINES, SGLANG_LOGPROB_MODES
+from trainer.infra.sglang_client import (
+    DEFAULT_ROLLOUT_CORRECTION_CAP, ROLLOUT_CORRECTIONS, ROLLOUT_ENGINES, SGLANG_LOGPROB_MODES,
+)
 from trainer.infra.weights import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, ROOT, build_config
 
 DEFAULT_REWARD_MODEL_PATH = os.path.join(ROOT, "out", "reward_model_256")  # trainer/train_reward.py, committed
@@ -95,6 +98,13 @@ def add_common_rl_args(parser):
                              "(a CPU server answers a default batch in about 1 s and loads weights in a few)")
     parser.add_argument("--sglang_logprobs", default="recompute", choices=SGLANG_LOGPROB_MODES,
                         help="old log-probs: recomputed by the local policy, or the server's (checked at batch 1)")
+    parser.add_argument("--rollout_correction", default="none", choices=ROLLOUT_CORRECTIONS,
+                        help="with --sglang_logprobs server: weight each token's loss by pi_trainer / pi_server, per "
+                             "token or per answer, truncated at the cap or masked beyond it (TRL's "
+                             "vllm_importance_sampling_mode; docs/sglang.md)")
+    parser.add_argument("--rollout_correction_cap", type=float, default=DEFAULT_ROLLOUT_CORRECTION_CAP,
+                        help="the weight's upper bound C (TRL's vllm_importance_sampling_clip_max, 3.0): *_truncate "
+                             "clips at C, *_mask sets weights above C to 0")
     parser.add_argument("--sglang_sync_interval", type=int, default=1,
                         help="push weights to SGLang every N policy updates (N > 1: rollouts up to N-1 updates old)")
     parser.add_argument("--sglang_export_dtype", default="float32", choices=sorted(DTYPES),
@@ -226,6 +236,26 @@ def check_common_rl_args(parser, args):
         parser.error("--rollout_engine sglang needs a dense model (--use_moe 0): MoE weights have no Qwen3 export")
     if not args.sglang_url.startswith(("http://", "https://")):
         parser.error(f"--sglang_url must start with http:// or https://, got {args.sglang_url!r}")
+    check_rollout_correction_args(parser, args)
+
+
+def check_rollout_correction_args(parser, args):
+    """Refuse a ``--rollout_correction`` that cannot act, naming the flags that make it act (exit 2)."""
+    correction = args.rollout_correction
+    if not (math.isfinite(args.rollout_correction_cap) and args.rollout_correction_cap > 0):
+        parser.error(f"--rollout_correction_cap must be a finite number > 0, got {args.rollout_correction_cap}")
+    if correction == "none":
+        return
+    if args.rollout_engine != "sglang":
+        parser.error(f"--rollout_correction {correction} weighs the trainer's log-probs against an SGLang server's: "
+                     f"the torch engine samples with the trainer's own, so there is no mismatch to correct; add "
+                     f"--rollout_engine sglang --sglang_logprobs server, or leave --rollout_correction out")
+    if args.sglang_logprobs != "server":
+        parser.error(f"--rollout_correction {correction} needs the server's log-probs: with --sglang_logprobs "
+                     f"{args.sglang_logprobs} the loss never sees them; add --sglang_logprobs server")
+    if getattr(args, "loss_type", None) == "vespo" and correction.startswith("sequence"):
+        parser.error(f"--loss_type vespo reads the correction's per-token weights inside its gamma weight (TRL): use "
+                     f"--rollout_correction token_truncate or token_mask, not {correction}")
 
 
 def rollout_engine_kwargs(args):
@@ -235,6 +265,7 @@ def rollout_engine_kwargs(args):
         kwargs.update(
             url=args.sglang_url, shared_path=sglang_folder(args),
             logprobs_mode=args.sglang_logprobs, sync_interval=args.sglang_sync_interval,
+            rollout_correction=args.rollout_correction != "none",
             export_dtype=DTYPES[args.sglang_export_dtype],
             timeout_s=args.sglang_timeout,
             vocab_size=build_config(args.hidden_size, args.num_hidden_layers, args.use_moe).vocab_size,
