@@ -55,17 +55,21 @@ def trl_trainer(loss_type, epsilon, epsilon_high, beta, num_processes=1, accumul
 
 
 def trl_loss(per_token_logps, old, ref, advantages, mask, loss_type, epsilon, epsilon_high, beta,
-             num_items_in_batch=None, **config):
-    """TRL's ``GRPOTrainer._compute_loss`` (its own code, unchanged) on these tensors -> (loss, gradient, metrics)."""
+             num_items_in_batch=None, importance_sampling_ratio=None, **config):
+    """TRL's ``GRPOTrainer._compute_loss`` (its own code, unchanged) on these tensors -> (loss, gradient, metrics);
+    with ``importance_sampling_ratio`` as vLLM's correction gives it (``use_vllm`` and the correction on)."""
     trl = require_trl()
     trainer = trl_trainer(loss_type, epsilon, epsilon_high, beta, **config)
+    if importance_sampling_ratio is not None:
+        trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
     logps = per_token_logps.detach().clone().requires_grad_(True)
     trainer._get_per_token_logps_and_entropies = lambda *args, **kwargs: (logps, torch.zeros_like(logps), None)
     rows, length = logps.shape
     inputs = {"prompt_ids": torch.zeros(rows, 2, dtype=torch.long), "prompt_mask": torch.ones(rows, 2),
               "completion_ids": torch.zeros(rows, length, dtype=torch.long), "completion_mask": mask.float(),
               "advantages": advantages, "old_per_token_logps": old, "ref_per_token_logps": ref,
-              "num_items_in_batch": mask.sum().float() if num_items_in_batch is None else num_items_in_batch}
+              "num_items_in_batch": mask.sum().float() if num_items_in_batch is None else num_items_in_batch,
+              "importance_sampling_ratio": importance_sampling_ratio}
     loss = trl.GRPOTrainer._compute_loss(trainer, None, inputs)
     loss.backward()
     return loss.detach(), logps.grad, trainer._metrics["train"]

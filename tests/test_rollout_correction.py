@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import require_trl
-from test_grpo_family import FAMILY, config_of, ragged_batch, trl_trainer
+from test_grpo_family import FAMILY, config_of, ragged_batch, trl_loss
 from trainer.grpo_family import LossConfig, family_loss
 from trainer.grpo_family import rollout_correction_weights, rollout_mismatch_metrics
 from trainer.train_agent import parse_args as agent_parse_args
@@ -106,24 +106,6 @@ def test_weights_corrected_share_and_kl_by_hand():
         rollout_correction_weights(old, sampling, mask, "tis", 3.0)
 
 
-def trl_corrected_loss(per_token_logps, old, ref, advantages, mask, importance_sampling_ratio, loss_type, epsilon,
-                       epsilon_high, beta, **config):
-    """TRL's ``_compute_loss`` with vLLM's correction on: ``inputs["importance_sampling_ratio"]`` given."""
-    trl = require_trl()
-    trainer = trl_trainer(loss_type, epsilon, epsilon_high, beta, **config)
-    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
-    logps = per_token_logps.detach().clone().requires_grad_(True)
-    trainer._get_per_token_logps_and_entropies = lambda *args, **kwargs: (logps, torch.zeros_like(logps), None)
-    rows, length = logps.shape
-    inputs = {"prompt_ids": torch.zeros(rows, 2, dtype=torch.long), "prompt_mask": torch.ones(rows, 2),
-              "completion_ids": torch.zeros(rows, length, dtype=torch.long), "completion_mask": mask.float(),
-              "advantages": advantages, "old_per_token_logps": old, "ref_per_token_logps": ref,
-              "num_items_in_batch": mask.sum().float(), "importance_sampling_ratio": importance_sampling_ratio}
-    loss = trl.GRPOTrainer._compute_loss(trainer, None, inputs)
-    loss.backward()
-    return loss.detach(), logps.grad
-
-
 CORRECTED = FAMILY + [("cispo", 0.2, 5.0, {"full_rows": True})]  # TRL sums cispo's tokens: equal only on full rows
 
 
@@ -138,8 +120,8 @@ def test_each_member_with_the_correction_equals_trls_loss_and_gradient(loss_type
     _, sampling, _ = mismatched_logps(seed=1, rows=4, length=6, spread=0.6)
     sampling = torch.nan_to_num(sampling, nan=-1.0)
     weights = rollout_correction_weights(old, sampling, mask, mode, 3.0)
-    expected_loss, expected_grad = trl_corrected_loss(per_token_logps, old, ref, advantages, mask, weights,
-                                                      loss_type, epsilon, epsilon_high, 0.1, **extra)
+    expected_loss, expected_grad, _ = trl_loss(per_token_logps, old, ref, advantages, mask, loss_type, epsilon,
+                                               epsilon_high, 0.1, importance_sampling_ratio=weights, **extra)
     logps = per_token_logps.detach().clone().requires_grad_(True)
     loss, _, _ = family_loss(logps, old, ref, advantages, mask,
                              config_of(loss_type, epsilon, epsilon_high, 0.1, **extra), None, weights)
