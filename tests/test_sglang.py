@@ -153,14 +153,16 @@ def test_sync_cadence_survives_a_resume(start_standin, tokenizer, tmp_path):
 
 
 @pytest.mark.parametrize("temperature, refused", [(0.5, True), (1.0, False)])
+@pytest.mark.parametrize("rollout_correction", [False, True])
 def test_server_mode_refuses_other_logprob_convention_at_first_batch(start_standin, tokenizer, tmp_path,
-                                                                     temperature, refused):
+                                                                     temperature, refused, rollout_correction):
     """A server started with SGLANG_RETURN_ORIGINAL_LOGPROB=1 returns log softmax(logits), not the trainer's
-    log softmax(logits / T): server mode stops at the first batch unless T = 1, where both are the same."""
+    log softmax(logits / T): server mode stops at the first batch unless T = 1, where both are the same; with
+    ``--rollout_correction`` too, and then the gap is measured on every batch."""
     policy = make_policy(0)
     server = start_standin(policy, return_original_logprob=True)
     engine = SGLangRolloutEngine(policy, tokenizer, server.url, str(tmp_path / "shared"), logprobs_mode="server",
-                                 **FAST)
+                                 rollout_correction=rollout_correction, **FAST)
     prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, PROMPTS, 256, "cpu")
     if refused:
         with pytest.raises(RuntimeError, match="SGLANG_RETURN_ORIGINAL_LOGPROB"):
@@ -168,7 +170,8 @@ def test_server_mode_refuses_other_logprob_convention_at_first_batch(start_stand
     else:
         result = engine.rollout(prompt_ids, attention_mask, 2, 8, temperature=temperature)
         assert result.metrics["logprob_gap"] < 1e-3
-        assert engine.rollout(prompt_ids, attention_mask, 2, 8, temperature).metrics == {}  # checked once
+        second = engine.rollout(prompt_ids, attention_mask, 2, 8, temperature).metrics
+        assert list(second) == (["logprob_gap"] if rollout_correction else [])  # checked once; measured each time
 
 
 def test_server_mode_uses_the_servers_logps(start_standin, tokenizer, tmp_path):
@@ -484,3 +487,23 @@ def test_two_corrected_steps_log_the_mismatch(script, start_standin, tiny_weight
         assert row["sampling/importance_sampling_ratio/max"] <= 3.0
         assert abs(row["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3
         assert row["sampling/corrected_share"] == 0.0 and row["sampling/kl_server_trainer"] < 1e-6
+
+
+@pytest.mark.parametrize("script", ["grpo", "ppo"])
+def test_weights_masked_at_a_tiny_cap_leave_no_policy_loss(script, start_standin, tiny_weights, tmp_path):
+    """The weights reach the loss: with every weight above the cap, token_mask zeroes each token's policy term, so
+    without a KL term the policy loss is 0 at every step (GRPO: the objective times 0; PPO: advantages times 0)."""
+    save_dir, name = tiny_weights
+    server = start_standin(make_policy(5))
+    run_dir = tmp_path / "run"
+    argv = ["--max_steps", "2", "--save_dir", save_dir, "--from_weight", name, "--batch_size", "2",
+            "--max_gen_len", "8", "--run_dir", str(run_dir), "--rollout_engine", "sglang", "--sglang_url", server.url,
+            "--sglang_shared_path", str(tmp_path / "shared"), "--temperature", "0.8", "--sglang_logprobs", "server",
+            "--rollout_correction", "token_mask", "--rollout_correction_cap", "1e-30", "--eval_interval", "0"] + TINY
+    if script == "grpo":
+        grpo_main(argv + ["--num_generations", "3", "--beta", "0"])
+    else:
+        ppo_main(argv + ["--mini_batch_size", "1", "--kl_coef", "0"])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2]
+    assert all(row["sampling/corrected_share"] == 1.0 and row["policy_loss"] == 0.0 for row in rows)

@@ -282,9 +282,24 @@ def test_corrected_training_steps_against_the_server(script, mode, server_url, t
         assert row["sampling/sampling_logp_difference/mean"] == pytest.approx(row["logprob_gap"], rel=1e-5)
         assert row["sampling/sampling_logp_difference/mean"] > 3e-5  # float32 weights: 3.4e-6 to 4e-6 (docs)
         low, mean, high = (row[f"sampling/importance_sampling_ratio/{key}"] for key in ("min", "mean", "max"))
-        assert 0 < low <= mean <= high <= 3 and high > low
+        assert 0 <= low <= mean <= high <= 3 and high > low  # a masked weight is 0
         assert 0 <= row["sampling/corrected_share"] < 0.5 and row["sampling/kl_server_trainer"] > 0
     assert os.path.isfile(tmp_path / f"{script}_{HIDDEN}.pth")
+
+
+def test_the_agents_weights_reach_its_loss(server_url, tmp_path):
+    """Every weight above a tiny cap, token_mask zeroes each token's policy term: with --beta 0 the agent's policy
+    loss is 0 at every step (tests/test_sglang.py checks GRPO and PPO the same way against the stand-in)."""
+    run_dir = tmp_path / "run"
+    agent_main(["--max_steps", "2", "--save_dir", str(tmp_path), "--from_weight", AGENT_SFT, "--batch_size", "2",
+                "--num_generations", "2", "--max_gen_len", "48", "--run_dir", str(run_dir), "--rollout_engine",
+                "sglang", "--sglang_url", server_url, "--sglang_shared_path", str(tmp_path / "shared"),
+                "--eval_interval", "0", "--hidden_size", str(HIDDEN), "--num_hidden_layers", str(LAYERS),
+                "--reward_model_path", "none", "--sglang_logprobs", "server", "--rollout_correction", "token_mask",
+                "--rollout_correction_cap", "1e-30", "--beta", "0"])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2]
+    assert all(row["sampling/corrected_share"] == 1.0 and row["policy_loss"] == 0.0 for row in rows)
 
 
 AGENT_SFT = os.path.join(ROOT, "out", f"agent_sft_{HIDDEN}.pth")  # the agent SFT start: calls the calculator
