@@ -65,6 +65,8 @@ def straight_and_resumed(script, flags, tmp_path, tiny_weights, small_data, kill
 @pytest.mark.parametrize("script, flags", [
     ("grpo", GRPO), ("ppo", PPO),
     ("grpo", GRPO + ["--accumulation_steps", "2"]),  # killed after step 3: one step's gradients not yet applied
+    ("grpo", GRPO + ["--lora_rank", "4"]),  # LoRA: the adapters, the final norm's copy and their AdamW state
+    ("ppo", PPO + ["--lora_rank", "4"]),
 ])
 def test_sigkill_then_resume_equals_straight_run(script, flags, tmp_path, tiny_weights, small_data):
     runs = straight_and_resumed(script, flags, tmp_path, tiny_weights, small_data, ["--kill_after_save", "3"])

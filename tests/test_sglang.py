@@ -281,15 +281,16 @@ ARCH = ["--hidden_size", "64", "--num_hidden_layers", "2"]
 TINY = ARCH + ["--eval_interval", "0"]  # the training scripts' held-out evaluation is tested in test_evaluation.py
 
 
-@pytest.mark.parametrize("script", ["grpo", "ppo"])
-def test_two_steps_with_rollout_engine_sglang(script, start_standin, tokenizer, tiny_weights, tmp_path):
+@pytest.mark.parametrize("script, lora", [("grpo", []), ("ppo", []),
+                                          ("grpo", ["--lora_rank", "4"])])  # LoRA: the merged weights are synced
+def test_two_steps_with_rollout_engine_sglang(script, lora, start_standin, tokenizer, tiny_weights, tmp_path):
     save_dir, name = tiny_weights
     server = start_standin(make_policy(5))  # launched on other weights: the engine pushes the policy at start-up
     run_dir = tmp_path / "run"
     shared = tmp_path / "shared"
     argv = ["--max_steps", "2", "--save_dir", save_dir, "--from_weight", name, "--batch_size", "2",
             "--max_gen_len", "8", "--run_dir", str(run_dir), "--rollout_engine", "sglang",
-            "--sglang_url", server.url, "--sglang_shared_path", str(shared), "--temperature", "0.8"] + TINY
+            "--sglang_url", server.url, "--sglang_shared_path", str(shared), "--temperature", "0.8"] + TINY + lora
     if script == "grpo":
         grpo_main(argv + ["--num_generations", "3"])
         expected_rows = 6
@@ -467,21 +468,28 @@ def test_the_engine_keeps_the_trainers_old_log_probs_and_the_servers_beside_them
             assert (result.sampling_per_token_logps[i, n:] == 0).all()
 
 
-@pytest.mark.parametrize("script", ["grpo", "ppo"])
-def test_two_corrected_steps_log_the_mismatch(script, start_standin, tiny_weights, tmp_path):
+def corrected_run(script, server, tiny_weights, tmp_path, correction, grpo_flags=(), ppo_flags=()):
+    """Two steps of ``script`` against ``server`` with ``--sglang_logprobs server`` and the ``correction`` flags;
+    returns the rows of metrics.jsonl."""
     save_dir, name = tiny_weights
-    server = start_standin(make_policy(5))
     run_dir = tmp_path / "run"
     argv = ["--max_steps", "2", "--save_dir", save_dir, "--from_weight", name, "--batch_size", "2",
             "--max_gen_len", "8", "--run_dir", str(run_dir), "--rollout_engine", "sglang", "--sglang_url", server.url,
             "--sglang_shared_path", str(tmp_path / "shared"), "--temperature", "0.8", "--sglang_logprobs", "server",
-            "--rollout_correction", "token_truncate", "--eval_interval", "0"] + TINY
+            "--eval_interval", "0"] + correction + TINY
     if script == "grpo":
-        grpo_main(argv + ["--num_generations", "3"])
+        grpo_main(argv + ["--num_generations", "3", *grpo_flags])
     else:
-        ppo_main(argv + ["--mini_batch_size", "1"])
+        ppo_main(argv + ["--mini_batch_size", "1", *ppo_flags])
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2]
+    return rows
+
+
+@pytest.mark.parametrize("script", ["grpo", "ppo"])
+def test_two_corrected_steps_log_the_mismatch(script, start_standin, tiny_weights, tmp_path):
+    rows = corrected_run(script, start_standin(make_policy(5)), tiny_weights, tmp_path,
+                         ["--rollout_correction", "token_truncate"])
     for row in rows:  # the stand-in scores with the trainer's own code on the synced weights: weights near 1
         assert row["sampling/sampling_logp_difference/mean"] == pytest.approx(row["logprob_gap"], abs=1e-7)
         assert row["sampling/importance_sampling_ratio/max"] <= 3.0
@@ -493,17 +501,7 @@ def test_two_corrected_steps_log_the_mismatch(script, start_standin, tiny_weight
 def test_weights_masked_at_a_tiny_cap_leave_no_policy_loss(script, start_standin, tiny_weights, tmp_path):
     """The weights reach the loss: with every weight above the cap, token_mask zeroes each token's policy term, so
     without a KL term the policy loss is 0 at every step (GRPO: the objective times 0; PPO: advantages times 0)."""
-    save_dir, name = tiny_weights
-    server = start_standin(make_policy(5))
-    run_dir = tmp_path / "run"
-    argv = ["--max_steps", "2", "--save_dir", save_dir, "--from_weight", name, "--batch_size", "2",
-            "--max_gen_len", "8", "--run_dir", str(run_dir), "--rollout_engine", "sglang", "--sglang_url", server.url,
-            "--sglang_shared_path", str(tmp_path / "shared"), "--temperature", "0.8", "--sglang_logprobs", "server",
-            "--rollout_correction", "token_mask", "--rollout_correction_cap", "1e-30", "--eval_interval", "0"] + TINY
-    if script == "grpo":
-        grpo_main(argv + ["--num_generations", "3", "--beta", "0"])
-    else:
-        ppo_main(argv + ["--mini_batch_size", "1", "--kl_coef", "0"])
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == [1, 2]
+    rows = corrected_run(script, start_standin(make_policy(5)), tiny_weights, tmp_path,
+                         ["--rollout_correction", "token_mask", "--rollout_correction_cap", "1e-30"],
+                         grpo_flags=["--beta", "0"], ppo_flags=["--kl_coef", "0"])
     assert all(row["sampling/corrected_share"] == 1.0 and row["policy_loss"] == 0.0 for row in rows)

@@ -273,9 +273,10 @@ def test_two_steps_on_upstream_rows_train_the_models_tokens_only(agent_files, tm
     assert os.path.isfile(os.path.join(save_dir, "agent_64.pth"))
 
 
-def test_a_resumed_run_equals_an_uninterrupted_one(agent_files, tmp_path, restore_signals):
+@pytest.mark.parametrize("lora", [[], ["--lora_rank", "4"]])
+def test_a_resumed_run_equals_an_uninterrupted_one(lora, agent_files, tmp_path, restore_signals):
     """4 steps straight; 4 steps stopped by SIGTERM during step 2 (saved at its end), then resumed: steps 3-4 log the
-    same numbers and end in the same weights."""
+    same numbers and end in the same weights (with LoRA: the merged weights)."""
     save_dir, train, _ = agent_files
     calls = {"n": 0}
 
@@ -291,7 +292,7 @@ def test_a_resumed_run_equals_an_uninterrupted_one(agent_files, tmp_path, restor
         folder.mkdir()
         for file in ("tiny_64.pth", "tiny_64.tokenizer.json"):
             (folder / file).write_bytes(open(os.path.join(save_dir, file), "rb").read())
-        argv = flags(str(folder), train, str(folder / "run"), "--max_steps", "4", "--save_interval", "10")
+        argv = flags(str(folder), train, str(folder / "run"), "--max_steps", "4", "--save_interval", "10") + lora
         if name == "straight":
             train_agent.main(argv, reward_fn=text_rewards)
         else:

@@ -18,23 +18,12 @@ from dataset.lm_dataset import prompt_tail
 from model.hf_qwen3 import save_qwen3_folder
 from trainer.infra.distributed import is_main_process, run_on_rank0, unwrap_model
 from trainer.infra.errors import ServerError
+from trainer.infra.lora import merged_state_dict
 from trainer.infra.sglang_client import (
     ROLLOUT_ENGINES, SGLANG_LOGPROB_MODES, SGLangClient, check_sglang_prompts, sglang_sampling_params,
 )
-from trainer.speed.selective_log_softmax import selective_log_softmax
+from trainer.speed.selective_log_softmax import selective_log_softmax, token_entropies
 from trainer.trainer_utils import completion_mask_from_ids, masked_mean
-
-
-@torch.no_grad()
-def token_entropies(logits, temperature=1.0):
-    """Entropy -sum_v p log p (nats) of softmax(logits / temperature) at every position, one row at a time: logits
-    [B, n, V] any float dtype -> fp32 [B, n], no gradient. The policy's token entropy TRL and verl log."""
-    entropies = []
-    for logits_row in logits:  # [n, V]
-        row = logits_row.float() / temperature
-        logps = torch.log_softmax(row, dim=-1)  # [n, V]
-        entropies.append(-(logps.exp() * logps).sum(dim=-1))
-    return torch.stack(entropies) if entropies else logits.new_zeros(logits.shape[:2], dtype=torch.float32)
 
 
 class PolicyForward(NamedTuple):
@@ -276,7 +265,7 @@ class SGLangRolloutEngine(RolloutEngine):
     def export_policy(self, model, folder):
         """Write ``model``'s weights (and the tokenizer) as a Qwen3ForCausalLM folder (``model/hf_qwen3.py``)."""
         raw = unwrap_model(model)
-        return save_qwen3_folder(raw.state_dict(), raw.config, folder, tokenizer=self.tokenizer,
+        return save_qwen3_folder(merged_state_dict(raw), raw.config, folder, tokenizer=self.tokenizer,
                                  dtype=self.export_dtype)
 
     def push_weights(self, model, folder=None):

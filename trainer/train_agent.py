@@ -52,6 +52,7 @@ from trainer.infra.flags import (
 from trainer.infra.metrics import (
     StepLog, agent_log_line, agent_metrics, gpu_memory_metrics, open_metrics, print_conversations,
 )
+from trainer.infra.lora import with_adapters
 from trainer.infra.optimizer import build_cosine_scheduler, build_policy_optimizer
 from trainer.infra.stopping import BadStepGuard, StopSignal, finish_run
 from trainer.infra.weights import build_config, load_policy, load_tokenizer, weight_path
@@ -225,7 +226,8 @@ def main(argv=None, reward_fn=calculate_agent_rewards):
     # 3. the roles (8.1): the policy is trained; the reference and the reward model stay frozen
     lm_config = build_config(args.hidden_size, args.num_hidden_layers, args.use_moe)
     model = load_policy(lm_config, args.from_weight, args.save_dir, tokenizer, device)  # pi_theta
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta else None  # pi_ref
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta and not args.lora_rank else None
+    model, ref_model = with_adapters(model, ref_model, args, args.beta > 0)  # --lora_rank: pi_ref = adapters off
     reward_model = load_reward_model(args, device, reward_model_dtype(args.reward_dtype, args.reward_device or device))
     setup_seed(args.seed + rank)  # from here on every rank samples its own conversations
     Logger(f"agent RL: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(train_ds)} prompts, "

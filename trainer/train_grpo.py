@@ -42,6 +42,7 @@ from trainer.infra.errors import run_script
 from trainer.infra.flags import (
     add_bool_flag, add_common_rl_args, check_common_rl_args, check_ranges, rollout_engine_kwargs,
 )
+from trainer.infra.lora import base_model, with_adapters
 from trainer.infra.metrics import (
     StepLog, gpu_memory_metrics, grpo_log_line, grpo_metrics, open_metrics, print_samples,
 )
@@ -280,7 +281,8 @@ def main(argv=None, reward_fn=calculate_rewards):
     # 3. the roles (8.1): the policy is trained; the reference and the reward model stay frozen
     lm_config = build_config(args.hidden_size, args.num_hidden_layers, args.use_moe)
     model = load_policy(lm_config, args.from_weight, args.save_dir, tokenizer, device)  # pi_theta
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta else None  # pi_ref: the start
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta and not args.lora_rank else None
+    model, ref_model = with_adapters(model, ref_model, args, args.beta > 0)  # --lora_rank: pi_ref = adapters off
     reward_model = load_reward_model(args, device, reward_model_dtype(args.reward_dtype, args.reward_device or device))
     setup_seed(args.seed + rank)  # from here on every rank samples its own answers
     Logger(f"GRPO: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(train_ds)} prompts, "
@@ -360,7 +362,7 @@ def main(argv=None, reward_fn=calculate_rewards):
         metrics = grpo_metrics(rollout_batch, updates)
 
         metrics = mean_over_ranks(metrics, device)
-        metrics["final_norm_gain"] = model.model.norm.weight.mean().item()  # the output's sharpness
+        metrics["final_norm_gain"] = base_model(model).model.norm.weight.mean().item()  # the output's sharpness
         metrics.update(gpu_memory_metrics(device))
         metrics.update(evaluate_if_due(evaluator, model, step, total_steps, args.eval_interval,
                                        lambda: stop_signal.received))

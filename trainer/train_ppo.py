@@ -40,6 +40,7 @@ from trainer.infra.errors import run_script
 from trainer.infra.flags import (
     add_bool_flag, add_common_rl_args, check_common_rl_args, check_ranges, rollout_engine_kwargs,
 )
+from trainer.infra.lora import base_model, merged_state_dict, with_adapters
 from trainer.infra.metrics import (
     StepLog, gpu_memory_metrics, open_metrics, ppo_log_line, ppo_metrics, print_samples,
 )
@@ -222,11 +223,12 @@ def parse_args(argv=None):
 
 def build_critic(lm_config, actor, from_sft, device):
     """CriticModel initialised from the actor's SFT weights (strict except value_head.*; chapter 8.4.1), fp32 on
-    ``device``: ``actor`` is the policy as loaded from ``--from_weight``, before any update. With ``from_sft``
-    False (``--from_weight none``) the critic keeps its own random weights."""
+    ``device``: ``actor`` is the policy as loaded from ``--from_weight``, before any update (with ``--lora_rank``
+    its merged weights: the base, B being 0). The critic is a full model either way. With ``from_sft`` False
+    (``--from_weight none``) the critic keeps its own random weights."""
     critic = CriticModel(lm_config)
     if from_sft:
-        critic.load_actor_state_dict({k: v.detach().float().cpu() for k, v in actor.state_dict().items()})
+        critic.load_actor_state_dict({k: v.detach().float().cpu() for k, v in merged_state_dict(actor).items()})
     return critic.to(device)
 
 
@@ -408,7 +410,8 @@ def main(argv=None, reward_fn=calculate_rewards):
     # 3. the roles (8.1): actor and critic are trained; the reference and the reward model stay frozen
     lm_config = build_config(args.hidden_size, args.num_hidden_layers, args.use_moe)
     actor = load_policy(lm_config, args.from_weight, args.save_dir, tokenizer, device)  # pi_theta
-    ref_model = copy.deepcopy(actor).eval().requires_grad_(False)  # pi_ref: the starting policy
+    ref_model = None if args.lora_rank else copy.deepcopy(actor).eval().requires_grad_(False)  # pi_ref: the start
+    actor, ref_model = with_adapters(actor, ref_model, args)  # --lora_rank: pi_ref = the adapters off (infra/lora.py)
     reward_model = load_reward_model(args, device, reward_model_dtype(args.reward_dtype, args.reward_device or device))
     setup_seed(args.seed + rank)  # from here on every rank draws its own samples
     critic = build_critic(lm_config, actor, args.from_weight != "none", device)  # V(s_t): actor weights + new head
@@ -480,7 +483,7 @@ def main(argv=None, reward_fn=calculate_rewards):
         rollout_engine.update_policy(actor)
 
         metrics = mean_over_ranks(metrics, device)
-        metrics["final_norm_gain"] = actor.model.norm.weight.mean().item()  # the output's sharpness
+        metrics["final_norm_gain"] = base_model(actor).model.norm.weight.mean().item()  # the output's sharpness
         metrics.update(gpu_memory_metrics(device))
         metrics.update(evaluate_if_due(evaluator, actor, step, total_steps, args.eval_interval,
                                        lambda: stop_signal.received))

@@ -33,6 +33,8 @@ FIXED_ON_RESUME = {
     "save_weight": "it names the files of the run",
     "accumulation_steps": "the schedule counts optimizer steps of that window",
     "num_iterations": "the schedule counts that many updates per rollout",
+    "lora_alpha": "the adapters were trained at that scale",
+    "lora_target_modules": "the resume file holds adapters on those projections",
 }
 # flags whose new value moves the learning-rate schedule: it is rebuilt from the flags at the resumed update
 SCHEDULE_FLAGS = ("learning_rate", "final_norm_learning_rate", "critic_learning_rate", "max_steps", "epochs")
@@ -182,6 +184,11 @@ def check_resume_flags(path, saved_args, args):
         if saved_args.get(flag) != getattr(args, flag):
             raise InputError(f"{path} was saved with --{flag} {saved_args.get(flag)} but this run has "
                              f"--{flag} {getattr(args, flag)}; pass --{flag} {saved_args.get(flag)} to resume it")
+    saved_rank, rank = saved_args.get("lora_rank", 0), getattr(args, "lora_rank", 0)
+    if saved_rank != rank:  # a file of every weight, or of adapters (infra/lora.py)
+        what = f"adapters of rank {saved_rank}" if saved_rank else "every weight of the policy (no LoRA)"
+        raise InputError(f"{path} holds {what} but this run has --lora_rank {rank}: pass --lora_rank {saved_rank} "
+                         f"to resume it, or start a new run (another --save_dir or --save_weight)")
     for flag, reason in FIXED_ON_RESUME.items():
         if flag in saved_args and hasattr(args, flag) and saved_args[flag] != getattr(args, flag):
             raise InputError(f"{path} was saved with --{flag} {saved_args[flag]} but this run has --{flag} "

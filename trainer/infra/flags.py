@@ -10,6 +10,7 @@ import torch
 
 from trainer.infra.checkpoints import sglang_folder
 from trainer.infra.files import check_creatable_dir, check_writable_dir
+from trainer.infra.lora import add_lora_args, check_lora_args
 from trainer.infra.dtypes import DTYPE_CHOICES, DTYPES
 from trainer.infra.metrics import TRACKERS
 from trainer.infra.reward_models import read_reward_model_config
@@ -133,6 +134,7 @@ def add_common_rl_args(parser):
     add_bool_flag(parser, "--allow_data_change",
                   help="1: resume although --data_path differs from the file the run was saved with (the position "
                        "is kept as a count of prompts)")
+    add_lora_args(parser)  # --lora_rank R: adapters on the policy, the reference without them (infra/lora.py)
 
 
 RANGES = {"at_least_1": (lambda v: v >= 1, ">= 1"), "at_least_2": (lambda v: v >= 2, ">= 2"),
@@ -237,6 +239,7 @@ def check_common_rl_args(parser, args):
     if not args.sglang_url.startswith(("http://", "https://")):
         parser.error(f"--sglang_url must start with http:// or https://, got {args.sglang_url!r}")
     check_rollout_correction_args(parser, args)
+    check_lora_args(parser, args)
 
 
 def check_rollout_correction_args(parser, args):

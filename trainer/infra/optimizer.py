@@ -5,6 +5,8 @@ import math
 
 import torch
 
+from trainer.infra.lora import base_model
+
 
 def build_policy_optimizer(model, learning_rate, weight_decay, final_norm_learning_rate):
     """AdamW for an RL policy, with the final RMSNorm gain in a parameter group of its own that learns one number,
@@ -17,7 +19,8 @@ def build_policy_optimizer(model, learning_rate, weight_decay, final_norm_learni
     docs/results.md. Both groups follow the same schedule (``build_cosine_scheduler``).
 
     Args:
-        model: a MiniMind causal LM (not the DDP wrapper: its parameters are the same objects).
+        model: a MiniMind causal LM, with LoRA adapters or not (not the DDP wrapper: its parameters are the same
+            objects); only the parameters that require grad get AdamW state.
         learning_rate, weight_decay: of every other parameter.
         final_norm_learning_rate: float >= 0.
     Returns:
@@ -27,6 +30,7 @@ def build_policy_optimizer(model, learning_rate, weight_decay, final_norm_learni
     """
     if final_norm_learning_rate < 0:
         raise ValueError(f"final_norm_learning_rate must be >= 0, got {final_norm_learning_rate}")
+    model = base_model(model)  # a LoRA policy: the MiniMind model that holds the adapters (infra/lora.py)
     if not final_norm_learning_rate:
         return adamw(model.parameters(), lr=learning_rate, weight_decay=weight_decay)
     final_norm = getattr(getattr(getattr(model, "model", None), "norm", None), "weight", None)

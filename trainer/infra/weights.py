@@ -18,6 +18,7 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from trainer.infra.distributed import Logger, unwrap_model
 from trainer.infra.files import atomic_write
 from trainer.infra.errors import InputError
+from trainer.infra.lora import merged_state_dict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 DEFAULT_TOKENIZER_PATH = os.path.join(ROOT, "model")
@@ -178,9 +179,10 @@ def load_policy(lm_config, from_weight, save_dir, tokenizer, device):
 
 
 def half_state_dict(model):
-    """The model's state dict in fp16 on CPU (MiniMind's release format for ``.pth`` weights)."""
+    """The model's state dict in fp16 on CPU (MiniMind's release format for ``.pth`` weights); a LoRA policy's with
+    its adapters merged in (``lora.merged_state_dict``)."""
     raw = unwrap_model(model)
-    return {k: v.detach().half().cpu() for k, v in raw.state_dict().items()}
+    return {k: v.detach().half().cpu() for k, v in merged_state_dict(raw).items()}
 
 
 def check_finite_state(state_dict, what, action="refusing to save"):

@@ -2,7 +2,8 @@
 
 The chapter's log-prob forward (8.2, ``compute_per_token_logps`` in ``trainer/rollout_engine.py``) calls
 ``selective_log_softmax``; its values and gradient are those of the plain formula (``tests/test_rollout.py``), and
-the hand-written backward of ``SelectiveLogSoftmax`` is a memory optimisation only (docs/performance.md).
+the hand-written backward of ``SelectiveLogSoftmax`` is a memory optimisation only (docs/performance.md). The
+token entropies of the same logits (``token_entropies``) are computed one row at a time for the same reason.
 Shapes: B rows, n positions, V vocabulary size.
 """
 import torch
@@ -56,3 +57,15 @@ def selective_log_softmax(logits, index, temperature=1.0):
     logits: [B, n, V] any float dtype; index: long [B, n] -> fp32 [B, n] (fp64 for fp64 logits), computed per row
     in fp32 (also under bf16 autocast): one row's [n, V] of extra memory (``SelectiveLogSoftmax``)."""
     return SelectiveLogSoftmax.apply(logits, index, float(temperature))
+
+
+@torch.no_grad()
+def token_entropies(logits, temperature=1.0):
+    """Entropy -sum_v p log p (nats) of softmax(logits / temperature) at every position, one row at a time: logits
+    [B, n, V] any float dtype -> fp32 [B, n], no gradient. The policy's token entropy TRL and verl log."""
+    entropies = []
+    for logits_row in logits:  # [n, V]
+        row = logits_row.float() / temperature
+        logps = torch.log_softmax(row, dim=-1)  # [n, V]
+        entropies.append(-(logps.exp() * logps).sum(dim=-1))
+    return torch.stack(entropies) if entropies else logits.new_zeros(logits.shape[:2], dtype=torch.float32)

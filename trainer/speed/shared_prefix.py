@@ -11,8 +11,8 @@ import torch
 
 from model.model_minimind import KVCache
 from trainer.infra.distributed import unwrap_model
-from trainer.rollout_engine import PolicyForward, compute_per_token_logps, token_entropies
-from trainer.speed.selective_log_softmax import selective_log_softmax
+from trainer.rollout_engine import PolicyForward, compute_per_token_logps
+from trainer.speed.selective_log_softmax import selective_log_softmax, token_entropies
 
 
 def shared_prefix_forward(model, rollout, num_generations, temperature=1.0, compute_entropy=True):
