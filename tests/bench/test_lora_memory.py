@@ -1,0 +1,25 @@
+"""scripts/bench/lora_memory.py on the tiny shape: every configuration runs, and LoRA trains the hand-counted
+adapter parameters of rank 16 plus the final norm's gain."""
+import json
+import math
+
+from scripts.bench.lora_memory import main
+
+
+def test_the_tiny_shape_runs_full_and_lora_for_both_scripts(tmp_path, capsys):
+    out = tmp_path / "lora_memory.json"
+    main(["--shapes", "tiny", "--dtypes", "float32", "--steps", "2", "--rows", "2", "--prompt_len", "8",
+          "--completion_len", "4", "--json_out", str(out)])
+    results = json.loads(out.read_text())["results"]
+    assert [(row["script"], row["dtype"]) for row in results] == [("grpo", "float32"), ("ppo", "float32")]
+    hidden, heads, kv_heads, head_dim, layers = 64, 8, 4, 8, 2  # MiniMindConfig's defaults at hidden 64
+    intermediate = math.ceil(hidden * math.pi / 64) * 64
+    shapes = [(hidden, heads * head_dim), (hidden, kv_heads * head_dim), (hidden, kv_heads * head_dim),
+              (heads * head_dim, hidden), (hidden, intermediate), (hidden, intermediate), (intermediate, hidden)]
+    adapters = layers * sum(16 * (fan_in + fan_out) for fan_in, fan_out in shapes)  # r (in + out) per projection
+    for row in results:
+        assert row["full"]["trainable_policy_parameters"] == row["full"]["policy_parameters"]
+        assert row["lora"]["trainable_policy_parameters"] == adapters + hidden  # + the final norm's gain
+        assert len(row["lora"]["step_s"]) == 2 and row["lora"]["peak_rss_mib"] > row["lora"]["baseline_mib"] > 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("| shape | script | dtype |") and len(lines) == 4
