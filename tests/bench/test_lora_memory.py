@@ -20,6 +20,6 @@ def test_the_tiny_shape_runs_full_and_lora_for_both_scripts(tmp_path, capsys):
     for row in results:
         assert row["full"]["trainable_policy_parameters"] == row["full"]["policy_parameters"]
         assert row["lora"]["trainable_policy_parameters"] == adapters + hidden  # + the final norm's gain
-        assert len(row["lora"]["step_s"]) == 2 and row["lora"]["peak_rss_mib"] > row["lora"]["baseline_mib"] > 0
+        assert len(row["lora"]["step_s"]) == len(row["full"]["step_s"]) == 2
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("| shape | script | dtype |") and len(lines) == 4
