@@ -497,7 +497,7 @@ def main(argv=None):
     grpo_lines, grpo_summary = grpo_walkthrough(batch, grpo_args, model, ref_model, tokenizer, args.seed)
     lines += grpo_lines
     actor, ref_model, tokenizer, lm_config = load_policy_and_reference(args, args.seed)
-    critic = train_ppo.build_critic(lm_config, actor, ppo_args.from_weight != "none", "cpu")
+    critic = train_ppo.build_critic(lm_config, actor, ppo_args.from_weight != "none", "cpu", ppo_args)
     ppo_lines, ppo_summary = ppo_walkthrough(batch, ppo_args, actor, ref_model, critic, tokenizer, args.seed)
     lines += ppo_lines
     lines += ppo_vs_grpo_table(grpo_summary, ppo_summary)

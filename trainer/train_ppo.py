@@ -40,7 +40,7 @@ from trainer.infra.errors import run_script
 from trainer.infra.flags import (
     add_bool_flag, add_common_rl_args, check_common_rl_args, check_ranges, rollout_engine_kwargs,
 )
-from trainer.infra.lora import base_model, merged_state_dict, with_adapters
+from trainer.infra.lora import base_model, critic_with_adapters, merged_state_dict, with_adapters
 from trainer.infra.metrics import (
     StepLog, gpu_memory_metrics, open_metrics, ppo_log_line, ppo_metrics, print_samples,
 )
@@ -221,15 +221,15 @@ def parse_args(argv=None):
     return args
 
 
-def build_critic(lm_config, actor, from_sft, device):
+def build_critic(lm_config, actor, from_sft, device, args):
     """CriticModel initialised from the actor's SFT weights (strict except value_head.*; chapter 8.4.1), fp32 on
     ``device``: ``actor`` is the policy as loaded from ``--from_weight``, before any update (with ``--lora_rank``
-    its merged weights: the base, B being 0). The critic is a full model either way. With ``from_sft`` False
-    (``--from_weight none``) the critic keeps its own random weights."""
+    its merged weights: the base, B being 0), and with ``--lora_rank`` adapters of its own (``critic_with_adapters``).
+    With ``from_sft`` False (``--from_weight none``) the critic keeps its own random weights."""
     critic = CriticModel(lm_config)
     if from_sft:
         critic.load_actor_state_dict({k: v.detach().float().cpu() for k, v in merged_state_dict(actor).items()})
-    return critic.to(device)
+    return critic_with_adapters(critic.to(device), args)
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -414,7 +414,7 @@ def main(argv=None, reward_fn=calculate_rewards):
     actor, ref_model = with_adapters(actor, ref_model, args)  # --lora_rank: pi_ref = the adapters off (infra/lora.py)
     reward_model = load_reward_model(args, device, reward_model_dtype(args.reward_dtype, args.reward_device or device))
     setup_seed(args.seed + rank)  # from here on every rank draws its own samples
-    critic = build_critic(lm_config, actor, args.from_weight != "none", device)  # V(s_t): actor weights + new head
+    critic = build_critic(lm_config, actor, args.from_weight != "none", device, args)  # V(s_t): actor + new head
     Logger(f"PPO: {sum(p.numel() for p in actor.parameters()) / 1e6:.2f}M parameters, {len(train_ds)} prompts, "
            f"world size {world_size}, device {device}, dtype {train_dtype}")
 

@@ -2,12 +2,19 @@
 policy is the same model with its adapters switched off, so no second copy of the weights is built (TRL's
 ``GRPOTrainer`` with a ``peft_config`` does the same). The final RMSNorm gain trains beside the adapters (peft's
 ``modules_to_save``): the default runs' output sharpness lives there (``build_policy_optimizer``), and under
-``disable_adapter()`` peft serves the base model's gain, so the reference stays the start. docs/lora.md.
+``disable_adapter()`` peft serves the base model's gain, so the reference stays the start. PPO's critic gets adapters
+of its own on its own frozen backbone, with the value head trained in full. docs/lora.md.
 """
+import contextlib
+import os
+import warnings
+
 import torch
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # every projection
 FINAL_NORM = "model.norm"  # the final RMSNorm, trained beside the adapters (modules_to_save)
+VALUE_HEAD = "value_head"  # PPO's critic head, trained in full beside the critic's adapters
+ADAPTER_FOLDER_SUFFIX = "_lora"  # {save_dir}/{name}_{hidden}_lora/: the adapters in peft's format, beside the .pth
 
 
 def add_lora_args(parser):
@@ -44,13 +51,24 @@ def check_lora_args(parser, args):
         parser.error("--lora_rank is for dense models (--use_moe 0): the experts' projections have other names")
 
 
-def add_adapters(model, rank, alpha, dropout, target_modules):
-    """The policy with peft LoRA adapters (``peft.get_peft_model``): B initialised to 0, so the first forward equals
-    the base model's; only the adapters and the final norm's gain require grad. Returns the ``PeftModel``."""
+def add_adapters(model, rank, alpha, dropout, target_modules, trained_in_full=(FINAL_NORM,), base_path=None):
+    """``model`` with peft LoRA adapters (``peft.get_peft_model``): B initialised to 0, so the first forward equals
+    the base model's; only the adapters and the modules of ``trained_in_full`` (peft's ``modules_to_save``: the
+    final norm's gain, and the critic's value head) require grad. ``base_path``: the start weights' file, recorded
+    as ``base_model_name_or_path`` in the adapter folder's adapter_config.json. Returns the ``PeftModel``."""
     from peft import LoraConfig, get_peft_model
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
-                        modules_to_save=[FINAL_NORM], bias="none")
-    return get_peft_model(model, config)
+                        modules_to_save=list(trained_in_full), bias="none", base_model_name_or_path=base_path)
+    with peft_quiet():
+        return get_peft_model(model, config)
+
+
+def start_weight_path(args):
+    """The file ``--from_weight`` resolves to (``weights.weight_path``), or None for ``--from_weight none``."""
+    from trainer.infra.weights import weight_path  # here: weights.py imports this module
+    if args.from_weight == "none":
+        return None
+    return os.path.abspath(weight_path(args.from_weight, args.save_dir, args.hidden_size, args.use_moe))
 
 
 def with_adapters(model, ref_model, args, reference=True):
@@ -59,8 +77,25 @@ def with_adapters(model, ref_model, args, reference=True):
     or None when ``reference`` is False, e.g. ``--beta 0``), where the caller made no reference copy."""
     if not args.lora_rank:
         return model, ref_model
-    policy = add_adapters(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
+    policy = add_adapters(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.lora_target_modules,
+                          base_path=start_weight_path(args))
     return policy, (AdaptersOff(policy) if reference else None)
+
+
+def critic_with_adapters(critic, args):
+    """PPO's critic (chapter 8.4.1) under ``--lora_rank``: adapters of the policy's rank, alpha and projections on
+    the critic's own backbone (initialised from the start weights, then frozen), and the value head and final norm
+    trained in full. Without it the critic keeps gradients and two AdamW moments for every weight, three times its
+    weights' memory (docs/lora.md, the memory table). ``critic`` itself when ``--lora_rank`` is 0."""
+    if not args.lora_rank:
+        return critic
+    return add_adapters(critic, args.lora_rank, args.lora_alpha, args.lora_dropout, args.lora_target_modules,
+                        trained_in_full=(FINAL_NORM, VALUE_HEAD), base_path=start_weight_path(args))
+
+
+def has_adapters(model):
+    """Whether ``model`` (not a DDP wrapper) is a peft model with adapters."""
+    return hasattr(model, "get_base_model")
 
 
 def base_model(model):
@@ -85,6 +120,28 @@ class AdaptersOff(torch.nn.Module):
         if name in ("policy", "training") or name.startswith("_"):
             return super().__getattr__(name)
         return getattr(base_model(self.policy[0]), name)
+
+
+def adapter_folder(weight_file):
+    """Where the adapters of the weights ``{name}_{hidden}[_moe].pth`` go: ``{name}_{hidden}[_moe]_lora/``."""
+    return os.path.splitext(weight_file)[0] + ADAPTER_FOLDER_SUFFIX
+
+
+def save_adapters(model, folder):
+    """Write a LoRA model's adapters in peft's format into ``folder``: adapter_config.json (rank, alpha, targets,
+    the start weights' file as ``base_model_name_or_path``) and adapter_model.safetensors (the A and B matrices and
+    the modules trained in full), the files ``PeftModel.from_pretrained`` and ``scripts/convert_model.py merge_lora``
+    read. Raises what peft's ``save_pretrained`` raises (OSError for the folder)."""
+    with peft_quiet():
+        model.save_pretrained(folder, safe_serialization=True)
+
+
+@contextlib.contextmanager
+def peft_quiet():
+    """A context without transformers' FutureWarning about ``is_gradient_checkpointing``, a name peft reads."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
 
 
 @torch.no_grad()

@@ -18,7 +18,7 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from trainer.infra.distributed import Logger, unwrap_model
 from trainer.infra.files import atomic_write
 from trainer.infra.errors import InputError
-from trainer.infra.lora import merged_state_dict
+from trainer.infra.lora import adapter_folder, has_adapters, merged_state_dict, save_adapters
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 DEFAULT_TOKENIZER_PATH = os.path.join(ROOT, "model")
@@ -197,7 +197,9 @@ def check_finite_state(state_dict, what, action="refusing to save"):
 
 def weight_writes(weights, save_dir, lm_config, tokenizer_path):
     """What a checkpoint writes for its weights, as {path: write} for ``atomic_write``: each module as a MiniMind
-    fp16 ``{save_dir}/{name}_{hidden}[_moe].pth`` and its tokenizer record beside it.
+    fp16 ``{save_dir}/{name}_{hidden}[_moe].pth`` (a LoRA model's with its adapters merged in) and its tokenizer
+    record beside it; for a LoRA model also its adapters in peft's format, ``{name}_{hidden}[_moe]_lora/``
+    (``lora.save_adapters``).
 
     Args:
         weights: name -> module (unwrapped or not), e.g. {"ppo": actor, "ppo_critic": critic}.
@@ -211,6 +213,8 @@ def weight_writes(weights, save_dir, lm_config, tokenizer_path):
         check_finite_state(state_dict, path)
         writes[path] = functools.partial(torch.save, state_dict)
         writes[tokenizer_record_path(path)] = functools.partial(write_json, tokenizer_record_to_save(tokenizer_path))
+        if has_adapters(unwrap_model(module)):
+            writes[adapter_folder(path)] = functools.partial(save_adapters, unwrap_model(module))
     return writes
 
 
