@@ -9,6 +9,14 @@ Usage:
     python scripts/convert_model.py to_hf --weight full_sft --out out/full_sft_256_hf
     python scripts/convert_model.py to_hf --weight out/grpo_256.pth --out out/grpo_256_hf --dtype bfloat16
     python scripts/convert_model.py to_minimind --hf_dir out/grpo_256_hf --out out/grpo_hf_256.pth
+    python scripts/convert_model.py merge_lora --adapter out/grpo_256_lora --out out/grpo_merged_256.pth
+    python scripts/convert_model.py --merge_lora --adapter out/grpo_256_lora --out out/grpo_merged_256.pth  # the same
+
+``merge_lora`` merges a LoRA adapter folder in peft's format (adapter_config.json + adapter_model.safetensors, as
+the training scripts write it beside their weights under ``--lora_rank``: docs/lora.md) into its base MiniMind
+weights, W + (alpha / R) B A, and writes MiniMind ``.pth`` weights that ``scripts/eval_policy.py``, the training
+scripts' ``--from_weight`` and upstream MiniMind load. The base is the file the adapter folder names
+(``base_model_name_or_path``) unless ``--weight`` names another.
 """
 import argparse
 import os
@@ -20,11 +28,13 @@ sys.path.insert(0, ROOT)
 import torch
 
 from model.hf_qwen3 import DTYPES, load_qwen3_folder, save_qwen3_folder
-from model.model_minimind import MiniMindForCausalLM
-from trainer.infra.errors import run_script
+from model.model_minimind import CriticModel, MiniMindForCausalLM
+from trainer.infra.errors import InputError, run_script
 from trainer.infra.flags import add_bool_flag
+from trainer.infra.lora import VALUE_HEAD, merged_state_dict, peft_quiet
 from trainer.infra.weights import (
-    DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, init_model, save_weights, weight_path,
+    DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, init_model, load_tensors_only, minimind_dims,
+    save_weights, weight_path,
 )
 
 
@@ -61,7 +71,64 @@ def to_minimind(args):
     return args.out
 
 
+def merge_lora(args):
+    """LoRA adapter folder (peft's format) + its base MiniMind ``.pth`` -> merged MiniMind ``.pth`` (atomic,
+    ``--dtype``, fp16 by default) with the tokenizer record beside it; returns its path. An adapter folder of PPO's
+    critic (its value head among peft's ``modules_to_save``) gives ``CriticModel`` weights.
+
+    Raises:
+        ValueError: naming the folder when it has no adapter_config.json or adapter_model.safetensors, names no base
+            weights and ``--weight`` is not given, or its tensors do not fit the base (another size, other
+            projections: the message names the tensors).
+        FileNotFoundError: the base weights are missing.
+    """
+    from peft import PeftConfig, get_peft_model
+    from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+    from safetensors.torch import load_file
+    files = [os.path.join(args.adapter, name) for name in ("adapter_config.json", "adapter_model.safetensors")]
+    for path in files:
+        if not os.path.isfile(path):
+            raise InputError(f"--adapter {args.adapter}: no {os.path.basename(path)}, so it is not a peft adapter "
+                             f"folder (a run with --lora_rank writes one as {{save_dir}}/{{name}}_{{hidden}}_lora/)")
+    peft_config = PeftConfig.from_pretrained(args.adapter)
+    base = args.weight or peft_config.base_model_name_or_path
+    if not base:
+        raise InputError(f"{files[0]} names no base weights (base_model_name_or_path): pass --weight")
+    if not os.path.isfile(base):
+        raise InputError(f"the base weights of {args.adapter}, {base}, are not a file: pass --weight FILE")
+    dims = minimind_dims(load_tensors_only(base, mmap=True))
+    if dims is None:
+        raise InputError(f"the base weights of {args.adapter}, {base}, are not a MiniMind .pth: pass --weight FILE")
+    lm_config = build_config(dims["hidden_size"], dims["num_hidden_layers"], dims["use_moe"], dims["vocab_size"])
+    actor, _ = init_model(lm_config, base, os.path.dirname(base), args.tokenizer_path)
+    model = actor
+    if VALUE_HEAD in (peft_config.modules_to_save or []):  # a critic's adapters: the backbone of the base + V = 0
+        model = CriticModel(lm_config)
+        model.load_actor_state_dict(actor.state_dict())
+    model.name_or_path = peft_config.base_model_name_or_path  # kept as it is (get_peft_model records the model's)
+    with peft_quiet():
+        peft_model = get_peft_model(model, peft_config)
+    adapters = load_file(files[1])
+    expected = get_peft_model_state_dict(peft_model, save_embedding_layers=False)
+    missing, unexpected = sorted(set(expected) - set(adapters)), sorted(set(adapters) - set(expected))
+    shapes = [f"{k} {tuple(v.shape)} (the base needs {tuple(expected[k].shape)})" for k, v in adapters.items()
+              if k in expected and v.shape != expected[k].shape]
+    if missing or unexpected or shapes:
+        raise InputError(f"{files[1]} does not fit the base {base}: missing {missing[:4]}, unexpected "
+                         f"{unexpected[:4]}, other shapes {shapes[:4]}; pass the base it was trained on as --weight")
+    set_peft_model_state_dict(peft_model, adapters)
+    dtype = DTYPES[args.dtype]
+    save_weights({k: v.to(dtype) for k, v in merged_state_dict(peft_model).items()}, args.out, args.tokenizer_path)
+    print(f"wrote {args.out}: {base} with the adapters of {args.adapter} merged in (rank {peft_config.r}, "
+          f"alpha {peft_config.lora_alpha}); pass --from_weight {args.out} --hidden_size {dims['hidden_size']} "
+          f"--num_hidden_layers {dims['num_hidden_layers']} to the scripts")
+    return args.out
+
+
 def parse_args(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--merge_lora"]:  # the flag spelling of the merge_lora command
+        argv[0] = "merge_lora"
     parser = argparse.ArgumentParser(description="MiniMind .pth <-> transformers Qwen3ForCausalLM folder")
     commands = parser.add_subparsers(dest="command", required=True)
     hf = commands.add_parser("to_hf", help="MiniMind .pth -> Qwen3ForCausalLM folder")
@@ -77,6 +144,13 @@ def parse_args(argv=None):
     mm.add_argument("--hf_dir", required=True)
     mm.add_argument("--dtype", default="float16", choices=sorted(DTYPES), help="MiniMind releases use float16")
     mm.add_argument("--out", required=True, help=".pth file to write (atomically)")
+    merge = commands.add_parser("merge_lora", help="LoRA adapter folder + its base .pth -> merged MiniMind .pth")
+    merge.add_argument("--adapter", required=True, help="peft adapter folder, e.g. out/grpo_256_lora")
+    merge.add_argument("--weight", default=None, help="the base weights' .pth file (default: the file the adapter "
+                                                        "folder names as base_model_name_or_path)")
+    merge.add_argument("--tokenizer_path", default=DEFAULT_TOKENIZER_PATH)
+    merge.add_argument("--dtype", default="float16", choices=sorted(DTYPES), help="MiniMind releases use float16")
+    merge.add_argument("--out", required=True, help=".pth file to write (atomically)")
     args = parser.parse_args(argv)
     if args.command == "to_hf" and args.use_moe:
         parser.error("--use_moe 1: MiniMind's MoE model has no Qwen3ForCausalLM counterpart")
@@ -88,7 +162,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     with torch.no_grad():
-        return to_hf(args) if args.command == "to_hf" else to_minimind(args)
+        return {"to_hf": to_hf, "to_minimind": to_minimind, "merge_lora": merge_lora}[args.command](args)
 
 
 if __name__ == "__main__":

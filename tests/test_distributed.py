@@ -61,7 +61,11 @@ def assert_ranks_trained_alike(result, trace, initial, steps):
     assert result.stdout.count(f"step {steps}/{steps}") == 1  # only rank 0 prints
 
 
-@pytest.mark.parametrize("script, extra", [("grpo", ["--num_generations", "3"]), ("ppo", ["--mini_batch_size", "1"])])
+@pytest.mark.parametrize("script, extra", [
+    ("grpo", ["--num_generations", "3"]), ("ppo", ["--mini_batch_size", "1"]),
+    ("grpo", ["--num_generations", "3", "--lora_rank", "4"]),  # LoRA: adapters and the final norm's copy in sync
+    ("ppo", ["--mini_batch_size", "1", "--lora_rank", "4"]),  # and the critic's adapters and head
+])
 def test_two_ranks_end_bit_identical(script, extra, tmp_path, tiny_weights, small_data):
     assert tiny_weights[0] == str(tmp_path)  # the fixture wrote tiny_64.pth here
     trace = tmp_path / "trace"
@@ -70,6 +74,8 @@ def test_two_ranks_end_bit_identical(script, extra, tmp_path, tiny_weights, smal
                                         "--data_path", small_data])
     initial, _ = init_model(build_config(64, 2, 0), "tiny", str(tmp_path))
     assert_ranks_trained_alike(result, trace, initial, 3)
+    trained, _ = init_model(build_config(64, 2, 0), script, str(tmp_path))  # the merged weights rank 0 saved
+    assert parameter_digest(trained) != parameter_digest(initial)  # with LoRA too: the adapters learned
 
 
 def test_two_agent_ranks_end_bit_identical(tmp_path):

@@ -58,7 +58,8 @@ def add_adapters(model, rank, alpha, dropout, target_modules, trained_in_full=(F
     as ``base_model_name_or_path`` in the adapter folder's adapter_config.json. Returns the ``PeftModel``."""
     from peft import LoraConfig, get_peft_model
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
-                        modules_to_save=list(trained_in_full), bias="none", base_model_name_or_path=base_path)
+                        modules_to_save=list(trained_in_full), bias="none")
+    model.name_or_path = base_path  # what get_peft_model records as base_model_name_or_path
     with peft_quiet():
         return get_peft_model(model, config)
 
@@ -133,7 +134,7 @@ def save_adapters(model, folder):
     the modules trained in full), the files ``PeftModel.from_pretrained`` and ``scripts/convert_model.py merge_lora``
     read. Raises what peft's ``save_pretrained`` raises (OSError for the folder)."""
     with peft_quiet():
-        model.save_pretrained(folder, safe_serialization=True)
+        model.save_pretrained(folder, safe_serialization=True, save_embedding_layers=False)  # never adapted
 
 
 @contextlib.contextmanager

@@ -24,6 +24,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DEFAULT_TOKENIZER_PATH = os.path.join(ROOT, "model")
 DEFAULT_SAVE_DIR = os.path.join(ROOT, "out")
 
+MERGE_HINT = ("merge the adapters into their base first (python scripts/convert_model.py merge_lora --adapter "
+              "FOLDER --out merged.pth) and pass --from_weight merged.pth, with --lora_rank for new adapters on it")
+
+
 def weight_path(from_weight, save_dir, hidden_size, use_moe, allow_file=True):
     """MiniMind's naming: ``{save_dir}/{name}_{hidden}[_moe].pth``.
 
@@ -112,7 +116,8 @@ def load_weights(model, path, flag_hint="--hidden_size / --num_hidden_layers / -
         FileNotFoundError: if ``path`` is missing; the message lists the ``.pth`` files next to it.
         ValueError: naming ``path`` when it cannot be read as a state dict (a truncated or foreign file), when a
             tensor holds a NaN or inf (a file damaged on disk: naming the tensor and how many values), on a shape
-            mismatch (naming the parameter, both shapes and the flags to change) or missing/unexpected keys.
+            mismatch (naming the parameter, both shapes and the flags to change) or missing/unexpected keys, and
+            when the file is a peft state dict whose LoRA adapters are not merged in (``MERGE_HINT``).
     """
     if not os.path.isfile(path):
         folder = os.path.dirname(path) or "."
@@ -127,6 +132,10 @@ def load_weights(model, path, flag_hint="--hidden_size / --num_hidden_layers / -
                          f"truncated or not a .pth state dict: copy it again or pass another --from_weight") from err
     if not isinstance(state_dict, dict):
         raise InputError(f"{path} holds a {type(state_dict).__name__}, not a state dict of MiniMind weights")
+    adapter_keys = [key for key in state_dict if ".lora_A." in key or ".lora_B." in key]
+    if adapter_keys:  # a peft model's state dict: the adapters are not merged into the weights
+        raise InputError(f"{path} holds LoRA adapters ({adapter_keys[0]}, ...), not merged MiniMind weights: "
+                         f"{MERGE_HINT}")
     check_finite_state(state_dict, f"{path} (a damaged file? copy it again)", "refusing to load")
     own = model.state_dict()
     check_state_dict_fits(path, own, state_dict, flag_hint)
@@ -151,8 +160,11 @@ def init_model(lm_config, from_weight="none", save_dir=DEFAULT_SAVE_DIR, tokeniz
     Returns:
         (model fp32 on ``device``, tokenizer)
     Raises:
-        FileNotFoundError / ValueError: see ``load_weights``.
+        FileNotFoundError / ValueError: see ``load_weights``; ValueError when ``from_weight`` is a LoRA adapter
+            folder (the way on: ``MERGE_HINT``).
     """
+    if os.path.isfile(os.path.join(from_weight, "adapter_config.json")):
+        raise InputError(f"--from_weight {from_weight} is a LoRA adapter folder, not MiniMind weights: {MERGE_HINT}")
     tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(tokenizer_path)
     model = MiniMindForCausalLM(lm_config)
     if from_weight != "none":
