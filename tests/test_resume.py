@@ -271,3 +271,16 @@ def test_sglang_engine_resumes_from_a_torch_engine_state():
     engine = types.SimpleNamespace(num_update_calls=0, client=types.SimpleNamespace(weight_pushes=1))
     SGLangRolloutEngine.load_resume_state(engine, {})
     assert (engine.num_update_calls, engine.client.weight_pushes) == (0, 1)
+
+
+def test_a_resume_file_whose_model_state_does_not_fit_is_refused_naming_it():
+    from model.model_minimind import CriticModel
+    from trainer.infra.checkpoints import load_training_states
+    from trainer.infra.errors import InputError
+    from trainer.infra.weights import build_config
+    critic = CriticModel(build_config(64, 2, 0))
+    saved = dict(critic.state_dict())
+    del saved["value_head.bias"]  # e.g. a critic of another layout
+    with pytest.raises(InputError, match=r"ppo_64_resume.pth: its 'critic' does not fit this run's \(Missing "
+                                         r"key\(s\) in state_dict: \"value_head.bias\"\.\); it was written by another"):
+        load_training_states({"critic": critic}, {"critic": saved}, "ppo_64_resume.pth")

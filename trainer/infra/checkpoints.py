@@ -294,7 +294,8 @@ def load_training_states(objects, states, path):
     """Inverse of ``training_states``: load each saved state into the object of the same name (strictly).
 
     Raises:
-        ValueError: naming ``path`` and the missing entry when the file lacks a state this run needs.
+        ValueError: naming ``path`` and the missing entry when the file lacks a state this run needs, or when a
+            model's state has other keys or shapes than this run's model (naming the first difference).
     """
     for name, obj in objects.items():
         if name not in states:
@@ -304,7 +305,13 @@ def load_training_states(objects, states, path):
         elif isinstance(obj, torch.nn.Module):
             module = unwrap_model(obj)
             check_finite_state(states[name], f"{path} ({name}; a damaged file?)", "refusing to resume from")
-            module.load_state_dict(states[name], strict=True)
+            try:
+                module.load_state_dict(states[name], strict=True)
+            except RuntimeError as err:  # other keys or shapes: a file of another version of the scripts
+                first = str(err).splitlines()[1].strip() if len(str(err).splitlines()) > 1 else str(err)
+                raise InputError(f"{path}: its {name!r} does not fit this run's ({first[:300]}); it was written by "
+                                 f"another version of the scripts: start a new run (--from_resume 0) from its "
+                                 f"weights") from None
             grads = states.get(f"{name}_grads", {})
             for param_name, param in module.named_parameters():
                 param.grad = grads[param_name].to(param.device) if param_name in grads else None
