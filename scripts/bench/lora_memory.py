@@ -2,7 +2,8 @@
 
 Each configuration runs in its own process (so its peak resident memory is its own) and does what a training step
 holds in memory for its update: the roles of chapter 8.1 as the scripts build them (the policy, a frozen copy as the
-reference or, with LoRA, the same model with its adapters off, and for PPO a full critic), their AdamW, the old,
+reference or, with LoRA, the same model with its adapters off, and for PPO the critic: a full model, or with LoRA
+its own frozen copy of the backbone with adapters and the value head trained in full), their AdamW, the old,
 reference and (PPO) value forwards, the policy loss (CISPO; PPO's clipped surrogate and value loss), the backward
 and the optimizer steps, on a fixed batch of ``--rows`` answers of ``--prompt_len`` + ``--completion_len`` tokens
 under autocast at ``--dtypes``. The rollout's decode is not run: its KV cache is the same with or without LoRA.
@@ -12,7 +13,8 @@ The reward model is left out for the same reason. Weights are random (the memory
     python scripts/bench/lora_memory.py --shapes tiny --steps 2 --json_out /tmp/lora_memory.json
 
 Prints one table: peak RSS (MiB) and the median seconds per update step after the first, full and LoRA, and LoRA /
-full; a configuration whose memory passes 90 % of what the machine had available is stopped and reads "did not fit".
+full; a configuration whose memory passes 90 % of what the machine had available is stopped and reads "did not fit
+(> X)", X its resident memory when it was stopped, a lower bound of its peak (and LoRA / full reads "< X / Y").
 """
 import argparse
 import json
@@ -76,7 +78,7 @@ def run_worker(spec):
     import torch
     from model.model_minimind import CriticModel, MiniMindConfig, MiniMindForCausalLM
     from trainer.infra.dtypes import autocast_context
-    from trainer.infra.lora import merged_state_dict, with_adapters
+    from trainer.infra.lora import critic_with_adapters, merged_state_dict, with_adapters
     from trainer.infra.optimizer import adamw, build_policy_optimizer
     from trainer.rollout_engine import compute_per_token_logps
     from trainer.train_grpo import grpo_loss
@@ -88,7 +90,7 @@ def run_worker(spec):
     policy = MiniMindForCausalLM(config)
     lora = argparse.Namespace(lora_rank=spec["lora_rank"], lora_alpha=2.0 * spec["lora_rank"], lora_dropout=0.0,
                               lora_target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                   "down_proj"))
+                                                   "down_proj"), from_weight="none")  # random weights
     ref_model = None if lora.lora_rank else copy.deepcopy(policy).eval().requires_grad_(False)
     policy, ref_model = with_adapters(policy, ref_model, lora)
     optimizer = build_policy_optimizer(policy, 2e-5, 0.0, 2e-2)
@@ -96,6 +98,7 @@ def run_worker(spec):
     if spec["script"] == "ppo":
         critic = CriticModel(config)
         critic.load_actor_state_dict({k: v.detach().float() for k, v in merged_state_dict(policy).items()})
+        critic = critic_with_adapters(critic, lora)  # --lora_rank: adapters and a value head trained in full
         critic_optimizer = adamw(critic.parameters(), lr=1e-4, weight_decay=0.0)
     autocast = autocast_context(torch.device("cpu"), spec["dtype"])
     rows, prompt_len, completion_len = spec["rows"], spec["prompt_len"], spec["completion_len"]
@@ -127,42 +130,53 @@ def run_worker(spec):
                 opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
     trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    critic_trainable = sum(p.numel() for p in critic.parameters() if p.requires_grad) if critic is not None else 0
     return {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "baseline_mib": baseline,
             "step_s": times, "policy_parameters": sum(p.numel() for p in policy.parameters()),
-            "trainable_policy_parameters": trainable}
+            "trainable_policy_parameters": trainable, "trainable_critic_parameters": critic_trainable}
 
 
 def run_watched(spec, share=0.9):
     """Run one configuration in its own process, stopped (SIGKILL) once its resident memory passes ``share`` of the
     memory available at its start, before the kernel's out-of-memory killer picks a process of its own. Returns
-    (returncode, stdout, stderr), returncode None when it was stopped for memory."""
+    (returncode, stdout, stderr, the largest resident memory seen in MiB), returncode None when it was stopped for
+    memory."""
     limit_kib = share * status_kib("MemAvailable", "/proc/meminfo")
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         worker = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)],
                                   stdout=out, stderr=err, text=True, cwd=ROOT)
-        stopped = False
+        stopped, largest_kib = False, 0
         while worker.poll() is None:
             try:
                 rss_kib = status_kib("VmRSS", f"/proc/{worker.pid}/status")
             except (OSError, ValueError):  # the process has just ended
                 rss_kib = 0
+            largest_kib = max(largest_kib, rss_kib)
             if rss_kib > limit_kib:
                 worker.kill()
                 stopped = True
             time.sleep(0.1)
         out.seek(0)
         err.seek(0)
-        return (None if stopped else worker.returncode), out.read(), err.read()
+        return (None if stopped else worker.returncode), out.read(), err.read(), largest_kib / 1024
 
 
 def table_row(row):
-    """One line of the table; a configuration killed for memory reads "did not fit"."""
+    """One line of the table; a configuration killed for memory reads "did not fit (> its memory at the stop)"."""
     def peak(result):
-        return f"{result['peak_rss_mib']:,.0f}" if result else "did not fit"
+        if "stopped_at_mib" in result:
+            return f"did not fit (> {result['stopped_at_mib']:,.0f})"
+        return f"{result['peak_rss_mib']:,.0f}"
 
     def step(result):
-        return f"{statistics.median(result['step_s'][1:]):.2f}" if result else "-"
-    ratio = f"{row['lora']['peak_rss_mib'] / row['full']['peak_rss_mib']:.2f}" if row["full"] and row["lora"] else "-"
+        return f"{statistics.median(result['step_s'][1:]):.2f}" if "step_s" in result else "-"
+    full, lora = (row[name].get("peak_rss_mib") for name in ("full", "lora"))
+    if full and lora:
+        ratio = f"{lora / full:.2f}"
+    elif lora:  # the full run's peak is above the memory it had when it was stopped
+        ratio = f"< {lora / row['full']['stopped_at_mib']:.2f}"
+    else:
+        ratio = "-"
     return (f"| {row['shape']} | {row['script']} | {row['dtype']} | {peak(row['full'])} | {peak(row['lora'])} | "
             f"{ratio} | {step(row['full'])} | {step(row['lora'])} |")
 
@@ -184,9 +198,9 @@ def main(argv=None):
                 for name, rank in (("full", 0), ("lora", args.lora_rank)):
                     spec = dict(row, lora_rank=rank, rows=args.rows, prompt_len=args.prompt_len,
                                 completion_len=args.completion_len, steps=args.steps)
-                    returncode, stdout, stderr = run_watched(spec)
-                    if returncode is None:
-                        row[name] = None  # the configuration does not fit in this machine's memory
+                    returncode, stdout, stderr, largest_mib = run_watched(spec)
+                    if returncode is None:  # the configuration does not fit in this machine's memory
+                        row[name] = {"stopped_at_mib": largest_mib}
                         continue
                     if returncode != 0:
                         raise SystemExit(f"{shape} {script} {dtype} {name} failed:\n{stderr[-3000:]}")

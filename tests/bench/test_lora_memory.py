@@ -3,7 +3,7 @@ adapter parameters of rank 16 plus the final norm's gain."""
 import json
 import math
 
-from scripts.bench.lora_memory import main
+from scripts.bench.lora_memory import main, table_row
 
 
 def test_the_tiny_shape_runs_full_and_lora_for_both_scripts(tmp_path, capsys):
@@ -21,5 +21,16 @@ def test_the_tiny_shape_runs_full_and_lora_for_both_scripts(tmp_path, capsys):
         assert row["full"]["trainable_policy_parameters"] == row["full"]["policy_parameters"]
         assert row["lora"]["trainable_policy_parameters"] == adapters + hidden  # + the final norm's gain
         assert len(row["lora"]["step_s"]) == len(row["full"]["step_s"]) == 2
+    ppo = results[1]
+    # the LoRA critic trains its own adapters (the same count), its final norm's gain and the value head in full
+    assert ppo["lora"]["trainable_critic_parameters"] == adapters + hidden + hidden + 1
+    assert ppo["full"]["trainable_critic_parameters"] == ppo["full"]["policy_parameters"] + hidden + 1  # no LM head:
+    # tied to the embeddings, so the critic holds every weight of the policy, plus the head
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("| shape | script | dtype |") and len(lines) == 4
+
+
+def test_a_full_run_stopped_for_memory_gives_an_upper_bound_of_the_ratio():
+    row = {"shape": "qwen3-0.6b", "script": "ppo", "dtype": "float32", "full": {"stopped_at_mib": 18000.0},
+           "lora": {"peak_rss_mib": 9000.0, "step_s": [3.0, 2.0, 4.0]}}
+    assert table_row(row) == "| qwen3-0.6b | ppo | float32 | did not fit (> 18,000) | 9,000 | < 0.50 | - | 3.00 |"
