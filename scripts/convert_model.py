@@ -77,10 +77,10 @@ def merge_lora(args):
     critic (its value head among peft's ``modules_to_save``) gives ``CriticModel`` weights.
 
     Raises:
-        ValueError: naming the folder when it has no adapter_config.json or adapter_model.safetensors, names no base
-            weights and ``--weight`` is not given, or its tensors do not fit the base (another size, other
-            projections: the message names the tensors).
-        FileNotFoundError: the base weights are missing.
+        InputError (a ValueError): naming the folder when it has no adapter_config.json or
+            adapter_model.safetensors, names no base weights and ``--weight`` is not given, names a base that is not
+            a file or not MiniMind weights, or holds tensors that do not fit the base (another size, other
+            projections: the message names the tensors). Nothing is written then.
     """
     from peft import PeftConfig, get_peft_model
     from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict

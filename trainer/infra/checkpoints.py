@@ -308,7 +308,8 @@ def load_training_states(objects, states, path):
             try:
                 module.load_state_dict(states[name], strict=True)
             except RuntimeError as err:  # other keys or shapes: a file of another version of the scripts
-                first = str(err).splitlines()[1].strip() if len(str(err).splitlines()) > 1 else str(err)
+                lines = str(err).splitlines()  # "Error(s) in loading state_dict for ...:", then the differences
+                first = lines[1].strip() if len(lines) > 1 else str(err)
                 raise InputError(f"{path}: its {name!r} does not fit this run's ({first[:300]}); it was written by "
                                  f"another version of the scripts: start a new run (--from_resume 0) from its "
                                  f"weights") from None
