@@ -6,7 +6,7 @@ import torch
 
 from trainer.trainer_utils import (
     answer_reward, calculate_rewards, completion_mask_from_ids, extract_final_number, k3_kl, masked_mean,
-    prompt_to_messages, rep_penalty, rule_reward,
+    prompt_to_messages, rep_penalty, repetition_tokens, rule_reward,
 )
 
 
@@ -20,6 +20,32 @@ def test_rep_penalty_hand_computed():
     assert rep_penalty("x y z x y z w") == pytest.approx(0.2)
     # punctuation counts as a token, case is ignored: "A, a, a," -> a , a , a , : 6 tokens
     assert rep_penalty("A, a, a,") == pytest.approx(0.5)
+
+
+def test_rep_penalty_sees_chinese_hand_counted():
+    # "你好" x 6, no punctuation: 12 character tokens, 10 trigrams, distinct (你好你) (好你好) -> repeated 8,
+    # min(0.5, 8 * 0.5 * 2 / 10 = 0.8) = 0.5 (one "word" under \\w+, so no trigram at all)
+    assert repetition_tokens("你好你好") == ["你", "好", "你", "好"]
+    assert rep_penalty("你好你好你好你好你好你好") == pytest.approx(0.5)
+    # "你好世界" x 6: 24 tokens, 22 trigrams, 4 distinct -> 18 repeated -> capped at 0.5
+    assert rep_penalty("你好世界" * 6) == pytest.approx(0.5)
+    # 我爱北京天安门我爱北京: 11 tokens, 9 trigrams, (我爱北) and (爱北京) twice -> 2 repeated -> 2 * 0.5 * 2 / 9
+    assert rep_penalty("我爱北京天安门我爱北京") == pytest.approx(2 / 9)
+    # a normal answer of the default task: 答 案 是 940 。 -> 3 distinct trigrams -> 0
+    assert rep_penalty("答案是 940。") == 0.0
+    # kana are characters too; Hangul is written with spaces and stays words: 안녕 x 4 -> 2 equal trigrams -> 0.5
+    assert repetition_tokens("すしすし") == ["す", "し", "す", "し"]
+    assert rep_penalty("안녕 안녕 안녕 안녕") == pytest.approx(0.5)
+
+
+def test_rep_penalty_english_and_mixed_hand_counted():
+    # the cat sat on the mat the cat sat: 9 words, 7 trigrams, (the cat sat) twice -> 1 * 0.5 * 2 / 7
+    assert rep_penalty("the cat sat on the mat the cat sat") == pytest.approx(1 / 7)
+    # 答 案 是 940 。 答 案 是 940 。: 10 tokens, 8 trigrams, 5 distinct -> 3 * 0.5 * 2 / 8 = 0.375
+    assert repetition_tokens("答案是 940。") == ["答", "案", "是", "940", "。"]
+    assert rep_penalty("答案是 940。答案是 940。") == pytest.approx(0.375)
+    # digits glued to Chinese split from it: 是940 -> 是, 940; English words keep their case-folded form
+    assert repetition_tokens("是940 The答案") == ["是", "940", "the", "答", "案"]
 
 
 def test_rule_reward_cases():

@@ -16,14 +16,31 @@ from trainer.infra.reward_models import load_reward_model_files, render_reward_t
 # ----------------------------------------------------------------------------- rewards (chapter 8.3)
 
 
+# Scripts written without spaces between words: CJK ideographs (the basic block, extension A, the compatibility block,
+# extensions B-F) and Japanese kana. Each such character is one token of ``rep_penalty``, as sacrebleu's zh tokenizer
+# splits Chinese; Hangul is written with spaces, so its words stay words.
+UNSPACED_CHARACTER = "[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002fa1f]"
+REPETITION_TOKEN_PATTERN = re.compile(rf"{UNSPACED_CHARACTER}|(?:(?!{UNSPACED_CHARACTER})\w)+|[^\w\s]")
+
+
+def repetition_tokens(text):
+    """The tokens ``rep_penalty`` counts n-grams of: each CJK ideograph or kana on its own, a run of other word
+    characters (a word, a number), each punctuation mark; lower-cased. "答案是 940。" -> 答, 案, 是, 940, 。"""
+    return REPETITION_TOKEN_PATTERN.findall(text.lower())
+
+
 def rep_penalty(text, n=3, cap=0.5):
     """n-gram repetition penalty of MiniMind's reward (chapter 8.3), in [0, cap].
 
-    Words and punctuation marks (regex ``\\w+|[^\\w\\s]``, lower-cased) form n-grams; the penalty is
-    min(cap, 2 * cap * (#n-grams - #distinct n-grams) / #n-grams), 0 for text with fewer than n tokens.
+    The penalty is min(cap, 2 * cap * (#n-grams - #distinct n-grams) / #n-grams) over the n-grams of
+    ``repetition_tokens`` (0 for text with fewer than n tokens). The chapter's words (regex ``\\w+|[^\\w\\s]``) make
+    an unpunctuated run of Chinese one "word", so under them "你好" repeated six times scores 0 (upstream MiniMind's
+    issue #810); here every CJK character is a token, so the penalty sees Chinese, English and mixed text alike: "你好" x 6 gives
+    10 trigrams of which 2 are distinct -> 0.5. Characters rather than tokenizer ids keep the reward a function of the
+    text alone, the same whatever tokenizer the policy has.
     """
-    tokens = re.findall(r"\w+|[^\w\s]", text.lower())
-    ngrams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    tokens = repetition_tokens(text)
+    ngrams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
     if not ngrams:
         return 0.0
     repeated = len(ngrams) - len(set(ngrams))
