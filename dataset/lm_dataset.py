@@ -8,6 +8,7 @@ Files are parsed line by line (so a bad line is reported with its file and line 
 """
 import functools
 import gzip
+import itertools
 import json
 import random
 import re
@@ -346,26 +347,50 @@ def count_total_steps(max_steps, epochs, steps_per_epoch):
     return min(max_steps, epochs * steps_per_epoch) if max_steps else epochs * steps_per_epoch
 
 
-def resumable_batches(loader, batch_sampler, start, epochs, total_steps):
-    """Yield (step, position, batch) from a run's start (or resumed position) to ``total_steps``, epoch after epoch.
+def epoch_batches(loader, batch_sampler, start, epochs):
+    """Yield (position, batch) from a run's start (or resumed position) to the end of its last epoch.
 
     Args:
         loader: the DataLoader over ``batch_sampler`` (a ``ResumableBatchSampler``).
+        start: {"epoch", "batch_in_epoch"}: the epoch the run is in and its batches done.
+    Yields:
+        position {"epoch", "batch_in_epoch"} after this batch (what a checkpoint saves), and the batch: a dict of
+        lists "prompt", "answer" (str) and "index" (a tensor of dataset indices).
+    """
+    for epoch in range(start["epoch"], epochs):
+        batch_sampler.set_epoch(epoch, start["batch_in_epoch"] if epoch == start["epoch"] else 0)
+        for batch_in_epoch, batch in enumerate(loader, start=batch_sampler.skip_batches + 1):
+            yield {"epoch": epoch, "batch_in_epoch": batch_in_epoch}, batch
+
+
+def resumable_batches(loader, batch_sampler, start, epochs, total_steps, data=None):
+    """Yield (step, position, batch) from a run's start (or resumed position) to ``total_steps``, epoch after epoch.
+
+    Args:
+        loader, batch_sampler, epochs: as ``epoch_batches``.
         start: {"step", "epoch", "batch_in_epoch"}: steps done, the epoch they end in and its batches done.
+        data: the ``epoch_batches`` iterator to number (default: a new one); the loop may draw more batches from
+            it between steps (DAPO's dynamic sampling), which then count as seen but not as steps.
     Yields:
         step (1-based), position {"epoch", "batch_in_epoch"} after this batch (what a checkpoint saves), and the
         batch: a dict of lists "prompt", "answer" (str) and "index" (a tensor of dataset indices).
     """
     step = start["step"]
-    for epoch in range(start["epoch"], epochs):
+    if step >= total_steps:
+        return
+    for position, batch in epoch_batches(loader, batch_sampler, start, epochs) if data is None else data:
+        step += 1
+        yield step, position, batch
         if step >= total_steps:
             return
-        batch_sampler.set_epoch(epoch, start["batch_in_epoch"] if epoch == start["epoch"] else 0)
-        for batch_in_epoch, batch in enumerate(loader, start=batch_sampler.skip_batches + 1):
-            step += 1
-            yield step, {"epoch": epoch, "batch_in_epoch": batch_in_epoch}, batch
-            if step >= total_steps:
-                return
+
+
+def spare_batches(data, position, epochs, batch_sampler, steps_left):
+    """The batches of ``data`` (an ``epoch_batches`` iterator at ``position``) a step may draw beyond its own
+    while ``steps_left`` steps still get one each: an iterator of (position, batch), empty when none is spare."""
+    per_epoch = len(batch_sampler.sampler) // batch_sampler.batch_size
+    left = (epochs - position["epoch"]) * per_epoch - position["batch_in_epoch"]
+    return itertools.islice(data, max(left - steps_left, 0))
 
 
 HH_TURN_PATTERN = re.compile(r"\n\n(Human|Assistant):")

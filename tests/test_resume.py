@@ -42,13 +42,13 @@ def read_jsonl(path):
     return [json.loads(line) for line in open(path).read().splitlines()]
 
 
-def straight_and_resumed(script, flags, tmp_path, tiny_weights, small_data, kill_flag):
+def straight_and_resumed(script, flags, tmp_path, tiny_weights, small_data, kill_flag, reward="--text_reward"):
     """Run 6 steps straight; run again, killed by SIGKILL at step 3 (kill_flag), then resumed to step 6."""
     runs = {}
     for name in ("straight", "resumed"):
         folder = new_run_dir(tmp_path, name, tiny_weights)
         common = flags + ["--save_dir", str(folder), "--run_dir", str(folder / "run"), "--data_path", small_data]
-        trace = ["--text_reward", "--trace_dir", str(folder / "trace")]
+        trace = [reward, "--trace_dir", str(folder / "trace")]
         if name == "straight":
             result = harness(script, trace, common)
             assert result.returncode == 0, result.stderr[-3000:]
@@ -67,9 +67,11 @@ def straight_and_resumed(script, flags, tmp_path, tiny_weights, small_data, kill
     ("grpo", GRPO + ["--accumulation_steps", "2"]),  # killed after step 3: one step's gradients not yet applied
     ("grpo", GRPO + ["--lora_rank", "4"]),  # LoRA: the adapters, the final norm's copy and their AdamW state
     ("ppo", PPO + ["--lora_rank", "4"]),
+    ("grpo", GRPO + ["--dynamic_sampling", "1"]),  # 0/1 rewards: steps draw more prompts, the position counts them
 ])
 def test_sigkill_then_resume_equals_straight_run(script, flags, tmp_path, tiny_weights, small_data):
-    runs = straight_and_resumed(script, flags, tmp_path, tiny_weights, small_data, ["--kill_after_save", "3"])
+    reward = "--binary_text_reward" if "--dynamic_sampling" in flags else "--text_reward"
+    runs = straight_and_resumed(script, flags, tmp_path, tiny_weights, small_data, ["--kill_after_save", "3"], reward)
     straight_indices = read_jsonl(runs["straight"] / "trace" / "indices_rank0.jsonl")
     resumed_indices = read_jsonl(runs["resumed"] / "trace" / "indices_rank0.jsonl")
     assert len(straight_indices) == 6 and len(resumed_indices) == 6  # 3 before the kill, 3 after the resume
@@ -83,6 +85,9 @@ def test_sigkill_then_resume_equals_straight_run(script, flags, tmp_path, tiny_w
     resumed_rows = read_jsonl(runs["resumed"] / "run" / "metrics.jsonl")
     for a, b in zip(straight_rows[3:], resumed_rows[3:]):
         assert a["step"] == b["step"] and a["reward"] == b["reward"] and a["sample_indices"] == b["sample_indices"]
+    if "--dynamic_sampling" in flags:  # the steps after the resume drew as many prompts, the same ones
+        draws = [row["dynamic_sampling/gen_batches"] for row in straight_rows]
+        assert sum(draws[:3]) > 3 and [row["dynamic_sampling/gen_batches"] for row in resumed_rows[3:]] == draws[3:]
 
 
 def test_sigkill_while_writing_checkpoint_keeps_previous_one(tmp_path, tiny_weights, small_data):

@@ -355,3 +355,46 @@ def test_thinking_opens_per_prompt_as_the_chapters_dataset_draws_it(agent_files,
     prompts = [tokenizer.decode(result.output_ids[n, :prompt_width][result.prompt_mask[n].bool()])
                for n in range(len(opened))]
     assert [prompt.endswith("<think>\n") for prompt in prompts] == opened
+
+
+def test_reinforce_pp_returns_carry_across_the_tool_reply(agent_files, tmp_path, monkeypatch, restore_signals):
+    """--advantage_estimator reinforce_pp on scripted two-turn conversations (a call, the tool's reply with mask 0,
+    an answer): with gamma 1 and the KL in the loss every model token of a conversation, before and after the reply,
+    gets its answer's return, whitened over every model token of the batch (a plain computation here)."""
+    save_dir, _, _ = agent_files
+    real_rollout, real_loss = train_agent.agent_rollout, train_agent.family_loss
+    seen = {"advantages": [], "masks": [], "rewards": []}
+
+    def scripted_rollout(model, tokenizer, conversations, num_generations, **kwargs):
+        script = [[turn_ids(tokenizer, CALC_CALL)] * (len(conversations) * num_generations)]
+        return real_rollout(ScriptedPolicy(unwrap_model(model), script), tokenizer, conversations, num_generations,
+                            **kwargs)
+
+    def recording_rewards(*args):
+        parts = text_rewards(*args)
+        seen["rewards"].append(parts["rewards"])
+        return parts
+
+    def recording_loss(*args, **kwargs):
+        seen["advantages"].append(args[3])
+        seen["masks"].append(args[4])
+        return real_loss(*args, **kwargs)
+
+    monkeypatch.setattr(train_agent, "agent_rollout", scripted_rollout)
+    monkeypatch.setattr(train_agent, "family_loss", recording_loss)
+    calculator_rows = write_rows(tmp_path / "calc.jsonl", [upstream_row(q, ["calculate_math"], gt)
+                                                           for q, _, gt in QUESTIONS[:4]])
+    train_agent.main(flags(save_dir, calculator_rows, str(tmp_path / "run"), "--max_steps", "1", "--max_gen_len", "48",
+                           "--advantage_estimator", "reinforce_pp", "--kl_placement", "loss"),
+                     reward_fn=recording_rewards)
+    advantages, mask, rewards = seen["advantages"][0], seen["masks"][0], seen["rewards"][0]
+    assert advantages.shape == mask.shape  # [B*G, R]: one advantage per token
+    tokens = [float(r) for r, row in zip(rewards, mask) for _ in range(int(row.sum()))]  # each model token's return
+    mean = sum(tokens) / len(tokens)
+    std = (sum((t - mean) ** 2 for t in tokens) / (len(tokens) - 1) + 1e-8) ** 0.5
+    for row in range(mask.size(0)):
+        model_tokens = mask[row].nonzero().flatten()
+        assert (model_tokens.diff() > 1).any()  # the tool's reply lies between the two turns
+        expected = (float(rewards[row]) - mean) / std
+        assert advantages[row, model_tokens].tolist() == pytest.approx([expected] * len(model_tokens), abs=1e-5)
+        assert (advantages[row][mask[row] == 0] == 0).all()

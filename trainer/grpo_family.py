@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from trainer.advantage_estimators import token_advantages
 from trainer.infra.distributed import any_rank
 from trainer.infra.flags import add_bool_flag
 from trainer.infra.optimizer import accumulation_window_size, project_scale_only_gradients
@@ -28,7 +29,6 @@ LOSS_TYPES = ("cispo", "grpo", "bnpo", "dr_grpo", "dapo", "sapo", "luspo", "vesp
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # PPO's clipped surrogate, with their own sums
 TOKEN_SUM_LOSS_TYPES = ("dapo", "vespo")  # a token sum over the accumulation window's tokens of every process
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-SCALE_REWARDS = ("group", "batch", "none")  # the advantage's scale (trainer_utils.grpo_advantages)
 DEFAULT_CISPO_EPSILON_HIGH = 5.0  # upstream MiniMind's --epsilon_high: CISPO's clamp of the ratio weight
 # the flags each member reads besides --loss_type and --beta (a member refuses a flag it would ignore)
 MEMBER_FLAGS = {
@@ -64,8 +64,6 @@ class LossConfig:
 
 def add_family_args(parser):
     """The flags of the members after the chapter, TRL's names; unset flags stay None (``build_loss_config``)."""
-    parser.add_argument("--scale_rewards", default="group", choices=SCALE_REWARDS,
-                        help="advantage scale: the group's std (the chapter's), the batch's, or none (Dr. GRPO)")
     add_bool_flag(parser, "--mask_truncated_completions",
                   help="1: answers cut at --max_gen_len (no EOS) are left out of the loss (DAPO)")
     parser.add_argument("--importance_sampling_level", default=None, choices=IMPORTANCE_SAMPLING_LEVELS,
@@ -181,7 +179,8 @@ def policy_objective(ratio, per_token_logps, old_per_token_logps, advantages, co
       sapo: sigmoid(tau (ratio - 1)) 4 / tau A, tau by the sign of A (SAPO, Gao et al. 2025, eq. 6);
       vespo: sg[phi(w)] A logp (``vespo_gamma_weights``, which reads the rollout correction's
         ``importance_sampling_ratio`` [N, R] when given).
-    ratio [N, R]; per_token_logps, old_per_token_logps [N, R]; advantages [N, 1] -> fp32 [N, R].
+    ratio [N, R]; per_token_logps, old_per_token_logps [N, R]; advantages [N, 1] (or [N, R]: REINFORCE++) -> fp32
+    [N, R].
     """
     loss_type = config.loss_type
     if loss_type == "cispo":
@@ -233,7 +232,8 @@ def family_loss(per_token_logps, old_per_token_logps, ref_per_token_logps, advan
     ``aggregate_loss``. Equals TRL 1.16's ``_compute_loss`` (``use_bias_correction_kl=False``; cispo on answers of
     equal length: TRL sums cispo's tokens like dapo's).
 
-    fp32 [N, R] log-probs (``ref_per_token_logps`` None when beta is 0), advantages fp32 [N], completion_mask [N, R].
+    fp32 [N, R] log-probs (``ref_per_token_logps`` None when beta is 0), advantages fp32 [N] (or [N, R]: a token-level
+    estimator, ``advantage_estimators.py``), completion_mask [N, R].
     ``importance_sampling_ratio``: the rollout correction's weights, fp32 [N, R] or [N, 1] (``rollout_correction``),
     multiplying the objective (not the KL) as TRL does; vespo reads them inside its gamma weight instead.
     Returns (policy_loss scalar, per_token_kl [N, R] detached, ratio [N, R] detached).
@@ -242,8 +242,8 @@ def family_loss(per_token_logps, old_per_token_logps, ref_per_token_logps, advan
     per_token_kl = torch.zeros_like(per_token_logps) if ref_per_token_logps is None \
         else k3_kl(ref_per_token_logps, per_token_logps, mask)  # [N, R]
     ratio = importance_ratio(per_token_logps, old_per_token_logps, completion_mask, config.importance_sampling_level)
-    objective = policy_objective(ratio, per_token_logps, old_per_token_logps, advantages.unsqueeze(1), completion_mask,
-                                 config, importance_sampling_ratio)  # [N, R]
+    objective = policy_objective(ratio, per_token_logps, old_per_token_logps, token_advantages(advantages),
+                                 completion_mask, config, importance_sampling_ratio)  # [N, R]
     if importance_sampling_ratio is not None and config.loss_type != "vespo":
         objective = objective * importance_sampling_ratio  # [N, R], the rollout correction
     per_token_loss = -(objective - config.beta * per_token_kl)  # [N, R]
@@ -341,8 +341,9 @@ def clip_fractions(ratio, advantages, completion_mask, config):
     """The share of answer tokens (of answers at the sequence level) whose objective the bound acts on, as TRL logs
     it over every process: ``clip_ratio/low_mean`` (ratio < 1 - eps, A < 0), ``clip_ratio/high_mean``
     (ratio > 1 + eps_high, A > 0) and ``clip_ratio/region_mean`` for the clipped family; ``cispo_clip_ratio``
-    (ratio > eps_high, A > 0) for cispo; none for sapo and vespo. ratio fp32 [N, R], advantages [N] -> dict."""
-    advantages = advantages.unsqueeze(1)  # [N, 1]
+    (ratio > eps_high, A > 0) for cispo; none for sapo and vespo. ratio fp32 [N, R], advantages [N] or [N, R] ->
+    dict."""
+    advantages = token_advantages(advantages)  # [N, 1], or [N, R] for a token-level estimator
     per_sequence = config.importance_sampling_level == "sequence"
     if config.loss_type == "cispo":
         clipped = ((ratio > config.epsilon_high) & (advantages > 0)).float()  # [N, R]

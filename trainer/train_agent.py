@@ -2,12 +2,12 @@
 
 One step, in the order of ``train_grpo.py``: the policy answers each prompt G times, calling tools over up to
 ``--max_turns`` turns (``agent/rollout.py``: the tools' replies sit in the sequence with mask 0, only the model's
-own tokens are trained); rewards (upstream MiniMind's agent reward, ``agent/rewards.py``); group advantages (8.5.1);
-reference log-probs on the model's tokens; the CISPO / GRPO loss with beta * k3 KL (8.5.2, 8.6; the family in
-``grpo_family.py``). ``main`` builds what the step uses in numbered blocks, then runs the loop; the update is
-``grpo_family.GRPOUpdate``, the lines ``train_grpo.py`` writes out in view. Source: upstream MiniMind's
-``trainer/train_agent.py`` (jingyaogong/minimind); the tools and their bounds are ``agent/tools.py``. Prompts are
-cut from the left to ``--max_total_len - --max_gen_len`` tokens.
+own tokens are trained); rewards (upstream MiniMind's agent reward, ``agent/rewards.py``); reference log-probs on
+the model's tokens; group advantages (8.5.1; the other estimators in ``advantage_estimators.py``); the CISPO /
+GRPO loss with beta * k3 KL (8.5.2, 8.6; the family in ``grpo_family.py``). ``main`` builds what the step uses in
+numbered blocks, then runs the loop; the update is ``grpo_family.GRPOUpdate``, the lines ``train_grpo.py`` writes
+out in view. Source: upstream MiniMind's ``trainer/train_agent.py`` (jingyaogong/minimind); the tools and their
+bounds are ``agent/tools.py``. Prompts are cut from the left to ``--max_total_len - --max_gen_len`` tokens.
 ``--rollout_engine sglang``: an SGLang server generates every turn, the policy pushed to it after each update
 (chapter 8.2, ``rollout_engine.SGLangRolloutEngine``); old log-probs as ``--sglang_logprobs`` says.
 
@@ -21,7 +21,7 @@ import copy
 import functools
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,6 +32,9 @@ from torch.utils.data import DataLoader
 
 from dataset.agent_dataset import AGENT_TEST_DATA, AGENT_TRAIN_DATA, AgentRLDataset, collate_agent_rows
 from dataset.lm_dataset import ResumableBatchSampler, count_total_steps, resumable_batches
+from trainer.advantage_estimators import (
+    add_estimator_args, build_advantage_config, check_estimator_args, compute_advantages, loss_beta,
+)
 from trainer.agent.rewards import calculate_agent_rewards
 from trainer.agent.rollout import agent_rollout, ended_with_eos, template_kwargs
 from trainer.evaluation import build_agent_evaluator, evaluate_if_due
@@ -57,7 +60,7 @@ from trainer.infra.optimizer import build_cosine_scheduler, build_policy_optimiz
 from trainer.infra.stopping import BadStepGuard, StopSignal, finish_run
 from trainer.infra.weights import build_config, load_policy, load_tokenizer, weight_path
 from trainer.rollout_engine import compute_per_token_logps, create_rollout_engine
-from trainer.trainer_utils import grpo_advantages, load_reward_model
+from trainer.trainer_utils import load_reward_model
 
 
 # ----------------------------------------------------------------------------- flags
@@ -81,6 +84,7 @@ def parse_args(argv=None):
                         help="cispo: the clamp of the ratio weight (5.0); clipped family: upper clip 1 + epsilon_high")
     parser.add_argument("--num_iterations", type=int, default=1, help="mu: updates on each rollout")
     add_family_args(parser)
+    add_estimator_args(parser)  # --advantage_estimator, --kl_placement (advantage_estimators.py)
     # the bundled task's sizes: a prompt with the calculator's schema is ~610 tokens, a call ~95, its reply ~70;
     # the start is the copy-trained out/agent_copy_256.pth; the reward is correctness and valid calls (the reward
     # model off: its score on an answer without a call can out-earn a valid call, docs/departures.md); steps and
@@ -102,6 +106,7 @@ def parse_args(argv=None):
     if args.num_iterations > 1 and args.accumulation_steps > 1:
         parser.error("--num_iterations > 1 updates once per iteration: use it with --accumulation_steps 1")
     check_family_args(parser, args)
+    check_estimator_args(parser, args)
     return args
 
 
@@ -111,7 +116,7 @@ class AgentRolloutBatch:
     """What ``agent_step_rollout`` hands to the updates: B prompts x G conversations and what the loss needs."""
     rollout: object  # agent.rollout.AgentRolloutResult: ids, masks, old log-probs, turns, call counts
     completion_mask: torch.Tensor  # [B*G, R] 0/1, the model's own tokens (the loss's)
-    advantages: torch.Tensor  # [B*G] fp32 (8.5.1)
+    advantages: torch.Tensor  # [B*G] fp32 (8.5.1), or [B*G, R] for --advantage_estimator reinforce_pp
     ref_per_token_logps: Optional[torch.Tensor]  # [B*G, R] fp32 (8.6), None with --beta 0
     rewards: torch.Tensor  # [B*G] fp32
     reward_parts: dict  # the reward function's parts, each [B*G]
@@ -144,15 +149,18 @@ def agent_step_rollout(batch, model, ref_model, reward_fn, reward_model, tokeniz
     reward_parts = reward_fn(messages, rollout, gts, reward_model, args.answer_reward_weight)
     rewards = reward_parts["rewards"].to(device)  # [B*G]
 
-    # 3. group-relative advantages (8.5.1)
-    advantages = grpo_advantages(rewards, G, scale_rewards=args.scale_rewards)  # [B*G]
-
-    # 4. reference log-probs of the whole conversation, read on the model's tokens by the loss's mask
+    # 3. reference log-probs of the whole conversation, read on the model's tokens by the loss's mask
     ref_per_token_logps = None
     if ref_model is not None:
         with autocast:
             ref_per_token_logps = compute_per_token_logps(ref_model, rollout.output_ids, rollout.completion_ids.size(1),
                                                           rollout.attention_mask, args.temperature).per_token_logps
+
+    # 4. advantages: the group's (8.5.1), or --advantage_estimator's (advantage_estimators.py; REINFORCE++'s returns
+    #    carry across the tools' replies, whose mask is 0)
+    advantage_config = build_advantage_config(args)
+    advantages, kl_rewards = compute_advantages(rewards, completion_mask, advantage_config,
+                                                rollout.old_per_token_logps, ref_per_token_logps)  # [B*G] or [B*G, R]
 
     importance_sampling_ratio, mismatch_metrics = rollout_correction(  # grpo_family.py: [B*G, R] or [B*G, 1] or None
         rollout.old_per_token_logps, rollout.sampling_per_token_logps, completion_mask, args.rollout_correction,
@@ -165,7 +173,9 @@ def agent_step_rollout(batch, model, ref_model, reward_fn, reward_model, tokeniz
                "observation_len": (rollout.attention_mask[:, -completion_mask.size(1):] - rollout.completion_mask
                                    ).sum(dim=1).float().mean().item(),  # tool replies and template tokens
                **{key: float(value) for key, value in rollout.metrics.items()},
-               "frac_reward_zero_std": frac_reward_zero_std(rewards, G), **mismatch_metrics}
+               "frac_reward_zero_std": frac_reward_zero_std(rewards, G),
+               **({"kl_reward": kl_rewards.mean().item()} if advantage_config.kl_placement == "reward" else {}),
+               **mismatch_metrics}
     return AgentRolloutBatch(
         rollout=rollout, completion_mask=completion_mask, advantages=advantages,
         ref_per_token_logps=ref_per_token_logps, rewards=rewards, reward_parts=reward_parts,
@@ -207,6 +217,7 @@ def main(argv=None, reward_fn=calculate_agent_rewards):
     train_dtype = resolve_train_dtype(args.dtype, device)
     autocast = autocast_context(device, train_dtype)
     loss_config = build_loss_config(args)
+    loss_config = replace(loss_config, beta=loss_beta(build_advantage_config(args)))  # 0: the KL is in the rewards
 
     # 2. tokenizer, rows (checked: tools, gt, schemas) and their loader
     start_weight = None if args.from_weight == "none" else weight_path(args.from_weight, args.save_dir,
@@ -274,7 +285,7 @@ def main(argv=None, reward_fn=calculate_agent_rewards):
     for step, position, batch in batches:
         learning_rate = optimizer.param_groups[0]["lr"]
         rollout_batch = agent_step_rollout(batch, ddp_model, ref_model, reward_fn, reward_model, tokenizer, args,
-                                           autocast, server)  # steps 1-4: rollout, rewards, advantages, reference
+                                           autocast, server)  # steps 1-4: rollout, rewards, reference, advantages
         if args.debug_mode and step % args.debug_interval == 0:
             print_conversations(step, rollout_batch, tokenizer, args.num_generations)
         policy_loss = functools.partial(agent_policy_loss, ddp_model, rollout_batch, loss_config, args, autocast)

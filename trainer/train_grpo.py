@@ -1,10 +1,11 @@
 """GRPO for a MiniMind policy (chapter 8.5): rollout -> reward -> group advantage -> CISPO / GRPO loss.
 
 One step, in chapter order: the rollout engine samples G answers per prompt with their old log-probs (8.2); rewards
-= rule reward + reward-model score + answer reward (8.3); advantages = (r - group mean) / (group std + 1e-4) (8.5.1);
-reference log-probs; the CISPO or clipped loss with beta * k3 KL (8.5.2, 8.6). ``main`` builds what the step uses in
-numbered blocks, then runs the loop with the update written out. The members after the chapter (DAPO, Dr. GRPO,
-GSPO, SAPO, ...) live in ``grpo_family.py``.
+= rule reward + reward-model score + answer reward (8.3); reference log-probs; advantages = (r - group mean) /
+(group std + 1e-4) (8.5.1); the CISPO or clipped loss with beta * k3 KL (8.5.2, 8.6). ``main`` builds what the step
+uses in numbered blocks, then runs the loop with the update written out. The members after the chapter (DAPO,
+Dr. GRPO, GSPO, SAPO, ...) live in ``grpo_family.py``; the estimators beside the group's (RLOO, REINFORCE++) and
+DAPO's dynamic sampling and overlong penalty in ``advantage_estimators.py``.
 
 Run (the embedded default: tiny MiniMind, bundled arithmetic prompts, CPU):
     python trainer/train_grpo.py
@@ -15,7 +16,7 @@ import argparse
 import copy
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,7 +26,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from dataset.lm_dataset import (
-    RLAIFDataset, ResumableBatchSampler, check_prompt_count, count_total_steps, resumable_batches,
+    RLAIFDataset, ResumableBatchSampler, check_prompt_count, count_total_steps, epoch_batches, resumable_batches,
+    spare_batches,
+)
+from trainer.advantage_estimators import (
+    add_dapo_sampling_args, add_estimator_args, build_advantage_config, check_estimator_args, compute_advantages,
+    group_rows, informative_groups, join_rollouts, loss_beta, overlong_penalty, pad_to,
 )
 from trainer.grpo_family import (
     DEFAULT_CISPO_EPSILON_HIGH, LOSS_TYPES, TOKEN_SUM_LOSS_TYPES, add_family_args, build_loss_config,
@@ -53,7 +59,7 @@ from trainer.infra.stopping import BadStepGuard, StopSignal, finish_run, nonfini
 from trainer.infra.weights import build_config, load_policy, load_tokenizer, weight_path
 from trainer.rollout_engine import RolloutResult, compute_per_token_logps, create_rollout_engine, tokenize_prompts
 from trainer.speed.shared_prefix import shared_prefix_forward
-from trainer.trainer_utils import calculate_rewards, grpo_advantages, k3_kl, load_reward_model, masked_mean
+from trainer.trainer_utils import calculate_rewards, k3_kl, load_reward_model, masked_mean
 
 
 # ----------------------------------------------------------------------------- the math (chapter 8.5)
@@ -78,7 +84,8 @@ def grpo_loss(per_token_logps, old_per_token_logps, ref_per_token_logps, advanta
     grpo (the symmetric clip). Equal to TRL 1.16's ``_compute_loss`` (tests/test_grpo_family.py).
 
     per_token_logps (requires grad), old_per_token_logps, ref_per_token_logps (None when beta is 0): fp32 [N, R];
-    advantages fp32 [N]; completion_mask [N, R] 0/1. Returns (policy_loss scalar, per_token_kl [N, R], ratio [N, R]),
+    advantages fp32 [N] (one per answer, 8.5.1) or [N, R] (one per token: REINFORCE++, ``advantage_estimators.py``);
+    completion_mask [N, R] 0/1. Returns (policy_loss scalar, per_token_kl [N, R], ratio [N, R]),
     the last two detached. Raises ValueError for another loss_type (the family: ``grpo_family.family_loss``).
     """
     mask = completion_mask.bool()  # [N, R]
@@ -90,7 +97,7 @@ def grpo_loss(per_token_logps, old_per_token_logps, ref_per_token_logps, advanta
         per_token_kl = k3_kl(ref_per_token_logps, per_token_logps, mask)  # [N, R], 0 where masked
     log_ratio = torch.where(mask, per_token_logps - old_per_token_logps, torch.zeros_like(per_token_logps))
     ratio = torch.exp(log_ratio)  # [N, R]
-    advantages = advantages.unsqueeze(1)  # [N, 1]
+    advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # [N, 1] or [N, R]
     if loss_type == "cispo":
         clamped_ratio = torch.clamp(ratio, max=epsilon_high).detach()  # [N, R], a weight on logp's gradient
         per_token_loss = -(clamped_ratio * advantages * per_token_logps - beta * per_token_kl)
@@ -127,6 +134,8 @@ def parse_args(argv=None):
                   help="1: the forwards run each prompt once for its G answers (same log-probs; the default for "
                        "dense models); 0: every answer with its own copy of the prompt (the default with --use_moe 1)")
     add_family_args(parser)
+    add_estimator_args(parser)  # --advantage_estimator, --kl_placement (advantage_estimators.py)
+    add_dapo_sampling_args(parser)  # --dynamic_sampling, --overlong_buffer_len
     # the default run: 120 steps, the final norm's gain at 2e-2 (docs/departures.md: GRPO's default run)
     parser.set_defaults(max_steps=120, final_norm_learning_rate=2e-2, eval_interval=60,
                         shared_prefix=0 if parser.parse_known_args(argv)[0].use_moe else 1)
@@ -140,6 +149,7 @@ def parse_args(argv=None):
     if args.num_iterations > 1 and args.accumulation_steps > 1:
         parser.error("--num_iterations > 1 updates once per iteration: use it with --accumulation_steps 1")
     check_family_args(parser, args)  # the loss's flags: a flag the chosen member ignores is refused
+    check_estimator_args(parser, args)  # the estimator's flags, the KL's placement, DAPO's sampling
     return args
 
 
@@ -159,11 +169,22 @@ def group_policy_forward(model, rollout, num_generations, temperature=1.0, share
 
 # ----------------------------------------------------------------------------- one step
 @dataclass
+class ScoredRollout:
+    """Steps 1-2 of a GRPO step for B prompts: G answers each and their rewards (what dynamic sampling keeps)."""
+
+    rollout: RolloutResult  # output_ids, completion_ids, masks and the old log-probs of the sampler (8.2)
+    completion_mask: torch.Tensor  # [B*G, R] 0/1, the loss's tokens (--mask_truncated_completions: cut answers out)
+    reward_parts: dict  # the reward function's parts, each [B*G]; "rewards" is their total
+    prompts: list  # B*G prompts, each repeated G times
+    truncated: int  # prompts cut to --max_seq_len
+
+
+@dataclass
 class GRPORolloutBatch:
     """What ``grpo_rollout`` hands to the updates: one rollout of B prompts x G answers and what the loss needs."""
     rollout: RolloutResult  # output_ids, completion_ids, masks and the old log-probs of the sampler (8.2)
     completion_mask: torch.Tensor  # [B*G, R] 0/1, the loss's tokens (--mask_truncated_completions: cut answers out)
-    advantages: torch.Tensor  # [B*G] fp32 (8.5.1)
+    advantages: torch.Tensor  # [B*G] fp32 (8.5.1), or [B*G, R] for --advantage_estimator reinforce_pp
     ref_per_token_logps: Optional[torch.Tensor]  # [B*G, R] fp32 (8.6), None with --beta 0
     rewards: torch.Tensor  # [B*G] fp32 (8.3)
     reward_parts: dict  # the reward function's parts, each [B*G]
@@ -171,16 +192,13 @@ class GRPORolloutBatch:
     debug: dict  # "prompts", "completions": B*G strings each, for --debug_mode
     metrics: dict  # the rollout's own: prompts cut, groups of equal rewards, the engine's metrics
     importance_sampling_ratio: Optional[torch.Tensor] = None  # [B*G, R] or [B*G, 1], --rollout_correction's weights
+    data_position: Optional[dict] = None  # --dynamic_sampling: the data position after the last prompts drawn
 
 
 @torch.no_grad()
-def grpo_rollout(batch, ref_model, rollout_engine, reward_fn, reward_model, tokenizer, args, device, autocast):
-    """Steps 1-4 of a GRPO step (chapter 8.1, 8.5): rollout, rewards, group advantages, reference log-probs.
-
-    ``reward_fn`` is ``calculate_rewards`` (chapter 8.3) or a replacement with the same arguments and result;
-    ``ref_model`` is None with ``--beta 0`` (then no reference forward runs); ``autocast`` is the forwards' context
-    under ``--dtype``. Returns a ``GRPORolloutBatch`` of B*G rows.
-    """
+def sample_and_score(batch, rollout_engine, reward_fn, reward_model, tokenizer, args, device, autocast):
+    """Steps 1-2 of a GRPO step (chapter 8.2, 8.3): G answers per prompt of ``batch`` with their old log-probs, and
+    their rewards (``reward_fn``; with ``--overlong_buffer_len`` DAPO's overlong penalty added). -> ScoredRollout."""
     prompts, answers = batch["prompt"], batch["answer"]  # list[str] of length B
     prompt_ids, attention_mask, truncated = tokenize_prompts(tokenizer, prompts, args.max_seq_len, device)
 
@@ -198,28 +216,109 @@ def grpo_rollout(batch, ref_model, rollout_engine, reward_fn, reward_model, toke
     repeated_answers = [a for a in answers for _ in range(args.num_generations)]
     reward_parts = reward_fn(repeated_prompts, rollout.completions, repeated_answers, reward_model,
                              args.answer_reward_weight)
-    rewards = reward_parts["rewards"].to(device)  # [B*G]
+    if args.overlong_buffer_len:  # DAPO's soft overlong punishment (advantage_estimators.py)
+        penalties = overlong_penalty(rollout.completion_mask.sum(dim=1).cpu(), args.max_gen_len,
+                                     args.overlong_buffer_len, args.overlong_penalty_factor)  # [B*G]
+        reward_parts = {**reward_parts, "rewards": reward_parts["rewards"] + penalties, "overlong_penalties": penalties}
+    return ScoredRollout(rollout, completion_mask, reward_parts, repeated_prompts, truncated)
 
-    # 3. group-relative advantages (8.5.1)
-    advantages = grpo_advantages(rewards, args.num_generations, scale_rewards=args.scale_rewards)  # [B*G]
 
-    # 4. reference log-probs (fp32 whatever --dtype is)
+def join_scored(parts, pad_token_id):
+    """One ``ScoredRollout`` of the rows ``parts`` picks: [(ScoredRollout, row indices long tensor)], in order."""
+    rollout = join_rollouts([(scored.rollout, rows) for scored, rows in parts], pad_token_id)
+    width = rollout.completion_ids.size(1)
+    return ScoredRollout(
+        rollout=rollout,
+        completion_mask=torch.cat([pad_to(scored.completion_mask[rows], width, 0) for scored, rows in parts]),
+        reward_parts={key: torch.cat([scored.reward_parts[key][rows.cpu()] for scored, rows in parts])
+                      for key in parts[0][0].reward_parts},
+        prompts=[scored.prompts[i] for scored, rows in parts for i in rows.tolist()],
+        truncated=sum(scored.truncated for scored, _ in parts),
+    )
+
+
+def dynamic_sampling(first, draw_more, args, device, pad_token_id):
+    """DAPO's dynamic sampling (Yu et al. 2025, section 3.2; verl's DAPO trainer): keep the groups whose G rewards
+    differ (``informative_groups``) and score more prompts, ``draw_more()`` -> ScoredRollout or None (no batch can
+    be spared), until B such groups exist on every rank, or ``--max_num_gen_batches`` batches were scored this step
+    (0: no bound but the data). Every rank draws as many batches as the rank that needs most (no hang). At the bound
+    the batch is completed with groups of equal rewards (advantage 0: only their KL term acts), where verl raises.
+    Returns (the B groups as one ScoredRollout, kept in the order drawn; metrics)."""
+    G, B = args.num_generations, args.batch_size
+    draws, kept, equal = [first], [], []  # (draw, group) pairs
+    while True:
+        informative = informative_groups(draws[-1].reward_parts["rewards"], G)  # [B]
+        for group, keep in enumerate(informative.tolist()):
+            (kept if keep else equal).append((len(draws) - 1, group))
+        bound = args.max_num_gen_batches and len(draws) >= args.max_num_gen_batches
+        if bound or not any_rank(len(kept) < B, device):
+            break
+        scored = draw_more()
+        if scored is None:  # the data left is the remaining steps'
+            break
+        draws.append(scored)
+    chosen = sorted(kept[:B] + equal[: max(B - len(kept), 0)])  # [(draw, group)] of B groups
+    parts = [(draws[d], group_rows([g for dd, g in chosen if dd == d], G, device))
+             for d in sorted({d for d, _ in chosen})]
+    all_rewards = torch.cat([scored.reward_parts["rewards"] for scored in draws])  # [draws * B*G]
+    metrics = {"frac_reward_zero_std": frac_reward_zero_std(all_rewards, G),
+               "dynamic_sampling/gen_batches": float(len(draws)),
+               "dynamic_sampling/filled_groups": float(max(B - len(kept), 0))}
+    return join_scored(parts, pad_token_id), metrics
+
+
+@torch.no_grad()
+def grpo_rollout(batch, ref_model, rollout_engine, reward_fn, reward_model, tokenizer, args, device, autocast,
+                 more_batches=None):
+    """Steps 1-4 of a GRPO step (chapter 8.1, 8.5): rollout, rewards, reference log-probs, advantages.
+
+    ``reward_fn`` is ``calculate_rewards`` (chapter 8.3) or a replacement with the same arguments and result;
+    ``ref_model`` is None with ``--beta 0`` (then no reference forward runs); ``autocast`` is the forwards' context
+    under ``--dtype``; ``more_batches``: an iterator of (data position, batch) that ``--dynamic_sampling`` draws
+    from. Returns a ``GRPORolloutBatch`` of B*G rows.
+    """
+    # 1-2. rollout and rewards (8.2, 8.3)
+    scored = sample_and_score(batch, rollout_engine, reward_fn, reward_model, tokenizer, args, device, autocast)
+    sampling_metrics = {"frac_reward_zero_std": frac_reward_zero_std(scored.reward_parts["rewards"],
+                                                                     args.num_generations)}
+    data_position = None
+    if args.dynamic_sampling:  # DAPO: groups of equal rewards are replaced by new prompts' groups
+        def draw_more():
+            nonlocal data_position
+            drawn = next(more_batches, None)
+            if drawn is None:
+                return None
+            data_position, extra_batch = drawn
+            return sample_and_score(extra_batch, rollout_engine, reward_fn, reward_model, tokenizer, args, device,
+                                    autocast)
+
+        scored, sampling_metrics = dynamic_sampling(scored, draw_more, args, device, tokenizer.pad_token_id)
+    rollout, completion_mask = scored.rollout, scored.completion_mask  # [B*G, R] each
+    rewards = scored.reward_parts["rewards"].to(device)  # [B*G]
+
+    # 3. reference log-probs (fp32 whatever --dtype is)
     ref_per_token_logps = None
     if ref_model is not None:
         with autocast:
             ref_per_token_logps = group_policy_forward(ref_model, rollout, args.num_generations, args.temperature,
                                                        args.shared_prefix, compute_entropy=False).per_token_logps
+
+    # 4. advantages: the group's (8.5.1), or --advantage_estimator's (advantage_estimators.py)
+    advantage_config = build_advantage_config(args)
+    advantages, kl_rewards = compute_advantages(rewards, completion_mask, advantage_config, rollout.per_token_logps,
+                                                ref_per_token_logps)  # [B*G] or [B*G, R]
     importance_sampling_ratio, mismatch_metrics = rollout_correction(  # grpo_family.py: [B*G, R] or [B*G, 1] or None
         rollout.per_token_logps, rollout.sampling_per_token_logps, completion_mask, args.rollout_correction,
         args.rollout_correction_cap)  # the rollout correction (beyond the chapter): trainer against server
+    kl_metrics = {"kl_reward": kl_rewards.mean().item()} if advantage_config.kl_placement == "reward" else {}
     return GRPORolloutBatch(
         rollout=rollout, completion_mask=completion_mask, advantages=advantages,
-        ref_per_token_logps=ref_per_token_logps, rewards=rewards, reward_parts=reward_parts,
+        ref_per_token_logps=ref_per_token_logps, rewards=rewards, reward_parts=scored.reward_parts,
         num_items_in_batch=all_ranks_mean(completion_mask.sum().double(), device),
-        debug={"prompts": repeated_prompts, "completions": rollout.completions},
-        metrics={"truncated_prompts": truncated, **rollout.metrics,
-                 "frac_reward_zero_std": frac_reward_zero_std(rewards, args.num_generations), **mismatch_metrics},
-        importance_sampling_ratio=importance_sampling_ratio,
+        debug={"prompts": scored.prompts, "completions": rollout.completions},
+        metrics={"truncated_prompts": scored.truncated, **rollout.metrics, **sampling_metrics, **kl_metrics,
+                 **mismatch_metrics},
+        importance_sampling_ratio=importance_sampling_ratio, data_position=data_position,
     )
 
 
@@ -264,6 +363,7 @@ def main(argv=None, reward_fn=calculate_rewards):
     train_dtype = resolve_train_dtype(args.dtype, device)  # "auto": bfloat16 on a GPU that has it, else float32
     autocast = autocast_context(device, train_dtype)  # the context of every training forward
     loss_config = build_loss_config(args)  # the policy loss's settings (8.5.2; the family: grpo_family.py)
+    loss_config = replace(loss_config, beta=loss_beta(build_advantage_config(args)))  # 0: the KL is in the rewards
 
     # 2. tokenizer, prompts and their loader
     start_weight = None if args.from_weight == "none" else weight_path(args.from_weight, args.save_dir,
@@ -324,11 +424,14 @@ def main(argv=None, reward_fn=calculate_rewards):
     problems = []  # names of what was non-finite since the last optimizer step
     window_num_items = progress.get("window_num_items", 0.0)  # a resume inside an accumulation window
     step, stop = progress["step"], stop_signal.requested(device)
-    batches = [] if stop else resumable_batches(loader, batch_sampler, progress, args.epochs, total_steps)
+    data = epoch_batches(loader, batch_sampler, progress, args.epochs)  # (position, batch), also DAPO's draws
+    batches = [] if stop else resumable_batches(loader, batch_sampler, progress, args.epochs, total_steps, data)
     for step, position, batch in batches:
         learning_rate = optimizer.param_groups[0]["lr"]  # the rate this step's update uses (read before stepping)
+        more_batches = spare_batches(data, position, args.epochs, batch_sampler, total_steps - step)  # DAPO's draws
         rollout_batch = grpo_rollout(batch, ref_model, rollout_engine, reward_fn, reward_model, tokenizer, args,
-                                     device, autocast)  # steps 1-4: rollout, rewards, advantages, reference
+                                     device, autocast, more_batches)  # steps 1-4: rollout, rewards, reference, adv.
+        position = rollout_batch.data_position or position  # after the prompts --dynamic_sampling drew
         if args.debug_mode and step % args.debug_interval == 0:
             print_samples(step, rollout_batch.debug["prompts"], rollout_batch.debug["completions"],
                           rollout_batch.reward_parts, args.num_generations)

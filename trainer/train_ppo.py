@@ -49,7 +49,9 @@ from trainer.infra.optimizer import (
 )
 from trainer.rollout_engine import compute_per_token_logps, create_rollout_engine, tokenize_prompts
 from trainer.infra.stopping import BadStepGuard, StopSignal, finish_run, nonfinite_parts
-from trainer.trainer_utils import calculate_rewards, k3_kl, load_reward_model, masked_mean
+from trainer.trainer_utils import (
+    calculate_rewards, k3_kl, kl_penalty_rewards, load_reward_model, masked_mean, place_sequence_rewards,
+)
 from trainer.infra.weights import build_config, load_policy, load_tokenizer, weight_path
 
 
@@ -64,38 +66,6 @@ def normalize_rewards(rewards, eps=1e-8):
     is an unbiased baseline, so GAE + whitening no longer favours late tokens of every answer.
     """
     return (rewards - rewards.mean()) / (rewards.std(unbiased=False) + eps)
-
-
-def place_sequence_rewards(rewards, completion_mask):
-    """Put each sequence reward on its last real token (chapter 8.4.2).
-
-    rewards: fp32 [B]; completion_mask: [B, R] 0/1 (1 through the first EOS) -> token_rewards fp32 [B, R],
-    zero except at index (number of real tokens - 1): the first EOS, or the last token when truncated.
-    A row without any real token gets no reward.
-    """
-    token_rewards = torch.zeros(completion_mask.shape, dtype=torch.float32, device=rewards.device)  # [B, R]
-    resp_lengths = completion_mask.sum(dim=1)  # [B]
-    valid_resp = resp_lengths > 0
-    rows = torch.arange(completion_mask.size(0), device=rewards.device)[valid_resp]
-    token_rewards[rows, resp_lengths[valid_resp] - 1] = rewards[valid_resp].float()
-    return token_rewards
-
-
-def kl_penalty_rewards(old_per_token_logps, ref_per_token_logps, completion_mask, kl_coef):
-    """The KL penalty as a per-token reward, for ``--kl_placement reward`` (InstructGPT, Ouyang et al. 2022, eq. 2;
-    the learner's article; TRL's PPOTrainer): r_t = -kl_coef * (log pi_old(y_t) - log pi_ref(y_t)).
-
-    The chapter (8.6) puts k3 into the loss instead (``ppo_policy_loss``); this form adds the sampled log-ratio
-    (k1) to the rewards before GAE, so the critic learns the penalised return.
-
-    Args:
-        old_per_token_logps, ref_per_token_logps: fp32 [B, R]; completion_mask: [B, R] 0/1; kl_coef >= 0.
-    Returns:
-        fp32 [B, R], 0 where masked.
-    """
-    mask = completion_mask.bool()  # [B, R]
-    log_ratio = torch.where(mask, old_per_token_logps - ref_per_token_logps, torch.zeros_like(old_per_token_logps))
-    return -kl_coef * log_ratio.float()  # [B, R]
 
 
 def compute_gae(token_rewards, values, mask, gamma=1.0, lam=1.0):

@@ -35,9 +35,9 @@ def rep_penalty(text, n=3, cap=0.5):
     The penalty is min(cap, 2 * cap * (#n-grams - #distinct n-grams) / #n-grams) over the n-grams of
     ``repetition_tokens`` (0 for text with fewer than n tokens). The chapter's words (regex ``\\w+|[^\\w\\s]``) make
     an unpunctuated run of Chinese one "word", so under them "你好" repeated six times scores 0 (upstream MiniMind's
-    issue #810); here every CJK character is a token, so the penalty sees Chinese, English and mixed text alike: "你好" x 6 gives
-    10 trigrams of which 2 are distinct -> 0.5. Characters rather than tokenizer ids keep the reward a function of the
-    text alone, the same whatever tokenizer the policy has.
+    issue #810); here every CJK character is a token, so the penalty sees Chinese, English and mixed text alike:
+    "你好" x 6 gives 10 trigrams of which 2 are distinct -> 0.5. Characters rather than tokenizer ids keep the reward
+    a function of the text alone, the same whatever tokenizer the policy has.
     """
     tokens = repetition_tokens(text)
     ngrams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
@@ -251,6 +251,45 @@ def calculate_rewards(prompts, responses, answers, reward_model, answer_reward_w
     rewards = rule_rewards + reward_model_scores + answer_reward_weight * answer_rewards  # [N]
     return {"rewards": rewards, "rule_rewards": rule_rewards, "reward_model_scores": reward_model_scores,
             "answer_rewards": answer_rewards}
+
+
+# ----------------------------------------------------------------------------- rewards per token (chapter 8.4.2, 8.6)
+# PPO puts each answer's reward on its last token (GAE reads rewards per token); so does REINFORCE++
+# (advantage_estimators.py). ``--kl_placement reward`` adds the KL penalty to every token's reward.
+
+
+def place_sequence_rewards(rewards, completion_mask):
+    """Put each sequence reward on its last real token (chapter 8.4.2).
+
+    rewards: fp32 [B]; completion_mask: [B, R] 0/1 (1 through the first EOS) -> token_rewards fp32 [B, R],
+    zero except at the last position whose mask is 1: the first EOS, or the last token when truncated (in the agent
+    script, whose mask is 0 on the tools' replies, the model's last token). A row without any real token gets no
+    reward.
+    """
+    token_rewards = torch.zeros(completion_mask.shape, dtype=torch.float32, device=rewards.device)  # [B, R]
+    positions = torch.arange(completion_mask.size(1), device=completion_mask.device).expand_as(completion_mask)
+    last_real = torch.where(completion_mask.bool(), positions, -1).max(dim=1).values  # [B], -1 without tokens
+    valid_resp = last_real >= 0
+    rows = torch.arange(completion_mask.size(0), device=rewards.device)[valid_resp]
+    token_rewards[rows, last_real[valid_resp]] = rewards[valid_resp].float()
+    return token_rewards
+
+
+def kl_penalty_rewards(old_per_token_logps, ref_per_token_logps, completion_mask, kl_coef):
+    """The KL penalty as a per-token reward, for ``--kl_placement reward`` (InstructGPT, Ouyang et al. 2022, eq. 2;
+    the learner's article; TRL's PPOTrainer): r_t = -kl_coef * (log pi_old(y_t) - log pi_ref(y_t)).
+
+    The chapter (8.6) puts k3 into the loss instead (``ppo_policy_loss``); this form adds the sampled log-ratio
+    (k1) to the rewards before GAE, so the critic learns the penalised return.
+
+    Args:
+        old_per_token_logps, ref_per_token_logps: fp32 [B, R]; completion_mask: [B, R] 0/1; kl_coef >= 0.
+    Returns:
+        fp32 [B, R], 0 where masked.
+    """
+    mask = completion_mask.bool()  # [B, R]
+    log_ratio = torch.where(mask, old_per_token_logps - ref_per_token_logps, torch.zeros_like(old_per_token_logps))
+    return -kl_coef * log_ratio.float()  # [B, R]
 
 
 # ----------------------------------------------------------------------------- KL and masks (chapter 8.6)

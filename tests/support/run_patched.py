@@ -7,6 +7,7 @@ and ``save_checkpoint``.
 Harness flags:
     --trace_dir DIR        per rank: the dataset indices of every step's prompts (indices_rank{r}.jsonl) and,
                            at every checkpoint, a sha256 digest of the policy (and critic) (digest_rank{r}.txt)
+    --binary_text_reward   as --text_reward, but 0 or 1 (GRPO: some groups of equal rewards)
     --text_reward          replace the chapter's rewards (the agent's) with a fixed function of the answer text
                            (of the model's turns), so that a random tiny model gets unequal rewards and its weights
                            really change
@@ -40,6 +41,14 @@ def text_rewards(prompts, responses, answers, reward_model, answer_reward_weight
             "answer_rewards": zeros}
 
 
+def binary_text_rewards(prompts, responses, answers, reward_model, answer_reward_weight):
+    """Reward 0 or 1 from the sha256 of the answer text (same keys as calculate_rewards): on a random tiny model some
+    groups of answers get equal rewards, as DAPO's dynamic sampling needs to draw more prompts."""
+    parts = text_rewards(prompts, responses, answers, reward_model, answer_reward_weight)
+    rewards = (parts["rewards"] >= 0.5).float()
+    return {**parts, "rewards": rewards, "rule_rewards": rewards.clone()}
+
+
 def agent_text_rewards(messages, rollout, gts, reward_model, gt_weight):
     """Rewards in [0, 1) from the sha256 of the turns (unequal on a random tiny model), with the agent's keys (same
     arguments and keys as trainer.agent.rewards.calculate_agent_rewards)."""
@@ -61,6 +70,7 @@ def main():
     parser.add_argument("script", choices=sorted(SCRIPTS))
     parser.add_argument("--trace_dir", default="")
     parser.add_argument("--text_reward", action="store_true")
+    parser.add_argument("--binary_text_reward", action="store_true")
     parser.add_argument("--kill_after_save", type=int, default=0)
     parser.add_argument("--kill_during_save", type=int, default=0)
     parser.add_argument("--kill_before_step", type=int, default=0)
@@ -109,7 +119,9 @@ def main():
     if opts.trace_dir:
         os.makedirs(opts.trace_dir, exist_ok=True)
     module.resumable_batches, module.save_checkpoint = traced_batches, instrumented_save_checkpoint
-    if opts.text_reward:
+    if opts.binary_text_reward:
+        module.main(script_argv, reward_fn=binary_text_rewards)
+    elif opts.text_reward:
         module.main(script_argv, reward_fn=script_text_rewards)
     else:
         module.main(script_argv)  # the script's own rewards

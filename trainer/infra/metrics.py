@@ -310,6 +310,14 @@ def mean_of_updates(updates):
     return update_mean
 
 
+def advantage_stats(advantages, completion_mask):
+    """(mean, std) of a rollout's advantages as floats: over the answers for [N] (one per answer), over the answer
+    tokens for [N, R] (a token-level estimator); the std biased."""
+    if advantages.dim() == 1:
+        return advantages.mean().item(), advantages.std(unbiased=False).item()
+    return masked_values_mean(advantages, completion_mask).item(), masked_std(advantages, completion_mask).item()
+
+
 def grpo_metrics(rollout_batch, updates):
     """The step's metrics: the rollout's rewards and advantages, then the mean over the step's updates of each
     update's metrics (one update per rollout: its own), except ``ratio_min`` / ``ratio_max``: the smallest and largest
@@ -317,14 +325,17 @@ def grpo_metrics(rollout_batch, updates):
     update_mean = mean_of_updates(updates)
     kl_ref = {"kl_ref": update_mean.pop("kl_ref")} if "kl_ref" in update_mean else {}
     update_keys = ("policy_loss", "aux_loss", "ratio_mean")
+    parts = rollout_batch.reward_parts
+    advantages_mean, advantages_std = advantage_stats(rollout_batch.advantages, rollout_batch.completion_mask)
     return {
         "reward": rollout_batch.rewards.mean().item(),
-        "rule_reward": rollout_batch.reward_parts["rule_rewards"].mean().item(),
-        "reward_model_score": rollout_batch.reward_parts["reward_model_scores"].mean().item(),
-        "answer_reward": rollout_batch.reward_parts["answer_rewards"].mean().item(),
+        "rule_reward": parts["rule_rewards"].mean().item(),
+        "reward_model_score": parts["reward_model_scores"].mean().item(),
+        "answer_reward": parts["answer_rewards"].mean().item(),
+        **({"overlong_penalty": parts["overlong_penalties"].mean().item()} if "overlong_penalties" in parts else {}),
         **kl_ref,
-        "advantages_mean": rollout_batch.advantages.mean().item(),
-        "advantages_std": rollout_batch.advantages.std(unbiased=False).item(),
+        "advantages_mean": advantages_mean,
+        "advantages_std": advantages_std,
         **{key: update_mean.pop(key) for key in update_keys},
         "response_len": rollout_batch.rollout.completion_mask.sum(dim=1).float().mean().item(),
         **rollout_batch.metrics,
@@ -360,11 +371,12 @@ def agent_metrics(rollout_batch, updates):
     updates' metrics (``ratio_min`` / ``ratio_max``: the extremes over the updates)."""
     update_mean = mean_of_updates(updates)
     parts = rollout_batch.reward_parts
+    advantages_mean, advantages_std = advantage_stats(rollout_batch.advantages, rollout_batch.completion_mask)
     return {
         "reward": rollout_batch.rewards.mean().item(),
         **{name: parts[key].mean().item() for name, key in AGENT_METRIC_PARTS.items()},
-        "advantages_mean": rollout_batch.advantages.mean().item(),
-        "advantages_std": rollout_batch.advantages.std(unbiased=False).item(),
+        "advantages_mean": advantages_mean,
+        "advantages_std": advantages_std,
         "response_len": rollout_batch.rollout.completion_mask.sum(dim=1).float().mean().item(),
         **rollout_batch.metrics,
         **update_mean,
