@@ -112,6 +112,14 @@ def test_reinforce_pp_returns_equal_verl():
     assert returns[5].tolist() == pytest.approx([-0.81, -0.9, -1.0, 0.0], abs=1e-6)
 
 
+def test_opo_equals_verls_formula_hand_computed():
+    # verl's compute_opo_outcome_advantage: r_i - sum_j L_j r_j / sum_j L_j per group, no division
+    # group a: L 4, 2, 3, r 1, 0, 0.5 -> baseline 5.5 / 9; group b: L 1, 4, 3, r 2, 2, -1 -> baseline 7 / 8
+    advantages, _ = compute_advantages(SCORES, MASK, config(estimator="opo"))
+    expected = [1 - 5.5 / 9, -5.5 / 9, 0.5 - 5.5 / 9, 2 - 7 / 8, 2 - 7 / 8, -1 - 7 / 8]
+    assert advantages.tolist() == pytest.approx(expected, abs=1e-6)
+
+
 def test_reinforce_pp_baseline_equals_verl():
     advantages, _ = compute_advantages(SCORES, MASK, config(estimator="reinforce_pp_baseline"))
     assert advantages.tolist() == pytest.approx(

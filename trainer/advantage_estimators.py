@@ -5,12 +5,14 @@ loss (8.5.2, ``grpo_family.py``) is the same for all of them. ``--advantage_esti
 
     grpo                   (r_i - mean of the group) / (std of the group + 1e-4)        [B*G]   the chapter's, 8.5.1
     rloo                   r_i - mean of the other G - 1 rewards of the group            [B*G]   RLOO
+    opo                    r_i - the group's length-weighted mean reward                  [B*G]   OPO
     reinforce_pp           token returns of rewards holding -beta * k1 per token,        [B*G, R] REINFORCE++
                            whitened over every answer token of the batch
     reinforce_pp_baseline  (r_i - mean of the group), whitened over the batch's tokens   [B*G]   REINFORCE++-baseline
 
 Sources: RLOO (Kool et al. 2019, "Buy 4 REINFORCE samples, get a baseline for free!"; Ahmadian et al. 2024), TRL
-1.16's ``RLOOTrainer``; REINFORCE++ and REINFORCE++-baseline (Hu et al. 2025, arXiv:2501.03262), verl's
+1.16's ``RLOOTrainer``; OPO (Hao et al. 2025, arXiv:2505.23585), verl's ``compute_opo_outcome_advantage``;
+REINFORCE++ and REINFORCE++-baseline (Hu et al. 2025, arXiv:2501.03262), verl's
 ``compute_reinforce_plus_plus_outcome_advantage`` / ``..._baseline_outcome_advantage``. The statistics over "the
 batch" are over every process's answers (all_reduce), as the peers compute them on the whole gathered batch.
 
@@ -19,8 +21,8 @@ per token, as PPO's): per token for ``reinforce_pp``, summed over each answer fo
 RLOO subtracts beta times the summed k1 from each reward).
 
 DAPO (Yu et al. 2025, arXiv:2503.14476) adds two techniques on the batch side, here too: the soft overlong
-punishment (``overlong_penalty``) and dynamic sampling (``informative_groups``, ``join_groups``: groups whose G
-rewards agree carry no gradient and are replaced by new prompts' groups; the loop in ``train_grpo.py``).
+punishment (``overlong_penalty``) and dynamic sampling (``dynamic_sampling``: groups whose G rewards agree carry
+no gradient and are replaced by new prompts' groups; ``train_grpo.grpo_rollout`` calls it).
 """
 
 import math
@@ -29,10 +31,11 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from trainer.infra.distributed import any_rank
 from trainer.infra.flags import add_bool_flag
 from trainer.trainer_utils import grpo_advantages, kl_penalty_rewards, place_sequence_rewards
 
-ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "opo", "reinforce_pp", "reinforce_pp_baseline")
 TOKEN_LEVEL_ESTIMATORS = ("reinforce_pp",)  # advantages [B*G, R], one per token
 KL_PLACEMENTS = ("loss", "reward")
 RLOO_NORMALIZE_EPS = 1e-4  # TRL's RLOOTrainer: (A - mean) / (std + 1e-4)
@@ -93,6 +96,22 @@ def rloo_advantages(rewards, num_generations):
         raise ValueError(f"rloo needs groups of G >= 2 rewards, got {rewards.numel()} rewards with G {num_generations}")
     grouped_rewards = rewards.double().view(-1, num_generations)  # [B, G]
     baseline = (grouped_rewards.sum(dim=1, keepdim=True) - grouped_rewards) / (num_generations - 1)  # [B, G]
+    return (grouped_rewards - baseline).view(-1).to(rewards.dtype)  # [B*G]
+
+
+def opo_advantages(rewards, num_generations, completion_mask):
+    """OPO's baseline (Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline"; verl's
+    ``compute_opo_outcome_advantage``): A_i = r_i - sum_j L_j r_j / sum_j L_j over the answers j of i's group, L_j
+    the answer's tokens (the variance-optimal baseline when the gradient's size grows with the length); no division.
+
+    rewards: fp32 [B*G]; completion_mask [B*G, R] 0/1 -> advantages [B*G] in the rewards' dtype (float64 statistics).
+    A group without tokens has baseline 0.
+    """
+    if rewards.numel() % num_generations != 0:
+        raise ValueError(f"{rewards.numel()} rewards cannot be split into groups of {num_generations}")
+    grouped_rewards = rewards.double().view(-1, num_generations)  # [B, G]
+    lengths = completion_mask.sum(dim=1).double().view(-1, num_generations)  # [B, G]
+    baseline = (lengths * grouped_rewards).sum(dim=1, keepdim=True) / lengths.sum(dim=1, keepdim=True).clamp(min=1)
     return (grouped_rewards - baseline).view(-1).to(rewards.dtype)  # [B*G]
 
 
@@ -180,6 +199,8 @@ def compute_advantages(rewards, completion_mask, config, old_per_token_logps=Non
     if config.estimator == "rloo":
         advantages = rloo_advantages(total_rewards, G)  # [B*G]
         return (normalize_over_batch(advantages) if config.normalize_advantages else advantages), kl_rewards
+    if config.estimator == "opo":
+        return opo_advantages(total_rewards, G, completion_mask), kl_rewards
     if config.estimator == "reinforce_pp_baseline":
         return reinforce_pp_baseline_advantages(total_rewards, G, completion_mask), kl_rewards
     raise ValueError(f"unknown advantage estimator {config.estimator!r}; valid: {', '.join(ADVANTAGE_ESTIMATORS)}")
@@ -189,6 +210,7 @@ def compute_advantages(rewards, completion_mask, config, old_per_token_logps=Non
 ESTIMATOR_FLAGS = {  # the flags each estimator reads (an estimator refuses a flag it would ignore)
     "grpo": ("scale_rewards",),
     "rloo": ("normalize_advantages",),
+    "opo": (),
     "reinforce_pp": ("gamma",),
     "reinforce_pp_baseline": (),
 }
@@ -202,8 +224,9 @@ def add_estimator_args(parser):
         "--advantage_estimator",
         default="grpo",
         choices=ADVANTAGE_ESTIMATORS,
-        help="grpo: the group's mean and std (the chapter's); rloo: leave-one-out; reinforce_pp: token returns "
-        "whitened over the batch; reinforce_pp_baseline: group mean, whitened over the batch (docs/estimators.md)",
+        help="grpo: the group's mean and std (the chapter's); rloo: leave-one-out; opo: length-weighted group mean; "
+        "reinforce_pp: token returns whitened over the batch; reinforce_pp_baseline: group mean, whitened over the "
+        "batch (docs/estimators.md)",
     )
     parser.add_argument(
         "--scale_rewards",
@@ -388,3 +411,61 @@ def group_rows(groups, num_generations, device):
     """The row indices of ``groups`` (group indices, a list): each group's G adjacent rows. -> long [len * G]."""
     rows = [g * num_generations + j for g in groups for j in range(num_generations)]
     return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def join_scored(parts, pad_token_id):
+    """One scored batch of the rows ``parts`` picks: [(scored, row indices long tensor)], in that order; ``scored``
+    is ``train_grpo.ScoredRollout`` (rollout, completion_mask [N, R], reward_parts of [N] tensors, prompts,
+    truncated), and the result is one of its kind."""
+    rollout = join_rollouts([(scored.rollout, rows) for scored, rows in parts], pad_token_id)
+    width = rollout.completion_ids.size(1)
+    return replace(
+        parts[0][0],
+        rollout=rollout,
+        completion_mask=torch.cat([pad_to(scored.completion_mask[rows], width, 0) for scored, rows in parts]),
+        reward_parts={
+            key: torch.cat([scored.reward_parts[key][rows.cpu()] for scored, rows in parts])
+            for key in parts[0][0].reward_parts
+        },
+        prompts=[scored.prompts[i] for scored, rows in parts for i in rows.tolist()],
+        truncated=sum(scored.truncated for scored, _ in parts),
+    )
+
+
+def dynamic_sampling(first, more_batches, score, args, device, pad_token_id):
+    """DAPO's dynamic sampling (Yu et al. 2025, section 3.2; verl's DAPO trainer): keep the groups whose G rewards
+    differ (``informative_groups``) and score more prompts, ``score(batch)`` for each (position, batch) drawn from
+    ``more_batches``, until B such groups exist on every rank or ``--max_num_gen_batches`` batches were scored this
+    step (0: no bound but the batches the remaining steps leave spare). Every rank draws as many batches as the rank
+    that needs most (no hang). Kept groups beyond B are dropped (verl keeps the first B); at the bound the batch is
+    completed with groups of equal rewards (advantage 0: only their KL term acts), where verl raises an error.
+
+    first: the step's own scored batch (``join_scored``'s kind); returns (the B groups as one scored batch in the
+    order drawn, metrics {frac_reward_zero_std over every group drawn, dynamic_sampling/gen_batches,
+    dynamic_sampling/filled_groups}, the data position after the last batch drawn or None).
+    """
+    G, B = args.num_generations, args.batch_size
+    draws, kept, equal, position = [first], [], [], None  # (draw, group) pairs
+    while True:
+        informative = informative_groups(draws[-1].reward_parts["rewards"], G)  # [B]
+        for group, keep in enumerate(informative.tolist()):
+            (kept if keep else equal).append((len(draws) - 1, group))
+        at_bound = args.max_num_gen_batches and len(draws) >= args.max_num_gen_batches
+        if at_bound or not any_rank(len(kept) < B, device):
+            break
+        drawn = next(more_batches, None)
+        if drawn is None:  # the data left belongs to the remaining steps (the same on every rank)
+            break
+        position, batch = drawn
+        draws.append(score(batch))
+    chosen = sorted(kept[:B] + equal[: max(B - len(kept), 0)])  # [(draw, group)] of B groups
+    parts = [
+        (draws[d], group_rows([g for dd, g in chosen if dd == d], G, device)) for d in sorted({d for d, _ in chosen})
+    ]
+    all_rewards = torch.cat([scored.reward_parts["rewards"] for scored in draws])  # [draws * B*G]
+    metrics = {
+        "frac_reward_zero_std": 1.0 - informative_groups(all_rewards, G).double().mean().item(),
+        "dynamic_sampling/gen_batches": float(len(draws)),
+        "dynamic_sampling/filled_groups": float(max(B - len(kept), 0)),
+    }
+    return join_scored(parts, pad_token_id), metrics, position

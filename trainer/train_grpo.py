@@ -14,6 +14,7 @@ Run (the embedded default: tiny MiniMind, bundled arithmetic prompts, CPU):
 """
 import argparse
 import copy
+import functools
 import os
 import sys
 from dataclasses import dataclass, replace
@@ -31,7 +32,7 @@ from dataset.lm_dataset import (
 )
 from trainer.advantage_estimators import (
     add_dapo_sampling_args, add_estimator_args, build_advantage_config, check_estimator_args, compute_advantages,
-    group_rows, informative_groups, join_rollouts, loss_beta, overlong_penalty, pad_to,
+    dynamic_sampling, loss_beta, overlong_penalty,
 )
 from trainer.grpo_family import (
     DEFAULT_CISPO_EPSILON_HIGH, LOSS_TYPES, TOKEN_SUM_LOSS_TYPES, add_family_args, build_loss_config,
@@ -223,50 +224,6 @@ def sample_and_score(batch, rollout_engine, reward_fn, reward_model, tokenizer, 
     return ScoredRollout(rollout, completion_mask, reward_parts, repeated_prompts, truncated)
 
 
-def join_scored(parts, pad_token_id):
-    """One ``ScoredRollout`` of the rows ``parts`` picks: [(ScoredRollout, row indices long tensor)], in order."""
-    rollout = join_rollouts([(scored.rollout, rows) for scored, rows in parts], pad_token_id)
-    width = rollout.completion_ids.size(1)
-    return ScoredRollout(
-        rollout=rollout,
-        completion_mask=torch.cat([pad_to(scored.completion_mask[rows], width, 0) for scored, rows in parts]),
-        reward_parts={key: torch.cat([scored.reward_parts[key][rows.cpu()] for scored, rows in parts])
-                      for key in parts[0][0].reward_parts},
-        prompts=[scored.prompts[i] for scored, rows in parts for i in rows.tolist()],
-        truncated=sum(scored.truncated for scored, _ in parts),
-    )
-
-
-def dynamic_sampling(first, draw_more, args, device, pad_token_id):
-    """DAPO's dynamic sampling (Yu et al. 2025, section 3.2; verl's DAPO trainer): keep the groups whose G rewards
-    differ (``informative_groups``) and score more prompts, ``draw_more()`` -> ScoredRollout or None (no batch can
-    be spared), until B such groups exist on every rank, or ``--max_num_gen_batches`` batches were scored this step
-    (0: no bound but the data). Every rank draws as many batches as the rank that needs most (no hang). At the bound
-    the batch is completed with groups of equal rewards (advantage 0: only their KL term acts), where verl raises.
-    Returns (the B groups as one ScoredRollout, kept in the order drawn; metrics)."""
-    G, B = args.num_generations, args.batch_size
-    draws, kept, equal = [first], [], []  # (draw, group) pairs
-    while True:
-        informative = informative_groups(draws[-1].reward_parts["rewards"], G)  # [B]
-        for group, keep in enumerate(informative.tolist()):
-            (kept if keep else equal).append((len(draws) - 1, group))
-        bound = args.max_num_gen_batches and len(draws) >= args.max_num_gen_batches
-        if bound or not any_rank(len(kept) < B, device):
-            break
-        scored = draw_more()
-        if scored is None:  # the data left is the remaining steps'
-            break
-        draws.append(scored)
-    chosen = sorted(kept[:B] + equal[: max(B - len(kept), 0)])  # [(draw, group)] of B groups
-    parts = [(draws[d], group_rows([g for dd, g in chosen if dd == d], G, device))
-             for d in sorted({d for d, _ in chosen})]
-    all_rewards = torch.cat([scored.reward_parts["rewards"] for scored in draws])  # [draws * B*G]
-    metrics = {"frac_reward_zero_std": frac_reward_zero_std(all_rewards, G),
-               "dynamic_sampling/gen_batches": float(len(draws)),
-               "dynamic_sampling/filled_groups": float(max(B - len(kept), 0))}
-    return join_scored(parts, pad_token_id), metrics
-
-
 @torch.no_grad()
 def grpo_rollout(batch, ref_model, rollout_engine, reward_fn, reward_model, tokenizer, args, device, autocast,
                  more_batches=None):
@@ -283,16 +240,11 @@ def grpo_rollout(batch, ref_model, rollout_engine, reward_fn, reward_model, toke
                                                                      args.num_generations)}
     data_position = None
     if args.dynamic_sampling:  # DAPO: groups of equal rewards are replaced by new prompts' groups
-        def draw_more():
-            nonlocal data_position
-            drawn = next(more_batches, None)
-            if drawn is None:
-                return None
-            data_position, extra_batch = drawn
-            return sample_and_score(extra_batch, rollout_engine, reward_fn, reward_model, tokenizer, args, device,
-                                    autocast)
-
-        scored, sampling_metrics = dynamic_sampling(scored, draw_more, args, device, tokenizer.pad_token_id)
+        score = functools.partial(sample_and_score, rollout_engine=rollout_engine, reward_fn=reward_fn,
+                                  reward_model=reward_model, tokenizer=tokenizer, args=args, device=device,
+                                  autocast=autocast)
+        scored, sampling_metrics, data_position = dynamic_sampling(scored, more_batches, score, args, device,
+                                                                   tokenizer.pad_token_id)
     rollout, completion_mask = scored.rollout, scored.completion_mask  # [B*G, R] each
     rewards = scored.reward_parts["rewards"].to(device)  # [B*G]
 
