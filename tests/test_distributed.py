@@ -115,3 +115,20 @@ def test_two_rank_agent_runs_always_exit(tmp_path):
     save_dir, train, _ = write_agent_files(tmp_path)  # the agent frees its DDP wrapper as grpo does
     assert_runs_always_exit("train_agent.py", lambda run_dir: agent_flags(
         save_dir, train, run_dir, "--max_steps", "1", "--save_interval", "1"), tmp_path)
+
+
+def test_two_ranks_draw_alike_under_dynamic_sampling_and_batch_whitening(tmp_path, tiny_weights, small_data):
+    """0/1 rewards under --dynamic_sampling: a rank whose groups all differ still draws as many batches as the other
+    (every rank calls the collectives equally often, so the run exits) and the ranks end bit-identical, with
+    REINFORCE++'s whitening over both ranks' tokens (its values: test_advantage_estimators.py)."""
+    trace = tmp_path / "trace"
+    result = torchrun(["tests/support/run_patched.py", "grpo", "--binary_text_reward", "--trace_dir", str(trace), "--"]
+                      + TINY + ["--num_generations", "3", "--max_steps", "4", "--save_interval", "4",
+                                "--dynamic_sampling", "1", "--max_num_gen_batches", "4",
+                                "--advantage_estimator", "reinforce_pp", "--save_dir", str(tmp_path),
+                                "--run_dir", str(tmp_path / "run"), "--data_path", small_data], timeout=300)
+    initial, _ = init_model(build_config(64, 2, 0), "tiny", str(tmp_path))
+    assert_ranks_trained_alike(result, trace, initial, 4)
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    draws = [row["dynamic_sampling/gen_batches"] for row in rows]  # the mean over the ranks: equal counts are whole
+    assert all(d == int(d) for d in draws) and sum(draws) > len(rows)
