@@ -44,8 +44,8 @@ def test_saving_over_the_start_weights_names_both_flags(tiny_weights):
 def test_start_weights_that_do_not_exist_are_named_with_what_the_folder_holds(tiny_weights):
     save_dir, _ = tiny_weights
     result = run("train_ppo.py", TINY[:4] + ["--from_weight", "no_such_weights", "--save_dir", save_dir] + QUICK)
-    assert_ends_with_user_error(result, "train_ppo.py", "weights not found: ", "no_such_weights_64.pth",
-                                f"(in {save_dir}: ['tiny_64.pth'])")
+    assert_ends_with_user_error(result, "train_ppo.py", "--from_weight no_such_weights: weights not found: ",
+                                "no_such_weights_64.pth", f"(in {save_dir}: ['tiny_64.pth'])")
 
 
 @pytest.mark.parametrize("script", ["train_grpo.py", "train_ppo.py", "train_full_sft.py"])

@@ -185,8 +185,12 @@ def init_model(lm_config, from_weight="none", save_dir=DEFAULT_SAVE_DIR, tokeniz
 
 def load_policy(lm_config, from_weight, save_dir, tokenizer, device):
     """The policy of an RL run (chapter 8.1's actor): ``init_model`` with ``--from_weight``, ``--save_dir`` and the
-    run's tokenizer; fp32 weights on ``device``. Raises what ``init_model`` raises."""
-    model, _ = init_model(lm_config, from_weight, save_dir, device=device, tokenizer=tokenizer)
+    run's tokenizer; fp32 weights on ``device``. Raises what ``init_model`` raises; a missing file as
+    FileNotFoundError whose message starts with the flag: "--from_weight NAME: weights not found: PATH (in ...)"."""
+    try:
+        model, _ = init_model(lm_config, from_weight, save_dir, device=device, tokenizer=tokenizer)
+    except FileNotFoundError as error:
+        raise FileNotFoundError(f"--from_weight {from_weight}: {error}") from None
     return model
 
 
