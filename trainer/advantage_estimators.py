@@ -33,11 +33,10 @@ import torch.distributed as dist
 
 from trainer.infra.distributed import any_rank
 from trainer.infra.flags import add_bool_flag
-from trainer.trainer_utils import grpo_advantages, kl_penalty_rewards, place_sequence_rewards
+from trainer.trainer_utils import KL_PLACEMENTS, grpo_advantages, kl_penalty_rewards, place_sequence_rewards
 
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "opo", "reinforce_pp", "reinforce_pp_baseline")
 TOKEN_LEVEL_ESTIMATORS = ("reinforce_pp",)  # advantages [B*G, R], one per token
-KL_PLACEMENTS = ("loss", "reward")
 RLOO_NORMALIZE_EPS = 1e-4  # TRL's RLOOTrainer: (A - mean) / (std + 1e-4)
 WHITEN_EPS = 1e-8  # verl's masked_whiten: (x - mean) * rsqrt(var + 1e-8)
 

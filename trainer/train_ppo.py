@@ -50,12 +50,10 @@ from trainer.infra.optimizer import (
 from trainer.rollout_engine import compute_per_token_logps, create_rollout_engine, tokenize_prompts
 from trainer.infra.stopping import BadStepGuard, StopSignal, finish_run, nonfinite_parts
 from trainer.trainer_utils import (
-    calculate_rewards, k3_kl, kl_penalty_rewards, load_reward_model, masked_mean, place_sequence_rewards,
+    KL_PLACEMENTS, calculate_rewards, k3_kl, kl_penalty_rewards, load_reward_model, masked_mean,
+    place_sequence_rewards,
 )
 from trainer.infra.weights import build_config, load_policy, load_tokenizer, weight_path
-
-
-KL_PLACEMENTS = ("loss", "reward")
 
 
 # ----------------------------------------------------------------------------- the math (chapter 8.4)

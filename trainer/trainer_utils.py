@@ -275,6 +275,9 @@ def place_sequence_rewards(rewards, completion_mask):
     return token_rewards
 
 
+KL_PLACEMENTS = ("loss", "reward")  # --kl_placement: beta * k3 in the loss (8.6), or -beta * k1 in the rewards
+
+
 def kl_penalty_rewards(old_per_token_logps, ref_per_token_logps, completion_mask, kl_coef):
     """The KL penalty as a per-token reward, for ``--kl_placement reward`` (InstructGPT, Ouyang et al. 2022, eq. 2;
     the learner's article; TRL's PPOTrainer): r_t = -kl_coef * (log pi_old(y_t) - log pi_ref(y_t)).
