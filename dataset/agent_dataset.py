@@ -7,9 +7,8 @@ import random
 
 import torch
 
+from dataset.errors import DataError
 from dataset.lm_dataset import DataFormatError, escape_conversations, iter_jsonl
-from trainer.agent.tools import conversation_tools
-from trainer.infra.errors import InputError
 
 DATASET_DIR = os.path.dirname(os.path.abspath(__file__))
 AGENT_TRAIN_DATA = os.path.join(DATASET_DIR, "agent_rl_train.jsonl")
@@ -23,14 +22,17 @@ class AgentRLDataset(torch.utils.data.Dataset):
     turns (a final assistant turn dropped, contents escaped as ``RLAIFDataset`` escapes them), "gt": list[str],
     "open_thinking": bool, "index": int}. A prompt opens thinking with probability ``thinking_ratio``, drawn as
     ``RLAIFDataset`` draws it (a fixed function of seed and index: a resumed run sees the same prompts). Every row
-    is checked when the file is read: bad input fails before any model is built. Raises DataFormatError naming file
-    and line (``check_agent_row``), ValueError for a ratio outside [0, 1]."""
+    is checked when the file is read: bad input fails before any model is built. ``check_tools(conversations)``
+    checks a row's tool schemas (``trainer.agent.tools.conversation_tools``: they parse and name registered tools;
+    ValueError otherwise). Raises DataFormatError naming file and line (``check_agent_row``), DataError for a ratio
+    outside [0, 1]."""
 
-    def __init__(self, path, tokenizer, thinking_ratio=0.0, seed=42):
+    def __init__(self, path, tokenizer, thinking_ratio=0.0, seed=42, *, check_tools):
         if not 0.0 <= thinking_ratio <= 1.0:
-            raise InputError(f"thinking_ratio must be in [0, 1], got {thinking_ratio}")
+            raise DataError(f"thinking_ratio must be in [0, 1], got {thinking_ratio}")
         special_tokens = list(tokenizer.all_special_tokens)
-        self.rows = [check_agent_row(row, f"{path}:{line}", special_tokens) for line, row in iter_jsonl(path)]
+        self.rows = [check_agent_row(row, f"{path}:{line}", special_tokens, check_tools)
+                     for line, row in iter_jsonl(path)]
         self.thinking_ratio, self.seed = thinking_ratio, seed
 
     def __len__(self):
@@ -41,10 +43,10 @@ class AgentRLDataset(torch.utils.data.Dataset):
         return dict(self.rows[index], open_thinking=open_thinking, index=index)
 
 
-def check_agent_row(row, where, special_tokens):
+def check_agent_row(row, where, special_tokens, check_tools):
     """One row as {"messages", "gt"}; DataFormatError ``where: reason`` for a row without a conversation of
-    role/content strings, without ``tools`` on a system turn (or with tools that are not JSON, not schemas, or not
-    registered in ``agent.tools``), without a ``gt`` list, or without a user turn to answer."""
+    role/content strings, without ``tools`` on a system turn (or with tools that ``check_tools`` refuses: not JSON,
+    not schemas, not registered), without a ``gt`` list, or without a user turn to answer."""
     conversations = row.get("conversations") if isinstance(row, dict) else None
     if not isinstance(conversations, list) or not conversations or not all(
             isinstance(t, dict) and isinstance(t.get("role"), str) and isinstance(t.get("content"), str)
@@ -57,7 +59,7 @@ def check_agent_row(row, where, special_tokens):
         raise DataFormatError(f"{where}: expected 'gt', a list of the values a right answer contains, got "
                               f"{str(gt)[:60]!r}")
     try:
-        conversation_tools(conversations)  # the schemas parse and every tool is registered
+        check_tools(conversations)  # the schemas parse and every tool is registered
     except ValueError as error:
         raise DataFormatError(f"{where}: {error}") from error
     if conversations[-1]["role"] == "assistant":

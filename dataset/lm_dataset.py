@@ -17,10 +17,10 @@ import sys
 import torch
 from datasets import Dataset
 
-from trainer.infra.errors import InputError
+from dataset.errors import DataError
 
 
-class DataFormatError(InputError):
+class DataFormatError(DataError):
     """A data file line that is not valid UTF-8 JSON in the expected format (names file and line)."""
 
 
@@ -249,7 +249,7 @@ class RLAIFDataset(torch.utils.data.Dataset):
 
     def __init__(self, path, tokenizer, thinking_ratio=0.9, seed=42):
         if not 0.0 <= thinking_ratio <= 1.0:
-            raise InputError(f"thinking_ratio must be in [0, 1], got {thinking_ratio}")
+            raise DataError(f"thinking_ratio must be in [0, 1], got {thinking_ratio}")
         self.data = read_conversations_jsonl(path, require_user_turn=True)
         self.tokenizer = tokenizer
         self.special_tokens = list(tokenizer.all_special_tokens)
@@ -324,7 +324,7 @@ def check_prompt_count(dataset, path, batch_size, world_size, max_seq_len, answe
         ValueError: naming ``path``, how many prompts it has and how many one step of every process needs.
     """
     if len(dataset) < batch_size * world_size:
-        raise InputError(f"--data_path {path}: found {len(dataset)} prompts, need at least {batch_size * world_size} "
+        raise DataError(f"--data_path {path}: found {len(dataset)} prompts, need at least {batch_size * world_size} "
                          f"(--batch_size {batch_size} x {world_size} processes) for one full batch")
     missing = dataset.lines_without_answer() if answer_reward_weight else []
     if missing and len(missing) == len(dataset):

@@ -1,5 +1,6 @@
 """How the code is put together: scripts do not import scripts, flags mean one thing, booleans take 0/1."""
 import ast
+import glob
 import os
 
 import pytest
@@ -275,3 +276,41 @@ def test_the_rl_step_reaches_the_chapter_modules_only(script):
     assert project_modules <= {"trainer.rollout_engine", "trainer.trainer_utils", "model.model_minimind",
                                "trainer.grpo_family", "trainer.advantage_estimators", "trainer.speed.shared_prefix",
                                "trainer.infra.optimizer", "trainer.infra.distributed"}, project_modules
+
+
+def project_imports(path):
+    """The project modules (model., dataset., trainer.) a file imports, at its top or inside a function."""
+    return {name for name in imported_modules(path) if name.split(".")[0] in ("model", "dataset", "trainer")}
+
+
+def test_dataset_imports_nothing_from_trainer():
+    """The data layer sits below the training code: dataset/ imports model/ or dataset/ only."""
+    offenders = {path: sorted(n for n in project_imports(f"dataset/{path}") if n.startswith("trainer"))
+                 for path in os.listdir(os.path.join(ROOT, "dataset")) if path.endswith(".py")}
+    assert {path: names for path, names in offenders.items() if names} == {}
+
+
+def test_the_project_import_graph_has_no_cycle():
+    """No two modules of the project import each other, directly or through others, at their top or inside a
+    function (an import hidden in a function is still an arrow of the graph)."""
+    files = [os.path.relpath(p, ROOT) for folder in ("model", "dataset", "trainer")
+             for p in glob.glob(os.path.join(ROOT, folder, "**", "*.py"), recursive=True)]
+    module_of = {path: path[:-3].replace(os.sep, ".").removesuffix(".__init__") for path in files}
+    modules = set(module_of.values())
+    graph = {module_of[path]: {name if name in modules else name.rsplit(".", 1)[0] for name in project_imports(path)}
+             & modules - {module_of[path]} for path in files}
+    state, cycles = {}, []
+
+    def visit(module, stack):
+        state[module] = "open"
+        for other in sorted(graph.get(module, ())):
+            if state.get(other) == "open":
+                cycles.append(stack[stack.index(other):] + [other])
+            elif other not in state:
+                visit(other, stack + [other])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert cycles == []

@@ -19,7 +19,7 @@ from trainer.agent.rewards import (
     agent_reward, call_count_reward, calculate_agent_rewards, final_answer_text, gt_found, gt_reward, tag_penalty,
 )
 from trainer.agent.rollout import agent_rollout, ended_with_eos, template_kwargs
-from trainer.agent.tools import count_valid_calls, parse_tool_calls, tool_schemas
+from trainer.agent.tools import conversation_tools, count_valid_calls, parse_tool_calls, tool_schemas
 from trainer.infra.distributed import unwrap_model
 from trainer.infra.metrics import mask_segments
 
@@ -344,7 +344,7 @@ def test_thinking_opens_per_prompt_as_the_chapters_dataset_draws_it(agent_files,
     _, train, _ = agent_files
     tokenizer = AutoTokenizer.from_pretrained(MINIMIND_TOKENIZER)
     rlaif = RLAIFDataset(train, tokenizer, thinking_ratio=0.5, seed=7)
-    agent = AgentRLDataset(train, tokenizer, thinking_ratio=0.5, seed=7)
+    agent = AgentRLDataset(train, tokenizer, thinking_ratio=0.5, seed=7, check_tools=conversation_tools)
     opened = [rlaif[i]["prompt"].endswith("<think>\n") for i in range(len(rlaif))]
     assert 0 < sum(opened) < len(opened)  # both kinds among the rows
     batch = collate_agent_rows([agent[i] for i in range(len(agent))])

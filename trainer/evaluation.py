@@ -13,6 +13,7 @@ from dataset.agent_dataset import AgentRLDataset
 from dataset.lm_dataset import RLAIFDataset
 from trainer.agent.rewards import calculate_agent_rewards
 from trainer.agent.rollout import agent_rollout, template_kwargs
+from trainer.agent.tools import conversation_tools
 from trainer.infra.distributed import Logger, unwrap_model
 from trainer.rollout_engine import TorchRolloutEngine, decode_completions, tokenize_prompts
 from trainer.trainer_utils import calculate_rewards, completion_mask_from_ids
@@ -248,7 +249,8 @@ def build_agent_evaluator(args, tokenizer, device):
         Logger("held-out evaluation off: pass --eval_data_path FILE (agent rows) to evaluate")
     if not (args.eval_interval and args.eval_data_path):
         return None
-    dataset = AgentRLDataset(args.eval_data_path, tokenizer, args.thinking_ratio, args.seed)
+    dataset = AgentRLDataset(args.eval_data_path, tokenizer, args.thinking_ratio, args.seed,
+                             check_tools=conversation_tools)
     return AgentEvaluator(dataset, tokenizer, args, device)
 
 

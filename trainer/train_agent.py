@@ -37,6 +37,7 @@ from trainer.advantage_estimators import (
 )
 from trainer.agent.rewards import calculate_agent_rewards
 from trainer.agent.rollout import agent_rollout, ended_with_eos, template_kwargs
+from trainer.agent.tools import conversation_tools
 from trainer.evaluation import build_agent_evaluator, evaluate_if_due
 from trainer.grpo_family import (
     LOSS_TYPES, TOKEN_SUM_LOSS_TYPES, GRPOUpdate, add_family_args, build_loss_config, check_family_args, family_loss,
@@ -223,7 +224,7 @@ def main(argv=None, reward_fn=calculate_agent_rewards):
     start_weight = None if args.from_weight == "none" else weight_path(args.from_weight, args.save_dir,
                                                                         args.hidden_size, args.use_moe)
     tokenizer = load_tokenizer(args.tokenizer_path, start_weight, args.tokenizer_path_named)
-    train_ds = AgentRLDataset(args.data_path, tokenizer, args.thinking_ratio, args.seed)
+    train_ds = AgentRLDataset(args.data_path, tokenizer, args.thinking_ratio, args.seed, check_tools=conversation_tools)
     if len(train_ds) < args.batch_size * world_size:
         raise InputError(f"--data_path {args.data_path}: found {len(train_ds)} rows, need at least "
                          f"{args.batch_size * world_size} (--batch_size x processes) for one full batch")

@@ -1,15 +1,17 @@
 """Errors a user can read: the input or the environment is wrong, not the program.
 
-``InputError`` (flags, data, paths, save folders, start weights, checkpoints), ``ServerError`` (a server that
-replies wrongly, dies or hangs) and ``SaveFolderBusyError`` (another run holds the save folder) say what is wrong
-and how to go on; an ``OSError`` (a full disk, a folder that cannot be written, a file that is not there) names its
-path. ``run_script`` runs a script's ``main`` and ends such an error with one last line on stderr, in argparse's
-form (``train_grpo.py: error: ...``), and exit status 1, without a traceback. Anything else is a bug and keeps its
-traceback; ``--debug_mode 1`` keeps the traceback of both.
+``InputError`` (flags, paths, save folders, start weights, checkpoints), ``dataset.errors.DataError`` (data files and
+rows), ``ServerError`` (a server that replies wrongly, dies or hangs) and ``SaveFolderBusyError`` (another run holds
+the save folder) say what is wrong and how to go on; an ``OSError`` (a full disk, a folder that cannot be written, a
+file that is not there) names its path. ``run_script`` runs a script's ``main`` and ends such an error with one last
+line on stderr, in argparse's form (``train_grpo.py: error: ...``), and exit status 1, without a traceback. Anything
+else is a bug and keeps its traceback; ``--debug_mode 1`` keeps the traceback of both.
 """
 import errno
 import os
 import sys
+
+from dataset.errors import DataError
 
 
 class UserError(Exception):
@@ -48,8 +50,9 @@ OS_ERROR_HINTS = {
 
 def user_message(error):
     """The one line that ends a run for ``error``, or None when ``error`` is a bug (no ``UserError``, no
-    ``OSError``). Whitespace (newlines included) collapses to single spaces, so the message is the last line."""
-    if isinstance(error, UserError):
+    ``DataError``, no ``OSError``). Whitespace (newlines included) collapses to single spaces, so the message is
+    the last line."""
+    if isinstance(error, (UserError, DataError)):  # DataError: dataset/'s own (it imports nothing of trainer/)
         message = str(error)
     elif isinstance(error, OSError):
         message = str(error)

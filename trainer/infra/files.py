@@ -1,4 +1,5 @@
-"""Files on disk: the project's one atomic write, and the check that a folder takes files.
+"""Files on disk: the project's one atomic write, the check that a folder takes files, and where weights live
+(MiniMind's ``{save_dir}/{name}_{hidden}.pth`` naming, the repository's ``out/`` and ``model/``).
 
 Infrastructure, not RL: a learner can skip this file.
 """
@@ -8,6 +9,10 @@ import os
 import re
 import shutil
 import uuid
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+DEFAULT_TOKENIZER_PATH = os.path.join(ROOT, "model")
+DEFAULT_SAVE_DIR = os.path.join(ROOT, "out")
 
 
 def atomic_write(writes):
@@ -140,3 +145,23 @@ def check_creatable_dir(path):
         raise OSError(errno.ENOTDIR, f"{path} cannot be a folder: {existing} is not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise OSError(errno.EACCES, f"{path} is not writable: {existing} is not writable")
+
+
+def weight_path(from_weight, save_dir, hidden_size, use_moe, allow_file=True):
+    """MiniMind's naming: ``{save_dir}/{name}_{hidden}[_moe].pth``.
+
+    For loading (``allow_file``): ``from_weight`` itself if it is a file; else the name in ``save_dir``; else,
+    when that file does not exist, the name in the repository's ``out/`` (the bundled starting policy), so
+    that ``--save_dir runs/exp1`` still starts from ``out/full_sft_256.pth``. When neither exists the path in
+    ``save_dir`` is returned (and ``load_weights`` names it). Saves pass ``allow_file=False``: they always
+    write into ``save_dir``.
+    """
+    if allow_file and os.path.isfile(from_weight):
+        return from_weight
+    suffix = "_moe" if use_moe else ""
+    file_name = f"{from_weight}_{hidden_size}{suffix}.pth"
+    path = os.path.join(save_dir, file_name)
+    bundled = os.path.join(DEFAULT_SAVE_DIR, file_name)
+    if allow_file and not os.path.isfile(path) and os.path.isfile(bundled):
+        return bundled
+    return path

@@ -17,7 +17,8 @@ from trainer.infra.reward_models import read_reward_model_config
 from trainer.infra.sglang_client import (
     DEFAULT_ROLLOUT_CORRECTION_CAP, ROLLOUT_CORRECTIONS, ROLLOUT_ENGINES, SGLANG_LOGPROB_MODES,
 )
-from trainer.infra.weights import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, ROOT, build_config
+from trainer.infra.files import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, ROOT
+from trainer.infra.weights import build_config
 
 DEFAULT_REWARD_MODEL_PATH = os.path.join(ROOT, "out", "reward_model_256")  # trainer/train_reward.py, committed
 BUNDLED_TRAIN_DATA = os.path.join(ROOT, "dataset", "rlaif_train.jsonl")

@@ -11,6 +11,8 @@ import warnings
 
 import torch
 
+from trainer.infra.files import weight_path
+
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # every projection
 FINAL_NORM = "model.norm"  # the final RMSNorm, trained beside the adapters (modules_to_save)
 VALUE_HEAD = "value_head"  # PPO's critic head, trained in full beside the critic's adapters
@@ -66,7 +68,6 @@ def add_adapters(model, rank, alpha, dropout, target_modules, trained_in_full=(F
 
 def start_weight_path(args):
     """The file ``--from_weight`` resolves to (``weights.weight_path``), or None for ``--from_weight none``."""
-    from trainer.infra.weights import weight_path  # here: weights.py imports this module
     if args.from_weight == "none":
         return None
     return os.path.abspath(weight_path(args.from_weight, args.save_dir, args.hidden_size, args.use_moe))

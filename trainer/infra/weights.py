@@ -16,36 +16,13 @@ from transformers import AutoTokenizer
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from trainer.infra.distributed import Logger, unwrap_model
-from trainer.infra.files import atomic_write
+from trainer.infra.files import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, atomic_write, weight_path
 from trainer.infra.errors import InputError
 from trainer.infra.lora import adapter_folder, has_adapters, merged_state_dict, save_adapters
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
-DEFAULT_TOKENIZER_PATH = os.path.join(ROOT, "model")
-DEFAULT_SAVE_DIR = os.path.join(ROOT, "out")
 
 MERGE_HINT = ("merge the adapters into their base first (python scripts/convert_model.py merge_lora --adapter "
               "FOLDER --out merged.pth) and pass --from_weight merged.pth, with --lora_rank for new adapters on it")
-
-
-def weight_path(from_weight, save_dir, hidden_size, use_moe, allow_file=True):
-    """MiniMind's naming: ``{save_dir}/{name}_{hidden}[_moe].pth``.
-
-    For loading (``allow_file``): ``from_weight`` itself if it is a file; else the name in ``save_dir``; else,
-    when that file does not exist, the name in the repository's ``out/`` (the bundled starting policy), so
-    that ``--save_dir runs/exp1`` still starts from ``out/full_sft_256.pth``. When neither exists the path in
-    ``save_dir`` is returned (and ``load_weights`` names it). Saves pass ``allow_file=False``: they always
-    write into ``save_dir``.
-    """
-    if allow_file and os.path.isfile(from_weight):
-        return from_weight
-    suffix = "_moe" if use_moe else ""
-    file_name = f"{from_weight}_{hidden_size}{suffix}.pth"
-    path = os.path.join(save_dir, file_name)
-    bundled = os.path.join(DEFAULT_SAVE_DIR, file_name)
-    if allow_file and not os.path.isfile(path) and os.path.isfile(bundled):
-        return bundled
-    return path
 
 
 def minimind_dims(state_dict):
