@@ -21,7 +21,7 @@ sys.path.insert(0, ROOT)
 
 
 from dataset.lm_dataset import RLAIFDataset
-from trainer.evaluation import evaluate
+from trainer.evaluation import Decoding, evaluate
 from trainer.infra.errors import run_script
 from trainer.infra.weights import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, init_model
 from trainer.infra.flags import add_bool_flag
@@ -101,8 +101,9 @@ def main(argv=None):
     for name in args.weights:
         model, tokenizer = init_model(lm_config, name, args.save_dir, args.tokenizer_path, "cpu")
         dataset = RLAIFDataset(args.data_path, tokenizer, thinking_ratio=args.thinking_ratio, seed=args.seed)
-        results[name] = evaluate(model, tokenizer, dataset, args.num_prompts, args.batch_size, args.max_gen_len,
-                                 args.temperature, args.greedy, args.seed, reward_model)
+        decoding = Decoding(args.num_prompts, args.batch_size, args.max_gen_len, args.temperature, args.greedy,
+                            args.seed)
+        results[name] = evaluate(model, tokenizer, dataset, decoding, reward_model)
 
     mode = "greedy" if args.greedy else f"sampled, temperature {args.temperature}, seed {args.seed}"
     print(f"\nheld-out: {args.data_path} ({min(args.num_prompts, len(dataset))} prompts, {mode})")

@@ -21,6 +21,7 @@ import json
 import os
 import re
 import sys
+from dataclasses import replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -29,7 +30,7 @@ if ROOT not in sys.path:
 from dataset.lm_dataset import RLAIFDataset
 from trainer.infra.errors import run_script
 from trainer.infra.weights import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, init_model
-from trainer.evaluation import evaluate
+from trainer.evaluation import Decoding, evaluate
 from trainer.trainer_utils import extract_final_number, prompt_to_messages, split_thinking
 
 ERROR_KINDS = ("format", "no final number", "operand copied wrong", "arithmetic wrong", "wrong without thinking")
@@ -100,19 +101,18 @@ def question_of(prompt):
 
 def checkpoint_report(model, tokenizer, dataset, args):
     """Accuracy per temperature, pass@k and error kinds of one checkpoint (see the module docstring)."""
-    common = dict(num_prompts=args.num_prompts, batch_size=args.batch_size, max_gen_len=args.max_gen_len,
-                  max_seq_len=args.max_seq_len)
+    decoding = Decoding(args.num_prompts, args.batch_size, args.max_gen_len, max_seq_len=args.max_seq_len)
     accuracy = {}
     for temperature in args.temperatures:
         greedy = temperature == 0
-        result = evaluate(model, tokenizer, dataset, temperature=temperature or 1.0, greedy=greedy, seed=args.seed,
-                          **common)
+        result = evaluate(model, tokenizer, dataset,
+                          replace(decoding, temperature=temperature or 1.0, greedy=greedy, seed=args.seed))
         accuracy["greedy" if greedy else f"{temperature:g}"] = result["accuracy"]
     correct = None
     kinds = dict.fromkeys(ERROR_KINDS, 0)
     for sample_index in range(args.num_samples):
-        result = evaluate(model, tokenizer, dataset, temperature=args.pass_temperature, greedy=False,
-                          seed=args.seed + 1 + sample_index, **common)
+        result = evaluate(model, tokenizer, dataset,
+                          replace(decoding, temperature=args.pass_temperature, seed=args.seed + 1 + sample_index))
         hits = [s["answer_reward"] > 0 for s in result["samples"]]
         correct = hits if correct is None else [c + h for c, h in zip(correct, hits)]
         for sample in result["samples"]:

@@ -9,7 +9,7 @@ from conftest import ROOT
 
 from dataset.lm_dataset import RLAIFDataset
 from model.model_minimind import Generation
-from trainer.evaluation import HeldOutEvaluator, evaluate
+from trainer.evaluation import Decoding, HeldOutEvaluator, evaluate
 
 VAL_PATH = os.path.join(ROOT, "dataset", "rlaif_val.jsonl")
 
@@ -64,7 +64,7 @@ def test_always_right_and_always_wrong_answerers(tokenizer, val_references, offs
     model = ScriptedAnswerer(tokenizer, lambda p: int(reference_of(p, val_references)) + offset)
     dataset = RLAIFDataset(VAL_PATH, tokenizer, thinking_ratio=1.0)
     for greedy in (False, True):
-        result = evaluate(model, tokenizer, dataset, 40, 16, 32, 1.0, greedy, seed=0)
+        result = evaluate(model, tokenizer, dataset, Decoding(40, 16, 32, 1.0, greedy, seed=0))
         assert result["accuracy"] == expected
         assert len(result["samples"]) == 40
 
@@ -96,10 +96,10 @@ def test_evaluation_leaves_the_global_random_state_and_training_mode(tiny_config
     model = MiniMindForCausalLM(tiny_config).train()
     dataset = RLAIFDataset(VAL_PATH, tokenizer, thinking_ratio=1.0)
     state = torch.get_rng_state()
-    first = evaluate(model, tokenizer, dataset, 6, 3, 8, 1.0, False, seed=5)
+    first = evaluate(model, tokenizer, dataset, Decoding(6, 3, 8, 1.0, False, seed=5))
     assert torch.equal(torch.get_rng_state(), state)
     assert model.training
-    second = evaluate(model, tokenizer, dataset, 6, 3, 8, 1.0, False, seed=5)  # same seed, same answers
+    second = evaluate(model, tokenizer, dataset, Decoding(6, 3, 8, 1.0, False, seed=5))  # same seed, same answers
     assert [s["completion"] for s in first["samples"]] == [s["completion"] for s in second["samples"]]
 
 
@@ -114,9 +114,10 @@ def test_a_stop_request_ends_the_evaluation_between_batches_with_an_empty_result
         checks.append(1)
         return len(checks) > 2
 
-    assert evaluate(model, tokenizer, dataset, 9, 3, 8, 1.0, False, seed=5, should_stop=stop_after_two_batches) == {}
+    decoding = Decoding(9, 3, 8, 1.0, False, seed=5)
+    assert evaluate(model, tokenizer, dataset, decoding, should_stop=stop_after_two_batches) == {}
     assert len(checks) == 3 and model.training  # asked before each batch; training mode given back
-    assert len(evaluate(model, tokenizer, dataset, 9, 3, 8, 1.0, False, seed=5)["samples"]) == 9
+    assert len(evaluate(model, tokenizer, dataset, Decoding(9, 3, 8, 1.0, False, seed=5))["samples"]) == 9
 
 
 def test_validation_and_test_prompts_are_disjoint_from_every_other_file():

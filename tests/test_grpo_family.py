@@ -10,8 +10,9 @@ import torch
 
 from conftest import require_trl
 from trainer.grpo_family import (
-    LossConfig, aggregate_loss, clip_fractions, family_loss, frac_reward_zero_std, importance_ratio, scale_gradients,
+    LossConfig, aggregate_loss, clip_fractions, family_loss, frac_reward_zero_std, importance_ratio,
 )
+from trainer.infra.optimizer import scale_gradients
 from trainer.train_grpo import grpo_loss, parse_args
 from trainer.trainer_utils import grpo_advantages
 

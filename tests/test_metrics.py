@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from trainer.infra.metrics import MetricsWriter, explained_variance, masked_std
+from trainer.infra.metrics import MetricsWriter
+from trainer.step_metrics import explained_variance, masked_std
 
 
 def test_swanlab_offline_run_holds_the_config_and_the_metrics(tmp_path, monkeypatch):

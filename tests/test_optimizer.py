@@ -118,3 +118,25 @@ def test_scale_only_gradient_is_the_projection_on_the_gain():
     project_scale_only_gradients(optimizer)
     dl_dc = sum(w * g for w, g in zip(weights, grads))  # 0.5 - 0.5 + 2 = 2
     assert gain.grad.tolist() == pytest.approx([dl_dc / 9 * w for w in weights])
+
+
+def test_the_update_steps_at_each_windows_end_and_divides_a_token_sum_by_its_tokens():
+    """Accumulation 2 over 3 steps of 3, 5 and 4 tokens, every token's loss gradient 1 (a token sum): the windows
+    are 2, 2, 1; the update at step 2 applies (3 + 5) / 2 x 2 / 8 = 1, the mean over the window's tokens, and at step
+    3 4 / 1 x 1 / 4 = 1 (hand-computed); nothing moves inside a window."""
+    from trainer.infra.optimizer import OptimizerStep
+
+    model = torch.nn.Linear(1, 1, bias=False)
+    torch.nn.init.ones_(model.weight)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    update = OptimizerStep([model], [optimizer], 1e9, "cpu", accumulation_steps=2, total_steps=3, token_sum=True)
+    windows, weights, results = [], [], []
+    for step, tokens in zip((1, 2, 3), (3.0, 5.0, 4.0)):
+        windows.append(update.begin_step(step, tokens))
+        (model(torch.ones(1, 1)).sum() * tokens / windows[-1]).backward()  # d/dw = tokens / window
+        results.append(update.clip_and_step(step))
+        weights.append(model.weight.item())
+    assert windows == [2, 2, 1]
+    assert results[0] == {} and results[1]["skipped_update"] == 0.0 and results[2]["skipped_update"] == 0.0
+    assert results[1]["grad_norm"] == pytest.approx(1.0) and weights == pytest.approx([1.0, 0.0, -1.0])
+    assert update.state() == {"window_num_items": 4.0}

@@ -145,20 +145,24 @@ def top_level_functions(tree):
 
 
 def test_an_update_step_clips_and_steps_only_when_every_value_is_finite():
-    """The update that each script writes out (clip, step, zero_grad; ``clip_and_step`` in PPO) skips the step on a
-    NaN gradient and applies it otherwise: the weights and the schedule move exactly when the gradients are finite."""
-    from trainer.infra.optimizer import build_cosine_scheduler
-    from trainer.train_ppo import clip_and_step
-    for bad in (False, True):
+    """The one update of the RL loops (``OptimizerStep.clip_and_step``) skips the step on a NaN gradient or a NaN
+    checked value and applies it otherwise: the weights and the schedule move exactly when everything is finite."""
+    from trainer.infra.optimizer import OptimizerStep, build_cosine_scheduler
+    for bad in (None, "gradient", "loss"):
         model = torch.nn.Linear(2, 1)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        scheduler = build_cosine_scheduler(optimizer, 10)
+        update = OptimizerStep([model], [optimizer], 1.0, "cpu", accumulation_steps=1, total_steps=10,
+                               schedulers=[scheduler])
         before = model.weight.detach().clone()
-        model(torch.ones(1, 2)).sum().backward()
-        if bad:
+        loss = model(torch.ones(1, 2)).sum()
+        loss.backward()
+        if bad == "gradient":
             model.weight.grad[0, 0] = float("nan")
-        stepped = clip_and_step([model], [optimizer], 1.0, "cpu")
-        assert stepped is (not bad)
-        assert torch.equal(model.weight.detach(), before) is bad
+        result = update.clip_and_step(1, loss=float("nan") if bad == "loss" else loss)
+        assert result["skipped_update"] == float(bad is not None)
+        assert torch.equal(model.weight.detach(), before) is (bad is not None)
+        assert scheduler.last_epoch == (0 if bad else 1)
         assert model.weight.grad is None  # cleared either way
     scheduler = build_cosine_scheduler(torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=1.0), 10, start_step=5)
     assert scheduler.optimizer.param_groups[0]["lr"] == pytest.approx(0.55)  # 0.1 + 0.45 * (1 + cos(pi / 2))
@@ -314,3 +318,20 @@ def test_the_project_import_graph_has_no_cycle():
         if module not in state:
             visit(module, [module])
     assert cycles == []
+
+
+def test_the_three_rl_loops_call_one_update():
+    """Clipping and stepping live in one place, ``OptimizerStep`` (infra/optimizer.py), which GRPO's, the agent's and
+    PPO's loops call after their backward; what goes beyond the chapter (the token-sum window, the final norm's
+    projection, the non-finite checks) enters through its arguments, not as lines of the scripts."""
+    not_rl = {"train_full_sft.py", "train_reward.py", "train_tokenizer.py"}  # supervised trainers
+    callers = [os.path.relpath(path, ROOT) for path in glob.glob(os.path.join(ROOT, "trainer", "**", "*.py"),
+                                                                  recursive=True)
+               if os.path.basename(path) not in not_rl and "clip_grad_norm_" in open(path, encoding="utf-8").read()]
+    assert callers == [os.path.join("trainer", "infra", "optimizer.py")]
+    for script in ("train_grpo", "train_ppo", "train_agent"):
+        source = open(os.path.join(ROOT, "trainer", f"{script}.py"), encoding="utf-8").read()
+        assert "optimizer_step.clip_and_step(" in source, script
+        for name in ("scale_gradients", "project_scale_only_gradients", "nonfinite_parts", "window_num_items",
+                     "clip_grad_norm_"):
+            assert name not in source, (script, name)

@@ -7,6 +7,8 @@ every time, sampled at the rollout's temperature and greedy, so that two evaluat
 by the weights. It is TRL's ``eval_steps`` / verl's ``val_before_train`` for a verifiable task.
 ``AgentEvaluator`` is the same for agent RL: multi-turn conversations with tools, scored by the agent rewards.
 """
+from dataclasses import dataclass, replace
+
 import torch
 
 from dataset.agent_dataset import AgentRLDataset
@@ -29,18 +31,32 @@ def distinct_n(texts, n=2):
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, dataset, num_prompts, batch_size, max_gen_len, temperature, greedy, seed,
-             reward_model=None, max_seq_len=256, device="cpu", should_stop=None):
-    """Answer the first ``num_prompts`` prompts of ``dataset`` once each and score the answers.
+@dataclass(frozen=True)
+class Decoding:
+    """How ``evaluate`` answers: the first ``num_prompts`` prompts (each cut to its last ``max_seq_len`` tokens),
+    ``batch_size`` at a time, answers of at most ``max_gen_len`` tokens, sampled at ``temperature`` with a generator
+    seeded with ``seed``, or greedy."""
 
-    Sampling uses its own ``torch.Generator`` seeded with ``seed``, so the global random state (and with it
+    num_prompts: int
+    batch_size: int = 100
+    max_gen_len: int = 96
+    temperature: float = 1.0  # ignored when greedy
+    greedy: bool = False
+    seed: int = 1234
+    max_seq_len: int = 256
+
+
+def evaluate(model, tokenizer, dataset, decoding, reward_model=None, device="cpu", should_stop=None):
+    """Answer the first ``decoding.num_prompts`` prompts of ``dataset`` once each and score the answers.
+
+    Sampling uses its own ``torch.Generator`` seeded with ``decoding.seed``, so the global random state (and with it
     the training run that calls this) is left untouched, and the same weights give the same answers.
     The model is put in eval mode and back into the mode it was in.
 
     Args:
         model: a MiniMind causal LM (or its DDP wrapper).
         dataset: items {"prompt": str, "answer": str} (``RLAIFDataset``).
-        temperature: sampling temperature (ignored when ``greedy``).
+        decoding: a ``Decoding``.
         should_stop: a function of no argument, checked between batches: when it returns True the evaluation
             ends there and returns {} (a stop request does not wait for the whole evaluation).
     Returns:
@@ -51,12 +67,13 @@ def evaluate(model, tokenizer, dataset, num_prompts, batch_size, max_gen_len, te
     Raises:
         ValueError: ``num_prompts`` or ``batch_size`` < 1.
     """
+    num_prompts, batch_size, max_gen_len = decoding.num_prompts, decoding.batch_size, decoding.max_gen_len
     if num_prompts < 1 or batch_size < 1:
         raise ValueError(f"num_prompts and batch_size must be >= 1, got {num_prompts} and {batch_size}")
     model = unwrap_model(model)
     was_training = model.training
     model.eval()
-    generator = torch.Generator(device=device).manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(decoding.seed)
     engine = TorchRolloutEngine(model, tokenizer, generator=generator)
     totals = {"reward": 0.0, "rule_reward": 0.0, "reward_model_score": 0.0, "answer_reward": 0.0,
               "response_len": 0.0}
@@ -69,8 +86,8 @@ def evaluate(model, tokenizer, dataset, num_prompts, batch_size, max_gen_len, te
         rows = [dataset[i] for i in range(start, min(start + batch_size, count))]
         prompts = [r["prompt"] for r in rows]
         answers = [r["answer"] for r in rows]
-        prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, prompts, max_seq_len, device)
-        if greedy:
+        prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, prompts, decoding.max_seq_len, device)
+        if decoding.greedy:
             output_ids = model.generate(prompt_ids, attention_mask, max_new_tokens=max_gen_len, do_sample=False,
                                         eos_token_id=tokenizer.eos_token_id,
                                         pad_token_id=tokenizer.pad_token_id).output_ids  # [b, P + R]
@@ -78,7 +95,7 @@ def evaluate(model, tokenizer, dataset, num_prompts, batch_size, max_gen_len, te
             completion_mask = completion_mask_from_ids(completion_ids, tokenizer.eos_token_id)  # [b, R]
             completions = decode_completions(tokenizer, completion_ids, completion_mask, tokenizer.eos_token_id)
         else:
-            rollout = engine.rollout(prompt_ids, attention_mask, 1, max_gen_len, temperature)
+            rollout = engine.rollout(prompt_ids, attention_mask, 1, max_gen_len, decoding.temperature)
             completions, completion_mask = rollout.completions, rollout.completion_mask
         parts = calculate_rewards(prompts, completions, answers, reward_model, 1.0)
         totals["reward"] += (parts["rule_rewards"] + parts["reward_model_scores"]).sum().item()
@@ -140,11 +157,12 @@ class HeldOutEvaluator:
     def __call__(self, model, step, should_stop=None):
         """Evaluate ``model`` at training step ``step``; returns the ``eval/...`` metrics (floats), or {} when
         ``should_stop`` (see ``evaluate``) ended the evaluation early (nothing is recorded then)."""
-        common = dict(num_prompts=self.num_prompts, batch_size=self.batch_size, max_gen_len=self.max_gen_len,
-                      temperature=self.temperature, seed=self.seed, max_seq_len=self.max_seq_len,
-                      device=self.device, should_stop=should_stop)
-        sampled = evaluate(model, self.tokenizer, self.dataset, greedy=False, **common)
-        greedy = evaluate(model, self.tokenizer, self.dataset, greedy=True, **common) if sampled else {}
+        decoding = Decoding(self.num_prompts, self.batch_size, self.max_gen_len, self.temperature, False, self.seed,
+                            self.max_seq_len)
+        common = dict(device=self.device, should_stop=should_stop)
+        sampled = evaluate(model, self.tokenizer, self.dataset, decoding, **common)
+        greedy = evaluate(model, self.tokenizer, self.dataset, replace(decoding, greedy=True), **common) \
+            if sampled else {}
         if not sampled or not greedy:  # a stop request ended the evaluation
             return {}
         metrics = {"eval/accuracy_sampled": sampled["accuracy"], "eval/accuracy_greedy": greedy["accuracy"],

@@ -18,11 +18,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.advantage_estimators import token_advantages
-from trainer.infra.distributed import any_rank
-from trainer.infra.flags import add_bool_flag
-from trainer.infra.optimizer import accumulation_window_size, project_scale_only_gradients
-from trainer.infra.sglang_client import ROLLOUT_CORRECTIONS
-from trainer.infra.stopping import nonfinite_parts
+from trainer.infra.flags import ROLLOUT_CORRECTIONS, add_bool_flag
 from trainer.trainer_utils import k3_kl
 
 LOSS_TYPES = ("cispo", "grpo", "bnpo", "dr_grpo", "dapo", "sapo", "luspo", "vespo")  # TRL's GRPOConfig.loss_type
@@ -250,63 +246,6 @@ def family_loss(per_token_logps, old_per_token_logps, ref_per_token_logps, advan
     policy_loss = aggregate_loss(per_token_loss, completion_mask, config.loss_type, config.max_completion_length,
                                  num_items_in_batch)
     return policy_loss, per_token_kl.detach(), ratio.detach()
-
-
-def scale_gradients(parameters, factor):
-    """Multiply every gradient by ``factor`` in place: dapo and vespo divide the window's summed token losses by its
-    tokens, known once the window ends (TRL's ``num_items_in_batch`` spans the whole accumulation window)."""
-    for parameter in parameters:
-        if parameter.grad is not None:
-            parameter.grad.mul_(factor)
-
-
-# ----------------------------------------------------------------------------- the update, shared by train_agent.py
-class GRPOUpdate:
-    """The updates of one step of a GRPO-family loop, as ``train_grpo.py``'s loop writes them out in view (its
-    "the update" lines); ``train_agent.py`` calls this. Each of the mu updates backpropagates ``policy_loss()`` / the
-    accumulation window's size; at the window's end: the token-sum normaliser (dapo, vespo), the final norm's
-    projection, the clip to ``grad_clip``, and a step that every rank skips when a reward, loss or gradient on any
-    rank is non-finite (``guard`` stops the run after --max_bad_steps in a row). ``window_num_items``: the window's
-    answer tokens / processes, saved with a checkpoint (a resume inside a window)."""
-
-    def __init__(self, ddp_model, optimizer, scheduler, guard, loss_type, accumulation_steps, num_iterations,
-                 grad_clip, device, window_num_items=0.0):
-        self.ddp_model, self.optimizer, self.scheduler, self.guard = ddp_model, optimizer, scheduler, guard
-        self.token_sum = loss_type in TOKEN_SUM_LOSS_TYPES
-        self.accumulation_steps, self.num_iterations, self.grad_clip = accumulation_steps, num_iterations, grad_clip
-        self.device, self.window_num_items = device, window_num_items
-        self.problems = []  # names of what was non-finite since the last optimizer step
-
-    def run(self, step, total_steps, rollout_batch, policy_loss):
-        """The step's updates on ``rollout_batch`` (its ``rewards``, ``num_items_in_batch``); ``policy_loss()``
-        returns (loss scalar, that update's metrics). Returns (the metrics of each update, whether the optimizer
-        stepped at this step's end: the engine then gets the new policy)."""
-        update_due = step % self.accumulation_steps == 0 or step == total_steps
-        window = accumulation_window_size(step, total_steps, self.accumulation_steps)
-        if (step - 1) % self.accumulation_steps == 0:
-            self.window_num_items = 0.0
-        self.window_num_items += rollout_batch.num_items_in_batch
-        updates = []
-        for _ in range(self.num_iterations):
-            loss, metrics = policy_loss()
-            self.problems += nonfinite_parts(rewards=rollout_batch.rewards, loss=loss)
-            (loss / window).backward()
-            if update_due:
-                if self.token_sum:
-                    scale_gradients(self.ddp_model.parameters(), window / self.window_num_items)
-                project_scale_only_gradients(self.optimizer)
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.ddp_model.parameters(), self.grad_clip))
-                self.problems += nonfinite_parts(gradients=grad_norm)
-                skipped = any_rank(bool(self.problems), self.device)  # a NaN or inf on any rank: no rank updates
-                if not skipped:
-                    self.optimizer.step()
-                    self.scheduler.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                metrics.update(grad_norm=grad_norm, skipped_update=float(skipped))
-                self.guard.record(step, skipped, self.problems)
-                self.problems = []
-            updates.append(metrics)
-        return updates, update_due
 
 
 # ----------------------------------------------------------------------------- what TRL logs, over every process

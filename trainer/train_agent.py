@@ -1,13 +1,14 @@
 """Agent RL for a MiniMind policy: multi-turn tool use trained with the chapter's GRPO / CISPO (chapter 8.5).
 
 One step, in the order of ``train_grpo.py``: the policy answers each prompt G times, calling tools over up to
-``--max_turns`` turns (``agent/rollout.py``: the tools' replies sit in the sequence with mask 0, only the model's
-own tokens are trained); rewards (upstream MiniMind's agent reward, ``agent/rewards.py``); reference log-probs on
-the model's tokens; group advantages (8.5.1; the other estimators in ``advantage_estimators.py``); the CISPO /
-GRPO loss with beta * k3 KL (8.5.2, 8.6; the family in ``grpo_family.py``). ``main`` builds what the step uses in
-numbered blocks, then runs the loop; the update is ``grpo_family.GRPOUpdate``, the lines ``train_grpo.py`` writes
-out in view. Source: upstream MiniMind's ``trainer/train_agent.py`` (jingyaogong/minimind); the tools and their
-bounds are ``agent/tools.py``. Prompts are cut from the left to ``--max_total_len - --max_gen_len`` tokens.
+``--max_turns`` turns (``agent/rollout.py``: the tools' replies sit in the sequence with mask 0, only the model's own
+tokens are trained); rewards (upstream MiniMind's agent reward, ``agent/rewards.py``); reference log-probs on the
+model's tokens; group advantages (8.5.1; the other estimators in ``advantage_estimators.py``); the CISPO / GRPO loss
+with beta * k3 KL (8.5.2, 8.6; the family in ``grpo_family.py``). ``main`` builds what the step uses in numbered
+blocks, then runs the loop in ``train_grpo.py``'s order: loss -> backward -> clip and step
+(``infra/optimizer.OptimizerStep``). Source: upstream MiniMind's ``trainer/train_agent.py`` (jingyaogong/minimind);
+the tools and their bounds are ``agent/tools.py``. Prompts are cut from the left to ``--max_total_len -
+--max_gen_len`` tokens.
 ``--rollout_engine sglang``: an SGLang server generates every turn, the policy pushed to it after each update
 (chapter 8.2, ``rollout_engine.SGLangRolloutEngine``); old log-probs as ``--sglang_logprobs`` says.
 
@@ -18,7 +19,6 @@ Run (upstream-format rows: conversations whose system turn carries ``tools``, an
 """
 import argparse
 import copy
-import functools
 import os
 import sys
 from dataclasses import dataclass, replace
@@ -40,10 +40,12 @@ from trainer.agent.rollout import agent_rollout, ended_with_eos, template_kwargs
 from trainer.agent.tools import conversation_tools
 from trainer.evaluation import build_agent_evaluator, evaluate_if_due
 from trainer.grpo_family import (
-    LOSS_TYPES, TOKEN_SUM_LOSS_TYPES, GRPOUpdate, add_family_args, build_loss_config, check_family_args, family_loss,
+    LOSS_TYPES, TOKEN_SUM_LOSS_TYPES, add_family_args, build_loss_config, check_family_args, family_loss,
     frac_reward_zero_std, rollout_correction, update_metrics,
 )
-from trainer.infra.checkpoints import claim_save_dir, resume_command, save_checkpoint, start_or_resume
+from trainer.infra.checkpoints import (
+    checkpoint_progress, claim_save_dir, resume_command, save_checkpoint, start_or_resume,
+)
 from trainer.infra.distributed import (
     Logger, all_ranks_mean, compile_for_training, init_distributed_mode, mean_over_ranks, rank_and_world_size,
     setup_seed, shutdown_distributed, wrap_ddp,
@@ -51,13 +53,15 @@ from trainer.infra.distributed import (
 from trainer.infra.dtypes import autocast_context, resolve_train_dtype, reward_model_dtype
 from trainer.infra.errors import InputError, run_script
 from trainer.infra.flags import (
-    add_common_rl_args, check_common_rl_args, check_ranges, rollout_engine_kwargs, same_file,
+    AT_LEAST_1, AT_LEAST_2, NON_NEGATIVE, add_common_rl_args, check_common_rl_args, flag_groups,
+    rollout_engine_kwargs, same_file,
 )
 from trainer.infra.metrics import (
-    StepLog, agent_log_line, agent_metrics, gpu_memory_metrics, open_metrics, print_conversations,
+    StepLog, gpu_memory_metrics, open_metrics, print_conversations,
 )
+from trainer.step_metrics import agent_log_line, agent_metrics
 from trainer.infra.lora import with_adapters
-from trainer.infra.optimizer import build_cosine_scheduler, build_policy_optimizer
+from trainer.infra.optimizer import OptimizerStep, build_cosine_scheduler, build_policy_optimizer
 from trainer.infra.stopping import BadStepGuard, StopSignal, finish_run
 from trainer.infra.weights import build_config, load_policy, load_tokenizer, weight_path
 from trainer.rollout_engine import compute_per_token_logps, create_rollout_engine
@@ -67,25 +71,34 @@ from trainer.trainer_utils import load_reward_model
 # ----------------------------------------------------------------------------- flags
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="MiniMind agent RL (multi-turn tool use, GRPO / CISPO)")
-    add_common_rl_args(parser)
-    parser.add_argument("--save_weight", default="agent", help="name of the saved weights ({name}_{hidden}.pth)")
-    parser.add_argument("--num_generations", type=int, default=4, help="G, conversations sampled per prompt")
-    parser.add_argument("--max_turns", type=int, default=3, help="model turns per conversation (upstream's 3)")
-    parser.add_argument("--max_total_len", type=int, default=1024,
-                        help="prompt + every turn and tool reply, in tokens (prompts cut from the left to "
-                             "max_total_len - max_gen_len; --max_gen_len is per turn)")
-    parser.add_argument("--accumulation_steps", type=int, default=1,
-                        help="steps (rollouts) whose gradients make one optimizer step")
-    parser.add_argument("--loss_type", default="cispo",
-                        help=f"one of {', '.join(LOSS_TYPES)}: the chapter's cispo (default) and grpo, then the family")
-    parser.add_argument("--beta", type=float, default=0.1,
-                        help="weight of the k3 KL to the reference (0: no reference model is built)")
-    parser.add_argument("--epsilon", type=float, default=None, help="clipped family: lower clip 1 - epsilon (0.2)")
-    parser.add_argument("--epsilon_high", type=float, default=None,
-                        help="cispo: the clamp of the ratio weight (5.0); clipped family: upper clip 1 + epsilon_high")
-    parser.add_argument("--num_iterations", type=int, default=1, help="mu: updates on each rollout")
-    add_family_args(parser)
-    add_estimator_args(parser)  # --advantage_estimator, --kl_placement (advantage_estimators.py)
+    groups = flag_groups(parser)  # --help's groups: the chapter's flags first (infra/flags.py)
+    add_common_rl_args(groups)
+    rollout = groups["rollout"]
+    rollout.add_argument("--num_generations", type=int, default=4, action=AT_LEAST_2,
+                         help="G, conversations sampled per prompt")
+    rollout.add_argument("--max_turns", type=int, default=3, action=AT_LEAST_1,
+                         help="model turns per conversation (upstream's 3)")
+    rollout.add_argument("--max_total_len", type=int, default=1024,
+                         help="prompt + every turn and tool reply, in tokens (prompts cut from the left to "
+                              "max_total_len - max_gen_len; --max_gen_len is per turn)")
+    algorithm = groups["algorithm"]
+    algorithm.add_argument("--loss_type", default="cispo",
+                           help=f"one of {', '.join(LOSS_TYPES)}: the chapter's cispo (default) and grpo, then the "
+                                "family")
+    algorithm.add_argument("--epsilon", type=float, default=None,
+                           help="clipped family: lower clip 1 - epsilon (0.2)")
+    algorithm.add_argument("--epsilon_high", type=float, default=None,
+                           help="cispo: the clamp of the ratio weight (5.0); clipped family: upper clip 1 + "
+                                "epsilon_high")
+    algorithm.add_argument("--num_iterations", type=int, default=1, action=AT_LEAST_1,
+                           help="mu: updates on each rollout")
+    groups["kl"].add_argument("--beta", type=float, default=0.1, action=NON_NEGATIVE,
+                              help="weight of the k3 KL to the reference (0: no reference model is built)")
+    add_family_args(groups["family"])  # the loss members after the chapter (grpo_family.py)
+    add_estimator_args(groups["family"])  # --advantage_estimator, --kl_placement (advantage_estimators.py)
+    groups["memory"].add_argument("--accumulation_steps", type=int, default=1, action=AT_LEAST_1,
+                                  help="steps (rollouts) whose gradients make one optimizer step")
+    groups["run"].add_argument("--save_weight", default="agent", help="name of the saved weights ({name}_{hidden}.pth)")
     # the bundled task's sizes: a prompt with the calculator's schema is ~610 tokens, a call ~95, its reply ~70;
     # the start is the copy-trained out/agent_copy_256.pth; the reward is correctness and valid calls (the reward
     # model off: its score on an answer without a call can out-earn a valid call, docs/departures.md); steps and
@@ -97,8 +110,6 @@ def parse_args(argv=None):
     if args.eval_data_path is None and same_file(args.data_path, AGENT_TRAIN_DATA):
         args.eval_data_path = AGENT_TEST_DATA  # the bundled task's test split (settings chosen on AGENT_VAL_DATA)
     check_common_rl_args(parser, args)
-    check_ranges(parser, args, at_least_1=("accumulation_steps", "num_iterations", "max_turns"),
-                 at_least_2=("num_generations",), non_negative=("beta", "answer_reward_weight"))
     if args.max_total_len <= args.max_gen_len:
         parser.error(f"--max_total_len must be > --max_gen_len ({args.max_gen_len}), got {args.max_total_len}")
     if args.top_p != 1.0 or args.top_k:
@@ -263,11 +274,12 @@ def main(argv=None, reward_fn=calculate_agent_rewards):
         server.load_resume_state(engine_state)
         trained["rollout_engine"] = server  # its push cadence is saved with the checkpoints
 
-    # 7. the held-out evaluation, the stop requests, the update with its NaN guard (grpo_family.GRPOUpdate)
+    # 7. the held-out evaluation, the stop requests, the update with its NaN guard (infra/optimizer.OptimizerStep)
     stop_signal = StopSignal()
     guard = BadStepGuard(args.max_bad_steps, progress["bad_steps_in_a_row"])
-    update = GRPOUpdate(ddp_model, optimizer, scheduler, guard, loss_config.loss_type, args.accumulation_steps,
-                        args.num_iterations, args.grad_clip, device, progress.get("window_num_items", 0.0))
+    optimizer_step = OptimizerStep(  # clip and step (infra/optimizer.py): the update after every backward
+        [ddp_model], [optimizer], args.grad_clip, device, args.accumulation_steps, total_steps, [scheduler], guard,
+        token_sum=loss_config.loss_type in TOKEN_SUM_LOSS_TYPES, state=progress)
     start_metrics = {} if progress["step"] else evaluate_if_due(evaluator, model, 0, total_steps, args.eval_interval,
                                                                  lambda: stop_signal.received)
 
@@ -289,9 +301,14 @@ def main(argv=None, reward_fn=calculate_agent_rewards):
                                            autocast, server)  # steps 1-4: rollout, rewards, reference, advantages
         if args.debug_mode and step % args.debug_interval == 0:
             print_conversations(step, rollout_batch, tokenizer, args.num_generations)
-        policy_loss = functools.partial(agent_policy_loss, ddp_model, rollout_batch, loss_config, args, autocast)
-        updates, stepped = update.run(step, total_steps, rollout_batch, policy_loss)  # step 5 and the update
-        if stepped and server is not None:
+        window = optimizer_step.begin_step(step, rollout_batch.num_items_in_batch)  # its accumulation window's size
+        updates = []  # the metrics of each update on this rollout
+        for _ in range(args.num_iterations):  # mu updates on one rollout
+            loss, this_update = agent_policy_loss(ddp_model, rollout_batch, loss_config, args, autocast)  # step 5
+            (loss / window).backward()
+            this_update.update(optimizer_step.clip_and_step(step, rewards=rollout_batch.rewards, loss=loss))
+            updates.append(this_update)
+        if optimizer_step.update_due(step) and server is not None:
             server.update_policy(model)  # the next turns are generated by the updated policy
         metrics = mean_over_ranks(agent_metrics(rollout_batch, updates), device)
         metrics.update(gpu_memory_metrics(device))
@@ -300,11 +317,8 @@ def main(argv=None, reward_fn=calculate_agent_rewards):
         step_log.write(step, position["epoch"], metrics, {"learning_rate": learning_rate}, batch["index"].tolist())
         stop = stop_signal.requested(device)
         if step % args.save_interval == 0 or step == total_steps or stop:
-            checkpoint_progress = {"step": step, "total_steps": total_steps, **position,
-                                   "lr_schedule_step": scheduler.last_epoch, "run_dir": run_dir,
-                                   "wandb_id": writer.wandb_id, "bad_steps_in_a_row": guard.in_a_row,
-                                   "window_num_items": update.window_num_items}
-            save_checkpoint(args, "agent", lm_config, trained, checkpoint_progress, {args.save_weight: model})
+            saved = checkpoint_progress(step, total_steps, position, scheduler, run_dir, writer, guard, optimizer_step)
+            save_checkpoint(args, "agent", lm_config, trained, saved, {args.save_weight: model})
         if stop:
             break
 

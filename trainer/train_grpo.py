@@ -36,30 +36,32 @@ from trainer.advantage_estimators import (
 )
 from trainer.grpo_family import (
     DEFAULT_CISPO_EPSILON_HIGH, LOSS_TYPES, TOKEN_SUM_LOSS_TYPES, add_family_args, build_loss_config,
-    check_family_args, family_loss, frac_reward_zero_std, rollout_correction, scale_gradients, update_metrics,
+    check_family_args, family_loss, frac_reward_zero_std, rollout_correction, update_metrics,
 )
-from trainer.infra.checkpoints import claim_save_dir, resume_command, save_checkpoint, start_or_resume
+from trainer.infra.checkpoints import (
+    checkpoint_progress, claim_save_dir, resume_command, save_checkpoint, start_or_resume,
+)
 from trainer.infra.distributed import (
-    Logger, all_ranks_mean, any_rank, compile_for_training, init_distributed_mode, mean_over_ranks,
+    Logger, all_ranks_mean, compile_for_training, init_distributed_mode, mean_over_ranks,
     rank_and_world_size, setup_seed, shutdown_distributed, wrap_ddp,
 )
 from trainer.infra.dtypes import autocast_context, resolve_train_dtype, reward_model_dtype
 from trainer.evaluation import build_evaluator, evaluate_if_due
 from trainer.infra.errors import run_script
 from trainer.infra.flags import (
-    add_bool_flag, add_common_rl_args, check_common_rl_args, check_ranges, rollout_engine_kwargs,
+    AT_LEAST_1, AT_LEAST_2, NON_NEGATIVE, add_bool_flag, add_common_rl_args, check_common_rl_args, flag_groups,
+    rollout_engine_kwargs,
 )
 from trainer.infra.lora import base_model, with_adapters
 from trainer.infra.metrics import (
-    StepLog, gpu_memory_metrics, grpo_log_line, grpo_metrics, open_metrics, print_samples,
+    StepLog, gpu_memory_metrics, open_metrics, print_samples,
 )
-from trainer.infra.optimizer import (
-    accumulation_window_size, build_cosine_scheduler, build_policy_optimizer, project_scale_only_gradients,
-)
-from trainer.infra.stopping import BadStepGuard, StopSignal, finish_run, nonfinite_parts
+from trainer.infra.optimizer import OptimizerStep, build_cosine_scheduler, build_policy_optimizer
+from trainer.infra.stopping import BadStepGuard, StopSignal, finish_run
 from trainer.infra.weights import build_config, load_policy, load_tokenizer, weight_path
 from trainer.rollout_engine import RolloutResult, compute_per_token_logps, create_rollout_engine, tokenize_prompts
 from trainer.speed.shared_prefix import shared_prefix_forward
+from trainer.step_metrics import grpo_log_line, grpo_metrics
 from trainer.trainer_utils import calculate_rewards, k3_kl, load_reward_model, masked_mean
 
 
@@ -114,36 +116,37 @@ def grpo_loss(per_token_logps, old_per_token_logps, ref_per_token_logps, advanta
 # ----------------------------------------------------------------------------- flags
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="MiniMind GRPO (Group Relative Policy Optimization)")
-    add_common_rl_args(parser)
-    parser.add_argument("--save_weight", default="grpo", help="name of the saved weights ({name}_{hidden}.pth)")
-    parser.add_argument("--num_generations", type=int, default=6, help="G, answers sampled per prompt")
-    parser.add_argument("--accumulation_steps", type=int, default=1,
-                        help="steps (rollouts) whose gradients make one optimizer step")
-    parser.add_argument("--loss_type", default="cispo",
-                        help=f"one of {', '.join(LOSS_TYPES)} (TRL's names): the chapter's cispo (default) and grpo, "
-                             "then the family after it (docs/grpo_family.md)")
-    parser.add_argument("--beta", type=float, default=0.1,
-                        help="weight of the k3 KL to the reference (0: no reference model is built)")
-    parser.add_argument("--epsilon", type=float, default=None,
-                        help="clipped family (grpo, bnpo, dr_grpo, dapo, luspo): lower clip 1 - epsilon (0.2)")
-    parser.add_argument("--epsilon_high", type=float, default=None,
-                        help="cispo: the clamp of the ratio weight (5.0, upstream MiniMind's); clipped family: upper "
-                             "clip 1 + epsilon_high (default --epsilon; DAPO 0.28)")
-    parser.add_argument("--num_iterations", type=int, default=1,
-                        help="mu: updates on each rollout (1: the chapter's; from the second the ratio leaves 1)")
-    add_bool_flag(parser, "--shared_prefix",
+    groups = flag_groups(parser)  # --help's groups: the chapter's flags first (infra/flags.py)
+    add_common_rl_args(groups)
+    groups["rollout"].add_argument("--num_generations", type=int, default=6, action=AT_LEAST_2,
+                                   help="G, answers sampled per prompt")
+    algorithm = groups["algorithm"]
+    algorithm.add_argument("--loss_type", default="cispo",
+                           help=f"one of {', '.join(LOSS_TYPES)} (TRL's names): the chapter's cispo (default) and "
+                                "grpo, then the family after it (docs/grpo_family.md)")
+    algorithm.add_argument("--epsilon", type=float, default=None,
+                           help="clipped family (grpo, bnpo, dr_grpo, dapo, luspo): lower clip 1 - epsilon (0.2)")
+    algorithm.add_argument("--epsilon_high", type=float, default=None,
+                           help="cispo: the clamp of the ratio weight (5.0, upstream MiniMind's); clipped family: "
+                                "upper clip 1 + epsilon_high (default --epsilon; DAPO 0.28)")
+    algorithm.add_argument("--num_iterations", type=int, default=1, action=AT_LEAST_1,
+                           help="mu: updates on each rollout (1: the chapter's; from the second the ratio leaves 1)")
+    groups["kl"].add_argument("--beta", type=float, default=0.1, action=NON_NEGATIVE,
+                              help="weight of the k3 KL to the reference (0: no reference model is built)")
+    add_family_args(groups["family"])  # the loss members after the chapter (grpo_family.py)
+    add_estimator_args(groups["family"])  # --advantage_estimator, --kl_placement (advantage_estimators.py)
+    add_dapo_sampling_args(groups["family"])  # --dynamic_sampling, --overlong_buffer_len
+    groups["memory"].add_argument("--accumulation_steps", type=int, default=1, action=AT_LEAST_1,
+                                  help="steps (rollouts) whose gradients make one optimizer step")
+    add_bool_flag(groups["memory"], "--shared_prefix",
                   help="1: the forwards run each prompt once for its G answers (same log-probs; the default for "
                        "dense models); 0: every answer with its own copy of the prompt (the default with --use_moe 1)")
-    add_family_args(parser)
-    add_estimator_args(parser)  # --advantage_estimator, --kl_placement (advantage_estimators.py)
-    add_dapo_sampling_args(parser)  # --dynamic_sampling, --overlong_buffer_len
+    groups["run"].add_argument("--save_weight", default="grpo", help="name of the saved weights ({name}_{hidden}.pth)")
     # the default run: 120 steps, the final norm's gain at 2e-2 (docs/departures.md: GRPO's default run)
     parser.set_defaults(max_steps=120, final_norm_learning_rate=2e-2, eval_interval=60,
                         shared_prefix=0 if parser.parse_known_args(argv)[0].use_moe else 1)
     args = parser.parse_args(argv)
     check_common_rl_args(parser, args)
-    check_ranges(parser, args, at_least_1=("accumulation_steps", "num_iterations"), at_least_2=("num_generations",),
-                 non_negative=("beta",))
     if args.shared_prefix and args.use_moe:
         parser.error("--shared_prefix 1 is for dense models: with --use_moe 1 the router loss of its two forwards "
                      "(prompts, then answers) is not the loss of the full rows; leave --shared_prefix out (or 0)")
@@ -359,6 +362,9 @@ def main(argv=None, reward_fn=calculate_rewards):
     evaluator = build_evaluator(args, tokenizer, device)  # None with --eval_interval 0 or a user's data
     stop_signal = StopSignal()  # from here on Ctrl-C / SIGTERM wait for a safe point
     guard = BadStepGuard(args.max_bad_steps, progress["bad_steps_in_a_row"])
+    optimizer_step = OptimizerStep(  # clip and step (infra/optimizer.py): the update after every backward
+        [ddp_model], [optimizer], args.grad_clip, device, args.accumulation_steps, total_steps, [scheduler], guard,
+        token_sum=loss_config.loss_type in TOKEN_SUM_LOSS_TYPES, state=progress)
     start_metrics = {} if progress["step"] else evaluate_if_due(evaluator, model, 0, total_steps, args.eval_interval,
                                                                  lambda: stop_signal.received)
 
@@ -373,8 +379,6 @@ def main(argv=None, reward_fn=calculate_rewards):
 
     # 9. the loop (a stop requested during the set-up or the step-0 evaluation ends the run before its first step)
     ddp_model.train()
-    problems = []  # names of what was non-finite since the last optimizer step
-    window_num_items = progress.get("window_num_items", 0.0)  # a resume inside an accumulation window
     step, stop = progress["step"], stop_signal.requested(device)
     data = epoch_batches(loader, batch_sampler, progress, args.epochs)  # (position, batch), also DAPO's draws
     batches = [] if stop else resumable_batches(loader, batch_sampler, progress, args.epochs, total_steps, data)
@@ -387,32 +391,14 @@ def main(argv=None, reward_fn=calculate_rewards):
         if args.debug_mode and step % args.debug_interval == 0:
             print_samples(step, rollout_batch.debug["prompts"], rollout_batch.debug["completions"],
                           rollout_batch.reward_parts, args.num_generations)
-        update_due = step % args.accumulation_steps == 0 or step == total_steps
-        window = accumulation_window_size(step, total_steps, args.accumulation_steps)
-        if (step - 1) % args.accumulation_steps == 0:
-            window_num_items = 0.0  # the window's answer tokens / processes: dapo's and vespo's normaliser
-        window_num_items += rollout_batch.num_items_in_batch
+        window = optimizer_step.begin_step(step, rollout_batch.num_items_in_batch)  # its accumulation window's size
         updates = []  # the metrics of each update on this rollout
         for _ in range(args.num_iterations):  # mu updates on one rollout (1: the chapter's)
-            loss, update_metrics = grpo_policy_loss(ddp_model, rollout_batch, loss_config, args, autocast)  # step 5
-            problems += nonfinite_parts(rewards=rollout_batch.reward_parts["rewards"], loss=loss)
+            loss, this_update = grpo_policy_loss(ddp_model, rollout_batch, loss_config, args, autocast)  # step 5
             (loss / window).backward()
-            if update_due:  # the update
-                if loss_config.loss_type in TOKEN_SUM_LOSS_TYPES:  # the window's token sum / its tokens (TRL)
-                    scale_gradients(model.parameters(), window / window_num_items)
-                project_scale_only_gradients(optimizer)  # the final norm gain learns one number (its own group)
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), args.grad_clip))
-                problems += nonfinite_parts(gradients=grad_norm)
-                skipped = any_rank(bool(problems), device)  # a NaN or inf on any rank: no rank updates
-                if not skipped:
-                    optimizer.step()
-                    scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                update_metrics.update(grad_norm=grad_norm, skipped_update=float(skipped))
-                guard.record(step, skipped, problems)  # stops the run after --max_bad_steps skipped in a row
-                problems = []
-            updates.append(update_metrics)
-        if update_due:
+            this_update.update(optimizer_step.clip_and_step(step, rewards=rollout_batch.rewards, loss=loss))
+            updates.append(this_update)
+        if optimizer_step.update_due(step):
             rollout_engine.update_policy(model)  # the next rollout samples from the updated policy
         metrics = grpo_metrics(rollout_batch, updates)
 
@@ -424,11 +410,8 @@ def main(argv=None, reward_fn=calculate_rewards):
         step_log.write(step, position["epoch"], metrics, {"learning_rate": learning_rate}, batch["index"].tolist())
         stop = stop_signal.requested(device)  # agreed by every rank
         if step % args.save_interval == 0 or step == total_steps or stop:
-            checkpoint_progress = {"step": step, "total_steps": total_steps, **position,
-                                   "lr_schedule_step": scheduler.last_epoch, "run_dir": run_dir,
-                                   "wandb_id": writer.wandb_id, "bad_steps_in_a_row": guard.in_a_row,
-                                   "window_num_items": window_num_items}
-            save_checkpoint(args, "grpo", lm_config, dict(trained, rollout_engine=rollout_engine), checkpoint_progress,
+            saved = checkpoint_progress(step, total_steps, position, scheduler, run_dir, writer, guard, optimizer_step)
+            save_checkpoint(args, "grpo", lm_config, dict(trained, rollout_engine=rollout_engine), saved,
                             {args.save_weight: model})
         if stop:
             break

@@ -12,7 +12,6 @@ Run: ``python trainer/train_ppo.py`` (the embedded default, CPU); ``--max_steps 
 """
 import argparse
 import copy
-import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -29,28 +28,30 @@ from dataset.lm_dataset import (
 )
 from model.model_minimind import CriticModel
 from trainer.grpo_family import rollout_correction
-from trainer.infra.checkpoints import claim_save_dir, resume_command, save_checkpoint, start_or_resume
+from trainer.infra.checkpoints import (
+    checkpoint_progress, claim_save_dir, resume_command, save_checkpoint, start_or_resume,
+)
 from trainer.infra.distributed import (
-    Logger, all_ranks_mean, any_rank, compile_for_training, init_distributed_mode, mean_over_ranks,
+    Logger, all_ranks_mean, compile_for_training, init_distributed_mode, mean_over_ranks,
     rank_and_world_size, setup_seed, shutdown_distributed, wrap_ddp,
 )
 from trainer.infra.dtypes import autocast_context, resolve_train_dtype, reward_model_dtype
 from trainer.evaluation import build_evaluator, evaluate_if_due
 from trainer.infra.errors import run_script
 from trainer.infra.flags import (
-    add_bool_flag, add_common_rl_args, check_common_rl_args, check_ranges, rollout_engine_kwargs,
+    AT_LEAST_1, NON_NEGATIVE, POSITIVE, UNIT_INTERVAL, add_bool_flag, add_common_rl_args, check_common_rl_args,
+    flag_groups, rollout_engine_kwargs,
 )
 from trainer.infra.lora import base_model, critic_with_adapters, merged_state_dict, with_adapters
 from trainer.infra.metrics import (
-    StepLog, gpu_memory_metrics, open_metrics, ppo_log_line, ppo_metrics, print_samples,
+    StepLog, gpu_memory_metrics, open_metrics, print_samples,
 )
-from trainer.infra.optimizer import (
-    accumulation_window_size, adamw, build_cosine_scheduler, build_policy_optimizer, project_scale_only_gradients,
-)
+from trainer.step_metrics import ppo_log_line, ppo_metrics
+from trainer.infra.optimizer import OptimizerStep, adamw, build_cosine_scheduler, build_policy_optimizer
 from trainer.rollout_engine import compute_per_token_logps, create_rollout_engine, tokenize_prompts
-from trainer.infra.stopping import BadStepGuard, StopSignal, finish_run, nonfinite_parts
+from trainer.infra.stopping import BadStepGuard, StopSignal, finish_run, nonfinite_on_any_rank
 from trainer.trainer_utils import (
-    KL_PLACEMENTS, calculate_rewards, k3_kl, kl_penalty_rewards, load_reward_model, masked_mean,
+    KL_PLACEMENTS, calculate_rewards, k3_kl, kl_penalty_rewards, load_reward_model, masked_mean, masked_var,
     place_sequence_rewards,
 )
 from trainer.infra.weights import build_config, load_policy, load_tokenizer, weight_path
@@ -103,7 +104,7 @@ def masked_whiten(values, mask, eps=1e-8):
     (Chapter 8.4.2, "优势标准化".)
     """
     mean = masked_mean(values, mask)
-    var = masked_mean((values - mean) ** 2, mask)
+    var = masked_var(values, mask)
     return (values - mean) * torch.rsqrt(var + eps) * mask.to(values.dtype)
 
 
@@ -154,38 +155,45 @@ def ppo_value_loss(values, old_values, returns, mask, cliprange_value=0.2):
 # ----------------------------------------------------------------------------- flags and the critic
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="MiniMind PPO (Proximal Policy Optimization)")
-    add_common_rl_args(parser)
+    groups = flag_groups(parser)  # --help's groups: the chapter's flags first (infra/flags.py)
+    add_common_rl_args(groups)
     # PPO's own defaults (measured on the validation split, docs/results.md): one answer per prompt, so more
     # prompts per step than GRPO; four optimizer steps per rollout at a lower rate than GRPO's one
     parser.set_defaults(batch_size=16, learning_rate=1e-5, final_norm_learning_rate=5e-3, max_steps=150)
-    parser.add_argument("--save_weight", default="ppo", help="name of the saved weights ({name}_{hidden}.pth)")
-    parser.add_argument("--critic_learning_rate", type=float, default=1e-4, help="AdamW learning rate of the critic")
-    parser.add_argument("--clip_epsilon", type=float, default=0.2, help="clip range of the ratio (8.4.3)")
-    parser.add_argument("--vf_coef", type=float, default=0.5, help="weight of the value loss in the total loss")
-    parser.add_argument("--kl_coef", type=float, default=0.02, help="weight of the KL to the reference (8.6)")
-    parser.add_argument("--kl_placement", default="loss", choices=KL_PLACEMENTS,
-                        help="loss: kl_coef * k3 in the policy loss (the chapter); reward: -kl_coef * (logp - ref) "
-                             "added to every token's reward before GAE (InstructGPT, the learner's article, TRL)")
-    parser.add_argument("--gamma", type=float, default=1.0, help="discount of GAE (8.4.2)")
-    parser.add_argument("--lam", type=float, default=1.0,
-                        help="GAE lambda (the chapter: 0.95; docs/departures.md says why 1.0)")
-    parser.add_argument("--cliprange_value", type=float, default=0.2,
-                        help="clip range of the new values around the old ones (8.4.4)")
-    parser.add_argument("--ppo_update_iters", type=int, default=2, help="epochs over each rollout's minibatches")
-    parser.add_argument("--early_stop_kl", type=float, default=0.25,
-                        help="stop the epochs once the approximate KL 0.5 * E[(log ratio)^2] passes this")
-    parser.add_argument("--mini_batch_size", type=int, default=8, help="rollout rows per minibatch update")
-    parser.add_argument("--minibatch_accumulation_steps", "--accumulation_steps", type=int, default=1,
-                        help="minibatches whose gradients make one optimizer step (--accumulation_steps: upstream "
-                             "MiniMind's name for the same)")
-    add_bool_flag(parser, "--reward_norm",
+    add_bool_flag(groups["rewards"], "--reward_norm",
                   help="1 = standardise the batch's rewards before GAE (the learner's article, 5.4); 0 = raw "
                        "(the chapter)")
+    algorithm = groups["algorithm"]
+    algorithm.add_argument("--critic_learning_rate", type=float, default=1e-4, action=POSITIVE,
+                           help="AdamW learning rate of the critic")
+    algorithm.add_argument("--gamma", type=float, default=1.0, action=UNIT_INTERVAL, help="discount of GAE (8.4.2)")
+    algorithm.add_argument("--lam", type=float, default=1.0, action=UNIT_INTERVAL,
+                           help="GAE lambda (the chapter: 0.95; docs/departures.md says why 1.0)")
+    algorithm.add_argument("--clip_epsilon", type=float, default=0.2, action=POSITIVE,
+                           help="clip range of the ratio (8.4.3)")
+    algorithm.add_argument("--vf_coef", type=float, default=0.5, action=NON_NEGATIVE,
+                           help="weight of the value loss in the total loss")
+    algorithm.add_argument("--cliprange_value", type=float, default=0.2, action=POSITIVE,
+                           help="clip range of the new values around the old ones (8.4.4)")
+    algorithm.add_argument("--ppo_update_iters", type=int, default=2, action=AT_LEAST_1,
+                           help="epochs over each rollout's minibatches")
+    algorithm.add_argument("--mini_batch_size", type=int, default=8, action=AT_LEAST_1,
+                           help="rollout rows per minibatch update")
+    algorithm.add_argument("--early_stop_kl", type=float, default=0.25, action=POSITIVE,
+                           help="stop the epochs once the approximate KL 0.5 * E[(log ratio)^2] passes this")
+    groups["kl"].add_argument("--kl_coef", type=float, default=0.02, action=NON_NEGATIVE,
+                              help="weight of the KL to the reference (8.6)")
+    groups["kl"].add_argument("--kl_placement", default="loss", choices=KL_PLACEMENTS,
+                              help="loss: kl_coef * k3 in the policy loss (the chapter); reward: -kl_coef * (logp - "
+                                   "ref) added to every token's reward before GAE (InstructGPT, the learner's "
+                                   "article, TRL)")
+    groups["memory"].add_argument("--minibatch_accumulation_steps", "--accumulation_steps", type=int, default=1,
+                                  action=AT_LEAST_1,
+                                  help="minibatches whose gradients make one optimizer step (--accumulation_steps: "
+                                       "upstream MiniMind's name for the same)")
+    groups["run"].add_argument("--save_weight", default="ppo", help="name of the saved weights ({name}_{hidden}.pth)")
     args = parser.parse_args(argv)
     check_common_rl_args(parser, args)
-    check_ranges(parser, args, at_least_1=("mini_batch_size", "ppo_update_iters", "minibatch_accumulation_steps"),
-                 unit_interval=("gamma", "lam"), non_negative=("kl_coef", "vf_coef"),
-                 positive=("clip_epsilon", "cliprange_value", "critic_learning_rate", "early_stop_kl"))
     return args
 
 
@@ -267,29 +275,15 @@ def ppo_rollout(batch, ref_model, critic, rollout_engine, reward_fn, reward_mode
     )
 
 
-def clip_and_step(models, optimizers, grad_clip, device):
-    """The update of the actor and the critic (chapter 8.4.3-8.4.4): clip each model's gradient norm to
-    ``grad_clip``, then step every optimizer -- or none, on every rank, when a gradient norm is NaN or inf on any
-    rank (the weights stay as they were). The gradients are cleared either way. Returns True when the optimizers
-    stepped."""
-    grad_norms = [float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)) for model in models]
-    skipped = any_rank(not all(math.isfinite(norm) for norm in grad_norms), device)  # a NaN on any rank: no update
-    if not skipped:
-        for optimizer in optimizers:
-            optimizer.step()
-    for optimizer in optimizers:
-        optimizer.zero_grad(set_to_none=True)
-    return not skipped
-
-
 def ppo_update(rollout_batch, actor, critic, optimizers, schedulers, args, device, generator, autocast):
     """Step 5: ``ppo_update_iters`` epochs over shuffled minibatches of ``rollout_batch`` (chapter 8.4.3-8.4.4).
 
     ``optimizers``, ``schedulers``: (the actor's, the critic's). Every rank draws the same permutation from
     ``generator``, and the approx-KL early stop uses the mean over ranks, so all ranks stop on the same minibatch.
-    ``--minibatch_accumulation_steps`` minibatches make one optimizer step (``clip_and_step``); each minibatch's
-    loss is divided by the size of its window (``accumulation_window_size``), so every optimizer step applies a
-    mean gradient; an early stop drops the window it interrupts. The schedules step once per rollout that made an
+    ``--minibatch_accumulation_steps`` minibatches make one optimizer step (``OptimizerStep.clip_and_step``: each
+    model clipped on its own, both stepped, or neither when a gradient is NaN or inf on any rank); each minibatch's
+    loss is divided by the size of its window, so every optimizer step applies a mean gradient; an early stop drops
+    the window it interrupts. The schedules step once per rollout that made an
     optimizer step. ``autocast``: the forwards' context under ``--dtype``. Returns a dict of stats averaged over
     minibatches, early_stop (0/1), optimizer_steps, skipped_steps.
     """
@@ -298,6 +292,7 @@ def ppo_update(rollout_batch, actor, critic, optimizers, schedulers, args, devic
     accumulation = args.minibatch_accumulation_steps
     kl_coef = args.kl_coef if args.kl_placement == "loss" else 0.0  # in the rewards otherwise (ppo_rollout)
     total_micro = args.ppo_update_iters * -(-batch_size // args.mini_batch_size)  # minibatches without early stop
+    optimizer_step = OptimizerStep([actor, critic], optimizers, args.grad_clip, device, accumulation, total_micro)
     sums, count, optimizer_steps, skipped_steps, stop_ppo, micro = {}, 0, 0, 0, False, 0
     for _ in range(args.ppo_update_iters):
         permutation = torch.randperm(batch_size, generator=generator)
@@ -324,12 +319,10 @@ def ppo_update(rollout_batch, actor, critic, optimizers, schedulers, args, devic
             # both MoE load-balancing losses (0 for dense models): the actor's and the critic's own routers
             loss = policy_loss + args.vf_coef * value_loss + aux_loss + critic_out.aux_loss
             micro += 1
-            (loss / accumulation_window_size(micro, total_micro, accumulation)).backward()
-            if micro % accumulation == 0 or micro == total_micro:  # the update
-                project_scale_only_gradients(optimizers[0])  # the actor's final norm gain learns one number
-                stepped = clip_and_step([actor, critic], optimizers, args.grad_clip, device)
-                optimizer_steps += int(stepped)
-                skipped_steps += int(not stepped)
+            (loss / optimizer_step.begin_step(micro)).backward()  # divided by its accumulation window's size
+            update = optimizer_step.clip_and_step(micro)  # at the window's end: clip each model, step both
+            optimizer_steps += int(update.get("skipped_update") == 0.0)
+            skipped_steps += int(update.get("skipped_update") == 1.0)
             for key, value in {"policy_loss": policy_loss, "value_loss": value_loss, "value_clipfrac": value_clipfrac,
                                "approx_kl": stats["approx_kl"], "clipfrac": stats["clipfrac"],
                                "kl_ref": stats["kl_ref"]}.items():
@@ -437,8 +430,7 @@ def main(argv=None, reward_fn=calculate_rewards):
         if args.debug_mode and step % args.debug_interval == 0:
             print_samples(step, rollout_batch.debug["prompts"], rollout_batch.debug["completions"],
                           rollout_batch.reward_parts, 1)
-        problems = nonfinite_parts(rewards=rollout_batch.rewards)
-        skipped = any_rank(bool(problems), device)  # a NaN reward on any rank: GAE would spread it, no update
+        problems, skipped = nonfinite_on_any_rank(device, rewards=rollout_batch.rewards)  # GAE would spread a NaN
         if skipped:
             update = {"optimizer_steps": 0.0, "skipped_steps": float(args.ppo_update_iters)}
         else:
@@ -458,10 +450,8 @@ def main(argv=None, reward_fn=calculate_rewards):
         step_log.write(step, position["epoch"], metrics, learning_rates, batch["index"].tolist())
         stop = stop_signal.requested(device)  # agreed by every rank
         if step % args.save_interval == 0 or step == total_steps or stop:
-            checkpoint_progress = {"step": step, "total_steps": total_steps, **position,
-                                   "lr_schedule_step": actor_scheduler.last_epoch, "run_dir": run_dir,
-                                   "wandb_id": writer.wandb_id, "bad_steps_in_a_row": guard.in_a_row}
-            save_checkpoint(args, "ppo", lm_config, dict(trained, rollout_engine=rollout_engine), checkpoint_progress,
+            saved = checkpoint_progress(step, total_steps, position, actor_scheduler, run_dir, writer, guard)
+            save_checkpoint(args, "ppo", lm_config, dict(trained, rollout_engine=rollout_engine), saved,
                             {args.save_weight: actor, f"{args.save_weight}_critic": critic})
         if stop:
             break

@@ -1,6 +1,7 @@
 """What both RL scripts share from the chapter, in its order: the rewards of 8.3 (rule reward, repetition penalty,
-answer reward, the external reward model and its conversation, ``calculate_rewards``) and the KL and masks of 8.6
-(the completion mask, masked means, the k3 estimator).
+answer reward, the external reward model and its conversation, ``calculate_rewards``), the rewards per token (8.4.2,
+8.6), GRPO's group advantages (8.5.1) and the KL and masks of 8.6 (the completion mask, masked means, the k3
+estimator).
 
 Everything that is not in the chapter (processes, flags, weights, checkpoints and reward-model folders on disk,
 dtypes, the optimizer, metrics) lives in trainer/infra/, which a learner can skip. Nothing here reads a global: every
@@ -295,7 +296,7 @@ def kl_penalty_rewards(old_per_token_logps, ref_per_token_logps, completion_mask
     return -kl_coef * log_ratio.float()  # [B, R]
 
 
-# ----------------------------------------------------------------------------- KL and masks (chapter 8.6)
+# ----------------------------------------------------------------------------- group advantages (chapter 8.5.1)
 
 
 def grpo_advantages(rewards, num_generations, eps=1e-4, scale_rewards="group"):
@@ -323,6 +324,9 @@ def grpo_advantages(rewards, num_generations, eps=1e-4, scale_rewards="group"):
     return ((rewards_fp64 - mean_r) / (std_r + eps)).to(rewards.dtype)  # [B*G]
 
 
+# ----------------------------------------------------------------------------- KL and masks (chapter 8.6)
+
+
 def completion_mask_from_ids(completion_ids, eos_token_id):
     """Mask of the completion tokens that count: every token up to and including the first EOS.
 
@@ -345,6 +349,14 @@ def masked_mean(values, mask, dim=None):
     if dim is None:
         return (values * mask).sum() / mask.sum().clamp(min=1)
     return (values * mask).sum(dim=dim) / mask.sum(dim=dim).clamp(min=1)
+
+
+def masked_var(values, mask):
+    """Population variance of ``values`` over positions where mask == 1 (chapter 8.4.2, the whitening's): the masked
+    mean of the squared deviations from the masked mean, a scalar tensor; 0 for an all-zero mask. values, mask: same
+    shape (mask 0/1)."""
+    mean = masked_mean(values, mask)
+    return masked_mean((values - mean) ** 2, mask)
 
 
 def k3_kl(ref_per_token_logps, per_token_logps, mask=None):

@@ -15,7 +15,8 @@ sys.path.insert(0, ROOT)
 import torch
 import torch.distributed as dist
 
-from trainer.grpo_family import LossConfig, family_loss, global_extremes, global_masked_mean, scale_gradients
+from trainer.grpo_family import LossConfig, family_loss, global_extremes, global_masked_mean
+from trainer.infra.optimizer import scale_gradients
 from trainer.infra.distributed import all_ranks_mean, init_distributed_mode, shutdown_distributed, wrap_ddp
 
 LENGTHS = {(0, 0): (5, 5, 5), (0, 1): (5, 1, 0), (1, 0): (2, 1, 1), (1, 1): (5, 5, 4)}  # (rank, step) -> rows

@@ -633,3 +633,12 @@ def restore_from_checkpoint(args, objects, steps_per_epoch, path, checkpoint, pr
     Logger(f"resumed from {path} at step {progress['step']} (epoch {progress['epoch']}, "
            f"batch {progress['batch_in_epoch']})")
     return progress
+
+
+def checkpoint_progress(step, total_steps, position, scheduler, run_dir, writer, guard, optimizer_step=None):
+    """What a checkpoint saves of the run's progress, the same in the three RL scripts: the step, the data position
+    ({"epoch", "batch_in_epoch"}), the schedule's step, the metrics folder and wandb id, the skipped updates in a
+    row, and (``optimizer_step``: an ``OptimizerStep``) its open accumulation window. -> dict."""
+    progress = {"step": step, "total_steps": total_steps, **position, "lr_schedule_step": scheduler.last_epoch,
+                "run_dir": run_dir, "wandb_id": writer.wandb_id, "bad_steps_in_a_row": guard.in_a_row}
+    return {**progress, **(optimizer_step.state() if optimizer_step is not None else {})}

@@ -1,7 +1,10 @@
-"""Flags both RL scripts take (same names, same meanings) and their checks; each script adds its own.
+"""Flags the RL scripts share (same names, same meanings), their ``--help`` groups and their checks: a flag's range
+is declared with it (``in_range``), checks that involve several flags are ``check_common_rl_args``; each script adds
+its own flags to the same groups.
 
 Infrastructure, not RL: a learner can skip this file; ``python trainer/train_grpo.py --help`` lists every flag.
 """
+import argparse
 import math
 import os
 import re
@@ -14,13 +17,15 @@ from trainer.infra.lora import add_lora_args, check_lora_args
 from trainer.infra.dtypes import DTYPE_CHOICES, DTYPES
 from trainer.infra.metrics import TRACKERS
 from trainer.infra.reward_models import read_reward_model_config
-from trainer.infra.sglang_client import (
-    DEFAULT_ROLLOUT_CORRECTION_CAP, ROLLOUT_CORRECTIONS, ROLLOUT_ENGINES, SGLANG_LOGPROB_MODES,
-)
+from trainer.infra.sglang_client import ROLLOUT_ENGINES, SGLANG_LOGPROB_MODES
 from trainer.infra.files import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, ROOT
 from trainer.infra.weights import build_config
 
 DEFAULT_REWARD_MODEL_PATH = os.path.join(ROOT, "out", "reward_model_256")  # trainer/train_reward.py, committed
+# --rollout_correction: the weight pi_trainer / pi_server per token or per answer, truncated or masked at the cap
+# (TRL 1.16's vllm_importance_sampling_mode; trainer/grpo_family.py, the rollout correction)
+ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+DEFAULT_ROLLOUT_CORRECTION_CAP = 3.0  # TRL's vllm_importance_sampling_clip_max
 BUNDLED_TRAIN_DATA = os.path.join(ROOT, "dataset", "rlaif_train.jsonl")
 BUNDLED_VAL_DATA = os.path.join(ROOT, "dataset", "rlaif_val.jsonl")
 PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")  # a --save_weight: a file name, never a path
@@ -39,134 +44,184 @@ def same_file(path, other):
     return os.path.isfile(path) and os.path.isfile(other) and os.path.samefile(path, other)
 
 
-def add_common_rl_args(parser):
-    """Flags shared by train_grpo.py and train_ppo.py (same names, same meanings); each script adds its own."""
-    parser.add_argument("--save_dir", default=DEFAULT_SAVE_DIR, help="where weights and runs are written")
-    parser.add_argument("--run_dir", default="", help="metrics folder (default: {save_dir}/runs/{save_weight}-TIME)")
-    parser.add_argument("--data_path", default=BUNDLED_TRAIN_DATA,
-                        help="RL prompts, MiniMind's RLAIF JSONL (the assistant turn, if any, is the reference answer)")
-    parser.add_argument("--tokenizer_path", default=None,
-                        help="tokenizer folder (default: the bundled model/); one named here is trusted for starting "
-                             "weights that have no record of their tokenizer")
-    parser.add_argument("--from_weight", default="full_sft", help="name in save_dir ({name}_{hidden}.pth) or a path")
-    parser.add_argument("--hidden_size", type=int, default=256, help="model width (MiniMind: 512, 768)")
-    parser.add_argument("--num_hidden_layers", type=int, default=4, help="model depth")
-    add_bool_flag(parser, "--use_moe", help="1: mixture-of-experts MLPs")
-    parser.add_argument("--epochs", type=int, default=1, help="passes over the prompts (when --max_steps is 0)")
-    parser.add_argument("--max_steps", type=int, default=300, help="stop after this many steps (0 = whole epochs)")
-    parser.add_argument("--batch_size", type=int, default=4, help="prompts per step and rank")
-    parser.add_argument("--learning_rate", type=float, default=2e-5, help="AdamW learning rate of the policy")
-    parser.add_argument("--final_norm_learning_rate", type=float, default=1e-2,
-                        help="learning rate of the policy's final RMSNorm gain, which sets how sharp its output "
-                             "distribution is (0 = --learning_rate, one group)")
-    parser.add_argument("--weight_decay", type=float, default=0.0, help="AdamW weight decay")
-    parser.add_argument("--grad_clip", type=float, default=1.0, help="gradient-norm clipping")
-    parser.add_argument("--max_seq_len", type=int, default=256, help="prompt tokens kept (from the right)")
-    parser.add_argument("--max_gen_len", type=int, default=96, help="most tokens generated per answer")
-    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollout")
-    parser.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling (1.0 = off)")
-    parser.add_argument("--top_k", type=int, default=0, help="top-k sampling (0 = off)")
-    parser.add_argument("--dtype", default="auto",
-                        help="autocast dtype of the policy/critic forwards (weights and log-softmax stay fp32): "
-                             f"{', '.join(DTYPE_CHOICES)}; auto = bfloat16 on a CUDA GPU that supports it, float32 "
-                             "elsewhere")
-    parser.add_argument("--device", default="",
-                        help="e.g. cuda:1 or cpu (default: the first GPU if there is one; under torchrun each "
-                             "process takes the GPU of its LOCAL_RANK, and cpu keeps them all on the CPU)")
-    add_bool_flag(parser, "--use_compile",
-                  help="1: torch.compile the training forwards (policy; PPO's critic too), not the rollout's decode")
-    parser.add_argument("--num_workers", type=int, default=0,
-                        help="DataLoader worker processes that read the prompts (0 = in the training process)")
-    parser.add_argument("--thinking_ratio", type=float, default=0.9, help="share of prompts that open <think>")
-    parser.add_argument("--reward_model_path", default=DEFAULT_REWARD_MODEL_PATH,
-                        help="reward model folder (sequence classification, or get_score remote code), or none")
-    parser.add_argument("--reward_batch_size", type=int, default=16, help="answers per reward-model forward")
-    parser.add_argument("--reward_device", default="", help="device of the reward model (default: the policy's)")
-    parser.add_argument("--reward_dtype", default="", choices=["", *DTYPES],
-                        help="dtype of the reward model (default: float16 on a GPU, as upstream MiniMind; the "
-                             "policy's weights' dtype on the CPU)")
-    add_bool_flag(parser, "--trust_remote_code",
+def in_range(text, inside):
+    """An argparse action that stores a flag's value and refuses one outside its range, at parse time, with
+    ``parser.error`` (exit 2): "--flag must be {text}, got {value}". The range is declared with the flag:
+    ``add_argument("--batch_size", type=int, action=AT_LEAST_1)``; a default is not checked."""
+
+    class InRange(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            if not inside(values):
+                parser.error(f"{option_string} must be {text}, got {values}")
+            setattr(namespace, self.dest, values)
+
+    return InRange
+
+
+AT_LEAST_1 = in_range(">= 1", lambda v: v >= 1)
+AT_LEAST_2 = in_range(">= 2", lambda v: v >= 2)
+NON_NEGATIVE = in_range(">= 0", lambda v: v >= 0)
+POSITIVE = in_range("> 0", lambda v: v > 0)
+UNIT_INTERVAL = in_range("in [0, 1]", lambda v: 0 <= v <= 1)
+FINITE_POSITIVE = in_range("a finite number > 0", lambda v: math.isfinite(v) and v > 0)
+
+# --help's groups in the order a learner reads them: the chapter's flags first, then what comes after it
+FLAG_GROUPS = {
+    "data": ("data and model", "the prompts, the tokenizer and the policy the run starts from"),
+    "rollout": ("rollout (8.2)", "the answers sampled for each prompt"),
+    "rewards": ("rewards (8.3)", "rule reward + reward model + answer reward"),
+    "algorithm": ("the algorithm (8.4, 8.5)", "its loss, its updates and their learning rates"),
+    "kl": ("KL to the reference (8.6)", None),
+    "engine": ("rollout engine", "an SGLang server instead of the policy's own generate (docs/sglang.md)"),
+    "family": ("after the chapter", "the GRPO family, the advantage estimators, DAPO's batch techniques"),
+    "lora": ("LoRA", "adapters instead of every weight (docs/lora.md)"),
+    "memory": ("memory and parallelism", "devices, dtypes, compilation, accumulation"),
+    "run": ("run and checkpoints", "length, saving, resuming, the held-out evaluation"),
+    "tracking": ("tracking", "metrics, wandb / swanlab, printed samples"),
+}
+
+
+def flag_groups(parser):
+    """The argparse groups of an RL script's ``--help`` (``FLAG_GROUPS``, in order), created on ``parser``, whose
+    usage line then names no flag (``--help`` lists them by group). Returns {key: group}: ``add_common_rl_args`` and
+    each script add their flags to them."""
+    parser.usage = "%(prog)s [--flag value ...]  (every flag takes a default; --help lists them by group)"
+    return {key: parser.add_argument_group(title, description) for key, (title, description) in FLAG_GROUPS.items()}
+
+
+def add_common_rl_args(groups):
+    """Flags shared by the RL scripts (same names, same meanings), each in its ``flag_groups`` group with its range;
+    each script adds its own."""
+    data, rollout, rewards, algorithm = groups["data"], groups["rollout"], groups["rewards"], groups["algorithm"]
+    engine, memory, run, tracking = groups["engine"], groups["memory"], groups["run"], groups["tracking"]
+
+    data.add_argument("--data_path", default=BUNDLED_TRAIN_DATA,
+                      help="RL prompts, MiniMind's RLAIF JSONL (the assistant turn, if any, is the reference answer)")
+    data.add_argument("--tokenizer_path", default=None,
+                      help="tokenizer folder (default: the bundled model/); one named here is trusted for starting "
+                           "weights that have no record of their tokenizer")
+    data.add_argument("--from_weight", default="full_sft", help="name in save_dir ({name}_{hidden}.pth) or a path")
+    data.add_argument("--hidden_size", type=int, default=256, help="model width (MiniMind: 512, 768)")
+    data.add_argument("--num_hidden_layers", type=int, default=4, help="model depth")
+    add_bool_flag(data, "--use_moe", help="1: mixture-of-experts MLPs")
+    data.add_argument("--max_seq_len", type=int, default=256, action=AT_LEAST_1,
+                      help="prompt tokens kept (from the right)")
+    data.add_argument("--thinking_ratio", type=float, default=0.9, action=UNIT_INTERVAL,
+                      help="share of prompts that open <think>")
+    data.add_argument("--num_workers", type=int, default=0, action=NON_NEGATIVE,
+                      help="DataLoader worker processes that read the prompts (0 = in the training process)")
+
+    rollout.add_argument("--batch_size", type=int, default=4, action=AT_LEAST_1, help="prompts per step and rank")
+    rollout.add_argument("--max_gen_len", type=int, default=96, action=AT_LEAST_1,
+                         help="most tokens generated per answer")
+    rollout.add_argument("--temperature", type=float, default=1.0, action=POSITIVE,
+                         help="sampling temperature of the rollout")
+    rollout.add_argument("--top_p", type=float, default=1.0, action=in_range("in (0, 1]", lambda v: 0 < v <= 1),
+                         help="nucleus sampling (1.0 = off)")
+    rollout.add_argument("--top_k", type=int, default=0, action=in_range(">= 0 (0 = off)", lambda v: v >= 0),
+                         help="top-k sampling (0 = off)")
+
+    rewards.add_argument("--reward_model_path", default=DEFAULT_REWARD_MODEL_PATH,
+                         help="reward model folder (sequence classification, or get_score remote code), or none")
+    rewards.add_argument("--reward_batch_size", type=int, default=16, action=AT_LEAST_1,
+                         help="answers per reward-model forward")
+    rewards.add_argument("--reward_device", default="", help="device of the reward model (default: the policy's)")
+    rewards.add_argument("--reward_dtype", default="", choices=["", *DTYPES],
+                         help="dtype of the reward model (default: float16 on a GPU, as upstream MiniMind; the "
+                              "policy's weights' dtype on the CPU)")
+    add_bool_flag(rewards, "--trust_remote_code",
                   help="allow a reward model that runs its own Python code (e.g. internlm2-1_8b-reward)")
-    parser.add_argument("--answer_reward_weight", type=float, default=2.0,
-                        help="weight of the 0/1 reward for a correct final number")
-    parser.add_argument("--rollout_engine", default="torch", help=f"one of {', '.join(ROLLOUT_ENGINES)}")
-    parser.add_argument("--sglang_url", "--sglang_base_url", default="http://127.0.0.1:30000",
+    rewards.add_argument("--answer_reward_weight", type=float, default=2.0, action=NON_NEGATIVE,
+                         help="weight of the 0/1 reward for a correct final number")
+
+    algorithm.add_argument("--learning_rate", type=float, default=2e-5, action=POSITIVE,
+                           help="AdamW learning rate of the policy")
+    algorithm.add_argument("--final_norm_learning_rate", type=float, default=1e-2,
+                           action=in_range(">= 0 (0 = --learning_rate)", lambda v: v >= 0),
+                           help="learning rate of the policy's final RMSNorm gain, which sets how sharp its output "
+                                "distribution is (0 = --learning_rate, one group)")
+    algorithm.add_argument("--weight_decay", type=float, default=0.0, help="AdamW weight decay")
+    algorithm.add_argument("--grad_clip", type=float, default=1.0, action=POSITIVE, help="gradient-norm clipping")
+
+    engine.add_argument("--rollout_engine", default="torch", help=f"one of {', '.join(ROLLOUT_ENGINES)}")
+    engine.add_argument("--sglang_url", "--sglang_base_url", default="http://127.0.0.1:30000",
                         help="server of --rollout_engine sglang (--sglang_base_url: upstream MiniMind's name)")
-    parser.add_argument("--sglang_shared_path", default="",
+    engine.add_argument("--sglang_shared_path", default="",
                         help="folder the trainer writes synced weights to and the server reads "
                              "(default {save_dir}/sglang_{save_weight}_{hidden}: one per run; one run per folder)")
-    parser.add_argument("--sglang_timeout", type=float, default=120.0,
+    engine.add_argument("--sglang_timeout", type=float, default=120.0,
+                        action=in_range("> 0 seconds", lambda v: v > 0),
                         help="seconds a request to the SGLang server may take before the run stops naming the server "
                              "(a CPU server answers a default batch in about 1 s and loads weights in a few)")
-    parser.add_argument("--sglang_logprobs", default="recompute", choices=SGLANG_LOGPROB_MODES,
+    engine.add_argument("--sglang_logprobs", default="recompute", choices=SGLANG_LOGPROB_MODES,
                         help="old log-probs: recomputed by the local policy, or the server's (checked at batch 1)")
-    parser.add_argument("--rollout_correction", default="none", choices=ROLLOUT_CORRECTIONS,
+    engine.add_argument("--rollout_correction", default="none", choices=ROLLOUT_CORRECTIONS,
                         help="with --sglang_logprobs server: weight each token's loss by pi_trainer / pi_server, per "
                              "token or per answer, truncated at the cap or masked beyond it (TRL's "
                              "vllm_importance_sampling_mode; docs/sglang.md)")
-    parser.add_argument("--rollout_correction_cap", type=float, default=DEFAULT_ROLLOUT_CORRECTION_CAP,
+    engine.add_argument("--rollout_correction_cap", type=float, default=DEFAULT_ROLLOUT_CORRECTION_CAP,
+                        action=FINITE_POSITIVE,
                         help="the weight's upper bound C (TRL's vllm_importance_sampling_clip_max, 3.0): *_truncate "
                              "clips at C, *_mask sets weights above C to 0")
-    parser.add_argument("--sglang_sync_interval", type=int, default=1,
+    engine.add_argument("--sglang_sync_interval", type=int, default=1, action=AT_LEAST_1,
                         help="push weights to SGLang every N policy updates (N > 1: rollouts up to N-1 updates old)")
-    parser.add_argument("--sglang_export_dtype", default="float32", choices=sorted(DTYPES),
+    engine.add_argument("--sglang_export_dtype", default="float32", choices=sorted(DTYPES),
                         help="dtype of the weights synced to SGLang")
-    parser.add_argument("--eval_data_path", default=None,
-                        help="held-out prompts of the periodic evaluation (default: the bundled validation split "
-                             "when --data_path is the bundled training data; no evaluation for other data)")
-    parser.add_argument("--eval_interval", type=int, default=50,
-                        help="held-out evaluation at step 0, every N steps and at the end (0 = off)")
-    parser.add_argument("--eval_num_prompts", type=int, default=200,
-                        help="held-out prompts per evaluation, each answered sampled and greedy")
-    parser.add_argument("--log_interval", type=int, default=1, help="log line and metrics.jsonl every N steps")
-    parser.add_argument("--save_interval", type=int, default=50, help="checkpoint and resume file every N steps")
-    parser.add_argument("--seed", type=int, default=42, help="data order, initial state and sampling")
-    add_bool_flag(parser, "--use_wandb", help="1: also send the metrics to --tracker (wandb or swanlab)")
-    parser.add_argument("--tracker", default="wandb", choices=TRACKERS,
-                        help="where --use_wandb 1 sends the metrics: wandb, or swanlab (upstream MiniMind's; "
-                             "offline unless SWANLAB_MODE says otherwise)")
-    parser.add_argument("--wandb_project", default="MiniMind-RL", help="wandb / swanlab project name")
-    add_bool_flag(parser, "--debug_mode", help="1: print prompts, answers and reward parts")
-    parser.add_argument("--debug_interval", type=int, default=20, help="--debug_mode prints every N steps")
-    add_bool_flag(parser, "--from_resume",
+
+    add_lora_args(groups["lora"])  # --lora_rank R: adapters on the policy, the reference without them (infra/lora.py)
+
+    memory.add_argument("--dtype", default="auto",
+                        help="autocast dtype of the policy/critic forwards (weights and log-softmax stay fp32): "
+                             f"{', '.join(DTYPE_CHOICES)}; auto = bfloat16 on a CUDA GPU that supports it, float32 "
+                             "elsewhere")
+    memory.add_argument("--device", default="",
+                        help="e.g. cuda:1 or cpu (default: the first GPU if there is one; under torchrun each "
+                             "process takes the GPU of its LOCAL_RANK, and cpu keeps them all on the CPU)")
+    add_bool_flag(memory, "--use_compile",
+                  help="1: torch.compile the training forwards (policy; PPO's critic too), not the rollout's decode")
+
+    run.add_argument("--save_dir", default=DEFAULT_SAVE_DIR, help="where weights and runs are written")
+    run.add_argument("--epochs", type=int, default=1, action=AT_LEAST_1,
+                     help="passes over the prompts (when --max_steps is 0)")
+    run.add_argument("--max_steps", type=int, default=300, action=NON_NEGATIVE,
+                     help="stop after this many steps (0 = whole epochs)")
+    run.add_argument("--save_interval", type=int, default=50, action=AT_LEAST_1,
+                     help="checkpoint and resume file every N steps")
+    run.add_argument("--seed", type=int, default=42, help="data order, initial state and sampling")
+    add_bool_flag(run, "--from_resume",
                   help="1: continue from {save_dir}/{save_weight}_{hidden}_resume.pth when it exists")
-    parser.add_argument("--max_bad_steps", type=int, default=3,
-                        help="stop after this many updates in a row skipped for a NaN/inf")
-    add_bool_flag(parser, "--allow_data_change",
+    run.add_argument("--max_bad_steps", type=int, default=3, action=AT_LEAST_1,
+                     help="stop after this many updates in a row skipped for a NaN/inf")
+    add_bool_flag(run, "--allow_data_change",
                   help="1: resume although --data_path differs from the file the run was saved with (the position "
                        "is kept as a count of prompts)")
-    add_lora_args(parser)  # --lora_rank R: adapters on the policy, the reference without them (infra/lora.py)
+    run.add_argument("--eval_data_path", default=None,
+                     help="held-out prompts of the periodic evaluation (default: the bundled validation split "
+                          "when --data_path is the bundled training data; no evaluation for other data)")
+    run.add_argument("--eval_interval", type=int, default=50, action=NON_NEGATIVE,
+                     help="held-out evaluation at step 0, every N steps and at the end (0 = off)")
+    run.add_argument("--eval_num_prompts", type=int, default=200, action=AT_LEAST_1,
+                     help="held-out prompts per evaluation, each answered sampled and greedy")
 
-
-RANGES = {"at_least_1": (lambda v: v >= 1, ">= 1"), "at_least_2": (lambda v: v >= 2, ">= 2"),
-          "positive": (lambda v: v > 0, "> 0"), "non_negative": (lambda v: v >= 0, ">= 0"),
-          "unit_interval": (lambda v: 0 <= v <= 1, "in [0, 1]")}
-
-
-def check_ranges(parser, args, **flags_by_range):
-    """``parser.error`` (exit 2) naming the first flag outside its range: ``flags_by_range`` maps a key of
-    ``RANGES`` (at_least_1, at_least_2, positive, non_negative, unit_interval) to the flags that must lie in it."""
-    for range_name, flags in flags_by_range.items():
-        inside, text = RANGES[range_name]
-        for flag in flags:
-            if not inside(getattr(args, flag)):
-                parser.error(f"--{flag} must be {text}, got {getattr(args, flag)}")
+    tracking.add_argument("--run_dir", default="", help="metrics folder (default: {save_dir}/runs/{save_weight}-TIME)")
+    tracking.add_argument("--log_interval", type=int, default=1, action=AT_LEAST_1,
+                          help="log line and metrics.jsonl every N steps")
+    add_bool_flag(tracking, "--use_wandb", help="1: also send the metrics to --tracker (wandb or swanlab)")
+    tracking.add_argument("--tracker", default="wandb", choices=TRACKERS,
+                          help="where --use_wandb 1 sends the metrics: wandb, or swanlab (upstream MiniMind's; "
+                               "offline unless SWANLAB_MODE says otherwise)")
+    tracking.add_argument("--wandb_project", default="MiniMind-RL", help="wandb / swanlab project name")
+    add_bool_flag(tracking, "--debug_mode", help="1: print prompts, answers and reward parts")
+    tracking.add_argument("--debug_interval", type=int, default=20, action=AT_LEAST_1,
+                          help="--debug_mode prints every N steps")
 
 
 def check_common_rl_args(parser, args):
-    """argparse-style errors (exit 2) for out-of-range shared flags, before any model is built. Also records whether
-    ``--tokenizer_path`` was named (``args.tokenizer_path_named``) before filling in its default."""
+    """argparse-style errors (exit 2) for the shared flags that involve files, devices or other flags, before any
+    model is built. Also records whether ``--tokenizer_path`` was named (``args.tokenizer_path_named``) before filling
+    in its default."""
     args.tokenizer_path_named = int(args.tokenizer_path is not None)
     args.tokenizer_path = args.tokenizer_path or DEFAULT_TOKENIZER_PATH
-    for flag in ("batch_size", "max_gen_len", "max_seq_len", "epochs", "log_interval",
-                 "save_interval", "debug_interval", "reward_batch_size", "max_bad_steps"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
-    if args.max_steps < 0:
-        parser.error(f"--max_steps must be >= 0, got {args.max_steps}")
-    if args.eval_interval < 0 or args.eval_num_prompts < 1:
-        parser.error(f"--eval_interval must be >= 0 and --eval_num_prompts >= 1, got {args.eval_interval} and "
-                     f"{args.eval_num_prompts}")
     if args.eval_data_path is None:  # the bundled validation prompts fit the bundled training data only
         args.eval_data_path = BUNDLED_VAL_DATA if same_file(args.data_path, BUNDLED_TRAIN_DATA) else ""
     if args.eval_interval and args.eval_data_path and not os.path.isfile(args.eval_data_path):
@@ -176,23 +231,10 @@ def check_common_rl_args(parser, args):
                     if args.dtype == "float16" else "")
         parser.error(f"--dtype {args.dtype} is not supported{upstream}; use one of {', '.join(DTYPE_CHOICES)} "
                      f"(bfloat16 on a GPU: its range needs no loss scaler)")
-    if args.learning_rate <= 0:
-        parser.error(f"--learning_rate must be > 0, got {args.learning_rate}")
-    if args.final_norm_learning_rate < 0:
-        parser.error(f"--final_norm_learning_rate must be >= 0 (0 = --learning_rate), got "
-                     f"{args.final_norm_learning_rate}")
-    if args.temperature <= 0:
-        parser.error(f"--temperature must be > 0, got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        parser.error(f"--top_p must be in (0, 1], got {args.top_p}")
-    if not 0 <= args.thinking_ratio <= 1:
-        parser.error(f"--thinking_ratio must be in [0, 1], got {args.thinking_ratio}")
     if args.rollout_engine not in ROLLOUT_ENGINES:
         parser.error(f"--rollout_engine {args.rollout_engine!r} is unknown; valid: {', '.join(ROLLOUT_ENGINES)}")
     if not os.path.isfile(args.data_path):
         parser.error(f"--data_path {args.data_path} does not exist")
-    if args.num_workers < 0:
-        parser.error(f"--num_workers must be >= 0, got {args.num_workers}")
     if args.device:
         try:
             device_type = torch.device(args.device).type
@@ -205,10 +247,6 @@ def check_common_rl_args(parser, args):
         index = torch.device(args.device).index
         if device_type == "cuda" and index is not None and index >= torch.cuda.device_count():
             parser.error(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
-    if args.grad_clip <= 0:
-        parser.error(f"--grad_clip must be > 0, got {args.grad_clip}")
-    if args.top_k < 0:
-        parser.error(f"--top_k must be >= 0 (0 = off), got {args.top_k}")
     if args.reward_model_path != "none":
         try:
             read_reward_model_config(args.reward_model_path, args.trust_remote_code)
@@ -231,10 +269,6 @@ def check_common_rl_args(parser, args):
             check_creatable_dir(args.run_dir)  # made by the run, after the checks that need no model
         except OSError as err:
             parser.error(f"--run_dir: {err.strerror}")
-    if args.sglang_timeout <= 0:
-        parser.error(f"--sglang_timeout must be > 0 seconds, got {args.sglang_timeout}")
-    if args.sglang_sync_interval < 1:
-        parser.error(f"--sglang_sync_interval must be >= 1, got {args.sglang_sync_interval}")
     if args.rollout_engine == "sglang" and args.use_moe:
         parser.error("--rollout_engine sglang needs a dense model (--use_moe 0): MoE weights have no Qwen3 export")
     if not args.sglang_url.startswith(("http://", "https://")):
@@ -246,8 +280,6 @@ def check_common_rl_args(parser, args):
 def check_rollout_correction_args(parser, args):
     """Refuse a ``--rollout_correction`` that cannot act, naming the flags that make it act (exit 2)."""
     correction = args.rollout_correction
-    if not (math.isfinite(args.rollout_correction_cap) and args.rollout_correction_cap > 0):
-        parser.error(f"--rollout_correction_cap must be a finite number > 0, got {args.rollout_correction_cap}")
     if correction == "none":
         return
     if args.rollout_engine != "sglang":

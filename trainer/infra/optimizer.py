@@ -1,11 +1,13 @@
-"""The optimizer and its schedule: AdamW with the policy's final-norm group, the cosine learning rate, and the
-gradient-accumulation window. The update itself (clip, step, zero_grad) is written out in each training loop.
+"""The optimizer, its schedule and its step: AdamW with the policy's final-norm group, the cosine learning rate, the
+gradient-accumulation window, and ``OptimizerStep``, the one update every RL loop calls after its backward.
 """
 import math
 
 import torch
 
+from trainer.infra.distributed import any_rank
 from trainer.infra.lora import base_model
+from trainer.infra.stopping import nonfinite_parts
 
 
 def build_policy_optimizer(model, learning_rate, weight_decay, final_norm_learning_rate):
@@ -96,3 +98,80 @@ def accumulation_window_size(step, total_steps, accumulation_steps):
     """
     window_start = (step - 1) // accumulation_steps * accumulation_steps  # steps before this window
     return min(accumulation_steps, total_steps - window_start)
+
+
+def scale_gradients(parameters, factor):
+    """Multiply every gradient by ``factor`` in place: dapo and vespo divide the window's summed token losses by its
+    tokens, known once the window ends (TRL's ``num_items_in_batch`` spans the whole accumulation window)."""
+    for parameter in parameters:
+        if parameter.grad is not None:
+            parameter.grad.mul_(factor)
+
+
+class OptimizerStep:
+    """The one optimizer step of the RL loops: GRPO's and the agent's steps and PPO's minibatches each run
+    loss -> backward -> ``clip_and_step``; at the end of each accumulation window of ``accumulation_steps`` steps
+    (the last one ends at ``total_steps``) it
+
+      1. (``token_sum``: dapo, vespo) scales the gradients by window / the window's tokens (``begin_step``'s counts);
+      2. keeps the final-norm gain's gradient along itself (``project_scale_only_gradients``);
+      3. clips each model's gradient norm to ``grad_clip``, each model on its own (PPO: the actor and the critic);
+      4. steps every optimizer and scheduler, unless a checked value (rewards, loss) or a gradient norm was NaN or inf
+         on any rank, in which case no rank steps (one all_reduce); ``guard`` counts such skips;
+      5. zeroes the gradients either way.
+
+    ``models``: the modules whose parameters the optimizers hold (DDP wrappers or not). ``state``: a resumed run's
+    progress, whose "window_num_items" is the open window's token count (``state()`` writes it into the resume file).
+    """
+
+    def __init__(self, models, optimizers, grad_clip, device, accumulation_steps, total_steps, schedulers=(),
+                 guard=None, token_sum=False, state=None):
+        self.models, self.optimizers, self.schedulers = list(models), list(optimizers), list(schedulers)
+        self.grad_clip, self.device, self.guard, self.token_sum = grad_clip, device, guard, token_sum
+        self.accumulation_steps, self.total_steps = accumulation_steps, total_steps
+        self.window_num_items = (state or {}).get("window_num_items", 0.0)  # the window's tokens / processes
+        self.problems = []  # names of what was non-finite since the last optimizer step
+
+    def begin_step(self, step, num_items_in_batch=0.0):
+        """Start ``step`` (1-based): count its answer tokens into its window (a new window starts from 0). Returns the
+        window's size, the number its losses are divided by (``accumulation_window_size``)."""
+        if (step - 1) % self.accumulation_steps == 0:
+            self.window_num_items = 0.0
+        self.window_num_items += num_items_in_batch
+        return accumulation_window_size(step, self.total_steps, self.accumulation_steps)
+
+    def update_due(self, step):
+        """True when ``step`` ends its accumulation window."""
+        return step % self.accumulation_steps == 0 or step == self.total_steps
+
+    def clip_and_step(self, step, **checked):
+        """After a backward of ``step``: note which of ``checked`` (tensors or floats, e.g. rewards=, loss=) are not
+        finite; at the window's end apply the update (the class's 1-5). Returns {} inside a window, else
+        {"grad_norm": the first model's norm before clipping, "skipped_update": 1.0 or 0.0}."""
+        self.problems += nonfinite_parts(**checked)
+        if not self.update_due(step):
+            return {}
+        parameters = [list(model.parameters()) for model in self.models]
+        if self.token_sum:  # the window's token sum / its tokens (TRL's num_items_in_batch)
+            window = accumulation_window_size(step, self.total_steps, self.accumulation_steps)
+            scale_gradients([p for params in parameters for p in params], window / self.window_num_items)
+        for optimizer in self.optimizers:
+            project_scale_only_gradients(optimizer)  # the final norm gain learns one number (its own group)
+        grad_norms = [float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip)) for params in parameters]
+        self.problems += nonfinite_parts(gradients=torch.tensor(grad_norms))
+        skipped = any_rank(bool(self.problems), self.device)  # a NaN or inf on any rank: no rank updates
+        if not skipped:
+            for optimizer in self.optimizers:
+                optimizer.step()
+            for scheduler in self.schedulers:
+                scheduler.step()
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        if self.guard is not None:
+            self.guard.record(step, skipped, self.problems)  # stops the run after --max_bad_steps in a row
+        self.problems = []
+        return {"grad_norm": grad_norms[0], "skipped_update": float(skipped)}
+
+    def state(self):
+        """What a checkpoint saves of the update: the open window's token count."""
+        return {"window_num_items": self.window_num_items}

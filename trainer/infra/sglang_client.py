@@ -20,10 +20,6 @@ from trainer.infra.errors import InputError, ServerError
 
 ROLLOUT_ENGINES = ("torch", "sglang")  # --rollout_engine: the policy's own generate, or an SGLang server
 SGLANG_LOGPROB_MODES = ("recompute", "server")  # --sglang_logprobs: old log-probs by the trainer, or the server's
-# --rollout_correction: the weight pi_trainer / pi_server per token or per answer, truncated or masked at the cap
-# (TRL 1.16's vllm_importance_sampling_mode; trainer/grpo_family.py, the rollout correction)
-ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-DEFAULT_ROLLOUT_CORRECTION_CAP = 3.0  # TRL's vllm_importance_sampling_clip_max
 RETRIED_HTTP_STATUSES = (502, 503, 504)
 STOP_GRACE_S = 10.0  # seconds an answer is awaited after a stop request (a CPU server answers a batch in about 1 s)
 

@@ -79,6 +79,13 @@ def nonfinite_parts(**tensors):
     return bad
 
 
+def nonfinite_on_any_rank(device, **tensors):
+    """(names of the given tensors or floats that hold a NaN or inf on this rank, whether any rank found one): the
+    check every rank agrees on, one all_reduce (``any_rank``)."""
+    problems = nonfinite_parts(**tensors)
+    return problems, any_rank(bool(problems), device)
+
+
 class BadStepGuard:
     """Counts updates that were skipped because of a NaN or inf (in the rewards, the loss or the gradients).
 
