@@ -2,6 +2,7 @@
 name registered tools, ``gt`` is a list of values, a user turn to answer), so bad input fails before a model is built.
 The bundled task's splits: ``AGENT_TRAIN_DATA`` to train, ``AGENT_VAL_DATA`` to choose settings on, ``AGENT_TEST_DATA``
 to report (``scripts/make_demo_data.py`` writes them, disjoint)."""
+
 import os
 import random
 
@@ -31,8 +32,9 @@ class AgentRLDataset(torch.utils.data.Dataset):
         if not 0.0 <= thinking_ratio <= 1.0:
             raise DataError(f"thinking_ratio must be in [0, 1], got {thinking_ratio}")
         special_tokens = list(tokenizer.all_special_tokens)
-        self.rows = [check_agent_row(row, f"{path}:{line}", special_tokens, check_tools)
-                     for line, row in iter_jsonl(path)]
+        self.rows = [
+            check_agent_row(row, f"{path}:{line}", special_tokens, check_tools) for line, row in iter_jsonl(path)
+        ]
         self.thinking_ratio, self.seed = thinking_ratio, seed
 
     def __len__(self):
@@ -48,16 +50,22 @@ def check_agent_row(row, where, special_tokens, check_tools):
     role/content strings, without ``tools`` on a system turn (or with tools that ``check_tools`` refuses: not JSON,
     not schemas, not registered), without a ``gt`` list, or without a user turn to answer."""
     conversations = row.get("conversations") if isinstance(row, dict) else None
-    if not isinstance(conversations, list) or not conversations or not all(
+    if (
+        not isinstance(conversations, list)
+        or not conversations
+        or not all(
             isinstance(t, dict) and isinstance(t.get("role"), str) and isinstance(t.get("content"), str)
-            for t in conversations):
+            for t in conversations
+        )
+    ):
         raise DataFormatError(f"{where}: expected a non-empty 'conversations' list of role/content strings")
     if not any(t["role"] == "system" and t.get("tools") for t in conversations):
         raise DataFormatError(f"{where}: no system turn with 'tools' (the tool schemas the model may call)")
     gt = row.get("gt")
     if not isinstance(gt, list) or not all(isinstance(g, (str, int, float)) and not isinstance(g, bool) for g in gt):
-        raise DataFormatError(f"{where}: expected 'gt', a list of the values a right answer contains, got "
-                              f"{str(gt)[:60]!r}")
+        raise DataFormatError(
+            f"{where}: expected 'gt', a list of the values a right answer contains, got {str(gt)[:60]!r}"
+        )
     try:
         check_tools(conversations)  # the schemas parse and every tool is registered
     except ValueError as error:
@@ -73,6 +81,9 @@ def check_agent_row(row, where, special_tokens, check_tools):
 
 def collate_agent_rows(items):
     """A batch of dataset items as lists (messages and gt keep their nesting) and the indices as a tensor."""
-    return {"messages": [item["messages"] for item in items], "gt": [item["gt"] for item in items],
-            "open_thinking": [item["open_thinking"] for item in items],
-            "index": torch.tensor([item["index"] for item in items], dtype=torch.long)}
+    return {
+        "messages": [item["messages"] for item in items],
+        "gt": [item["gt"] for item in items],
+        "open_thinking": [item["open_thinking"] for item in items],
+        "index": torch.tensor([item["index"] for item in items], dtype=torch.long),
+    }

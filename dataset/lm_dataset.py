@@ -6,6 +6,7 @@ do); preference pairs are described in ``read_preference_pairs``.
 Files are parsed line by line (so a bad line is reported with its file and line number) and held in a
 ``datasets.Dataset``. ``ResumableBatchSampler`` gives the RL scripts a data order that a resumed run continues.
 """
+
 import functools
 import gzip
 import itertools
@@ -29,8 +30,9 @@ def read_lines(f, path):
     try:
         yield from f
     except (OSError, EOFError) as err:  # gzip.BadGzipFile is an OSError
-        raise DataFormatError(f"{path}: cannot be read as {'gzip' if path.endswith('.gz') else 'a file'} "
-                              f"({type(err).__name__}: {err})") from err
+        raise DataFormatError(
+            f"{path}: cannot be read as {'gzip' if path.endswith('.gz') else 'a file'} ({type(err).__name__}: {err})"
+        ) from err
 
 
 def iter_jsonl(path):
@@ -79,8 +81,9 @@ def read_conversations_jsonl(path, require_user_turn=False):
         if not isinstance(conversations, list) or not conversations:
             raise DataFormatError(f"{path}:{line_no}: expected a non-empty 'conversations' list")
         for turn in conversations:
-            if not (isinstance(turn, dict) and isinstance(turn.get("role"), str)
-                    and isinstance(turn.get("content"), str)):
+            if not (
+                isinstance(turn, dict) and isinstance(turn.get("role"), str) and isinstance(turn.get("content"), str)
+            ):
                 raise DataFormatError(f"{path}:{line_no}: each turn needs string 'role' and 'content'")
         if require_user_turn and not any(t["role"] == "user" for t in prompt_turns(conversations)):
             raise DataFormatError(f"{path}:{line_no}: no user turn to use as the prompt")
@@ -101,8 +104,10 @@ def checked_tools(turn, where):
     except json.JSONDecodeError as err:
         raise DataFormatError(f"{where}: the system turn's 'tools' are not JSON ({err.msg})") from err
     if turn["role"] != "system" or not isinstance(schemas, list) or not all(isinstance(t, dict) for t in schemas):
-        raise DataFormatError(f"{where}: 'tools' must be a list of tool schemas on a system turn, got "
-                              f"{str(tools)[:80]!r} on a {turn['role']} turn")
+        raise DataFormatError(
+            f"{where}: 'tools' must be a list of tool schemas on a system turn, got "
+            f"{str(tools)[:80]!r} on a {turn['role']} turn"
+        )
     return tools if isinstance(tools, str) else json.dumps(tools, ensure_ascii=False)
 
 
@@ -155,9 +160,13 @@ def warn_special_token_text(path, data, special_tokens):
     """One warning that counts the rows whose content holds special-token text (escaped when rendered)."""
     lines = [row["line"] for row in data if escape_conversations(row["conversations"], special_tokens)[1]]
     if lines:
-        print(f"warning: {path}: {len(lines)} rows contain special-token text ({', '.join(special_tokens)}, and "
-              f"{' '.join(THINK_TOKENS)} outside assistant turns) inside a message (first at line {lines[0]}); it is "
-              f"escaped with a zero-width space and stays ordinary text", file=sys.stderr, flush=True)
+        print(
+            f"warning: {path}: {len(lines)} rows contain special-token text ({', '.join(special_tokens)}, and "
+            f"{' '.join(THINK_TOKENS)} outside assistant turns) inside a message (first at line {lines[0]}); it is "
+            f"escaped with a zero-width space and stays ordinary text",
+            file=sys.stderr,
+            flush=True,
+        )
     return len(lines)
 
 
@@ -187,7 +196,7 @@ class SFTDataset(torch.utils.data.Dataset):
         prefix_len = len(self.assistant_prefix)
         i = 0
         while i < len(input_ids):
-            if input_ids[i:i + prefix_len] == self.assistant_prefix:
+            if input_ids[i : i + prefix_len] == self.assistant_prefix:
                 start = i + prefix_len
                 end = start
                 while end < len(input_ids) and input_ids[end] != self.eos_token_id:
@@ -275,9 +284,15 @@ class RLAIFDataset(torch.utils.data.Dataset):
     def lines_without_answer(self):
         """Line numbers of the rows whose last turn is not an assistant turn with text: no reference answer, so
         their answer reward is 0 for every answer."""
-        return [row["line"] for row in self.data
-                if not (len(row["conversations"]) > 1 and row["conversations"][-1]["role"] == "assistant"
-                        and row["conversations"][-1]["content"].strip())]
+        return [
+            row["line"]
+            for row in self.data
+            if not (
+                len(row["conversations"]) > 1
+                and row["conversations"][-1]["role"] == "assistant"
+                and row["conversations"][-1]["content"].strip()
+            )
+        ]
 
     def count_longer_than(self, max_seq_len):
         """How many prompts are longer than ``max_seq_len`` tokens (a run cuts them from the left)."""
@@ -295,8 +310,9 @@ class ResumableBatchSampler(torch.utils.data.Sampler):
     """
 
     def __init__(self, dataset, batch_size, world_size, rank, seed):
-        self.sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=world_size, rank=rank,
-                                                           shuffle=True, seed=seed, drop_last=True)
+        self.sampler = torch.utils.data.DistributedSampler(
+            dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
+        )
         self.batch_size = batch_size
         self.skip_batches = 0
 
@@ -308,7 +324,7 @@ class ResumableBatchSampler(torch.utils.data.Sampler):
         indices = list(self.sampler)
         full = len(indices) // self.batch_size * self.batch_size
         for start in range(self.skip_batches * self.batch_size, full, self.batch_size):
-            yield indices[start:start + self.batch_size]
+            yield indices[start : start + self.batch_size]
 
     def __len__(self):
         return len(self.sampler) // self.batch_size - self.skip_batches
@@ -324,22 +340,33 @@ def check_prompt_count(dataset, path, batch_size, world_size, max_seq_len, answe
         ValueError: naming ``path``, how many prompts it has and how many one step of every process needs.
     """
     if len(dataset) < batch_size * world_size:
-        raise DataError(f"--data_path {path}: found {len(dataset)} prompts, need at least {batch_size * world_size} "
-                         f"(--batch_size {batch_size} x {world_size} processes) for one full batch")
+        raise DataError(
+            f"--data_path {path}: found {len(dataset)} prompts, need at least {batch_size * world_size} "
+            f"(--batch_size {batch_size} x {world_size} processes) for one full batch"
+        )
     missing = dataset.lines_without_answer() if answer_reward_weight else []
     if missing and len(missing) == len(dataset):
-        print(f"note: {path} has no reference answers (no final assistant turn with text): the answer reward is 0 "
-              f"for every answer, so only the rule rewards and the reward model train (as upstream MiniMind's "
-              f"RLAIF data does)", flush=True)
+        print(
+            f"note: {path} has no reference answers (no final assistant turn with text): the answer reward is 0 "
+            f"for every answer, so only the rule rewards and the reward model train (as upstream MiniMind's "
+            f"RLAIF data does)",
+            flush=True,
+        )
     elif missing:
-        print(f"warning: {path}: {len(missing)} of {len(dataset)} rows have no reference answer (lines "
-              f"{', '.join(map(str, missing[:5]))}{', ...' if len(missing) > 5 else ''}): their answer reward is 0 "
-              f"for every answer while the others can earn {answer_reward_weight:g}. Give each row its answer as a "
-              f"final assistant turn, or pass --answer_reward_weight 0", flush=True)
+        print(
+            f"warning: {path}: {len(missing)} of {len(dataset)} rows have no reference answer (lines "
+            f"{', '.join(map(str, missing[:5]))}{', ...' if len(missing) > 5 else ''}): their answer reward is 0 "
+            f"for every answer while the others can earn {answer_reward_weight:g}. Give each row its answer as a "
+            f"final assistant turn, or pass --answer_reward_weight 0",
+            flush=True,
+        )
     long_prompts = dataset.count_longer_than(max_seq_len)
     if long_prompts:
-        print(f"warning: {long_prompts} of {len(dataset)} prompts are longer than --max_seq_len {max_seq_len} "
-              f"tokens; they are cut from the left so the generation prompt survives", flush=True)
+        print(
+            f"warning: {long_prompts} of {len(dataset)} prompts are longer than --max_seq_len {max_seq_len} "
+            f"tokens; they are cut from the left so the generation prompt survives",
+            flush=True,
+        )
 
 
 def count_total_steps(max_steps, epochs, steps_per_epoch):

@@ -8,6 +8,7 @@ back), and ``MiniMindConfig`` fields become ``Qwen3Config`` fields (``qwen3_conf
 variant (``use_moe``) has no ``Qwen3ForCausalLM`` counterpart and is refused. Folders appear complete or not at
 all (``write_folder_atomically``).
 """
+
 import glob
 import json
 import os
@@ -33,18 +34,28 @@ def qwen3_config_from_minimind(config):
         ValueError: for a MoE config (``use_moe``), which Qwen3ForCausalLM cannot hold.
     """
     if config.use_moe:
-        raise ValueError("use_moe=True: MiniMind's MoE model has no Qwen3ForCausalLM counterpart; "
-                         "only dense models (--use_moe 0) can be exported")
+        raise ValueError(
+            "use_moe=True: MiniMind's MoE model has no Qwen3ForCausalLM counterpart; "
+            "only dense models (--use_moe 0) can be exported"
+        )
     return Qwen3Config(
         architectures=["Qwen3ForCausalLM"],
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
-        head_dim=config.head_dim, hidden_act=config.hidden_act, rms_norm_eps=config.rms_norm_eps,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        hidden_act=config.hidden_act,
+        rms_norm_eps=config.rms_norm_eps,
         max_position_embeddings=config.max_position_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
-        tie_word_embeddings=config.tie_word_embeddings, attention_bias=False,
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
+        tie_word_embeddings=config.tie_word_embeddings,
+        attention_bias=False,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
     )
 
 
@@ -61,13 +72,20 @@ def minimind_config_from_qwen3(qwen_config, source="config.json"):
         raise ValueError(f"{source}: attention_bias / use_sliding_window are set; MiniMind supports neither")
     rope_theta = (qwen_config.rope_parameters or {}).get("rope_theta", getattr(qwen_config, "rope_theta", 1e6))
     return MiniMindConfig(
-        hidden_size=qwen_config.hidden_size, num_hidden_layers=qwen_config.num_hidden_layers,
-        num_attention_heads=qwen_config.num_attention_heads, num_key_value_heads=qwen_config.num_key_value_heads,
-        head_dim=qwen_config.head_dim, intermediate_size=qwen_config.intermediate_size,
-        vocab_size=qwen_config.vocab_size, hidden_act=qwen_config.hidden_act,
-        max_position_embeddings=qwen_config.max_position_embeddings, rms_norm_eps=qwen_config.rms_norm_eps,
-        rope_theta=rope_theta, tie_word_embeddings=qwen_config.tie_word_embeddings,
-        bos_token_id=qwen_config.bos_token_id, eos_token_id=qwen_config.eos_token_id,
+        hidden_size=qwen_config.hidden_size,
+        num_hidden_layers=qwen_config.num_hidden_layers,
+        num_attention_heads=qwen_config.num_attention_heads,
+        num_key_value_heads=qwen_config.num_key_value_heads,
+        head_dim=qwen_config.head_dim,
+        intermediate_size=qwen_config.intermediate_size,
+        vocab_size=qwen_config.vocab_size,
+        hidden_act=qwen_config.hidden_act,
+        max_position_embeddings=qwen_config.max_position_embeddings,
+        rms_norm_eps=qwen_config.rms_norm_eps,
+        rope_theta=rope_theta,
+        tie_word_embeddings=qwen_config.tie_word_embeddings,
+        bos_token_id=qwen_config.bos_token_id,
+        eos_token_id=qwen_config.eos_token_id,
         pad_token_id=qwen_config.pad_token_id,
     )
 

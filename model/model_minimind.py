@@ -9,6 +9,7 @@ embedding. Parameter names are those of MiniMind's published ``.pth`` checkpoint
 Shapes in the docstrings: B batch, T tokens in this call, S tokens attended to (cache + T), H attention heads,
 Hkv key/value heads, D head_dim, V vocabulary size.
 """
+
 import math
 import torch
 import torch.nn.functional as F
@@ -36,16 +37,35 @@ class MiniMindConfig(PretrainedConfig):
 
     model_type = "minimind"
 
-    def __init__(self, hidden_size=768, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-                 head_dim=None, intermediate_size=None, vocab_size=6400, hidden_act="silu",
-                 max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1e6, dropout=0.0,
-                 initializer_range=0.02, use_moe=False, num_experts=4, num_experts_per_tok=1,
-                 moe_intermediate_size=None, norm_topk_prob=True, router_aux_loss_coef=5e-4,
-                 bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True, **kwargs):
+    def __init__(
+        self,
+        hidden_size=768,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=None,
+        intermediate_size=None,
+        vocab_size=6400,
+        hidden_act="silu",
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        dropout=0.0,
+        initializer_range=0.02,
+        use_moe=False,
+        num_experts=4,
+        num_experts_per_tok=1,
+        moe_intermediate_size=None,
+        norm_topk_prob=True,
+        router_aux_loss_coef=5e-4,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=True,
+        **kwargs,
+    ):
         if head_dim is None and hidden_size % num_attention_heads != 0:
-            raise ValueError(
-                f"hidden_size={hidden_size} is not divisible by num_attention_heads={num_attention_heads}"
-            )
+            raise ValueError(f"hidden_size={hidden_size} is not divisible by num_attention_heads={num_attention_heads}")
         if num_attention_heads % num_key_value_heads != 0:
             raise ValueError(
                 f"num_attention_heads={num_attention_heads} must be a multiple of "
@@ -70,8 +90,13 @@ class MiniMindConfig(PretrainedConfig):
         self.moe_intermediate_size = moe_intermediate_size or self.intermediate_size
         self.norm_topk_prob = norm_topk_prob
         self.router_aux_loss_coef = router_aux_loss_coef
-        super().__init__(bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                         tie_word_embeddings=tie_word_embeddings, **kwargs)
+        super().__init__(
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            tie_word_embeddings=tie_word_embeddings,
+            **kwargs,
+        )
 
 
 class RMSNorm(nn.Module):
@@ -148,7 +173,7 @@ class KVCache:
         repeated.seq_len = self.seq_len
         for i in range(self.num_layers):
             for source, target in ((self.keys, repeated.keys), (self.values, repeated.values)):
-                filled = source[i][:, :, :self.seq_len].repeat_interleave(repeats, dim=0)  # [B*G, Hkv, S, D]
+                filled = source[i][:, :, : self.seq_len].repeat_interleave(repeats, dim=0)  # [B*G, Hkv, S, D]
                 room = filled.new_zeros((*filled.shape[:2], extra_capacity, filled.size(3)))  # [B*G, Hkv, extra, D]
                 target[i] = torch.cat([filled, room], dim=2)  # [B*G, Hkv, S + extra, D]
         return repeated
@@ -181,7 +206,9 @@ class Attention(nn.Module):
         if past_key_values is not None:
             k, v = past_key_values.update(self.layer_idx, k, v)  # [B, Hkv, S, D]
         out = F.scaled_dot_product_attention(
-            q, k, v,
+            q,
+            k,
+            v,
             attn_mask=attn_mask,
             dropout_p=self.dropout if self.training else 0.0,
             is_causal=attn_mask is None and seq > 1,
@@ -274,7 +301,7 @@ class MiniMindModel(nn.Module):
         past_len = past_key_values.seq_len if past_key_values is not None else 0
         if attention_mask is not None:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, S]
-            position_ids = position_ids[:, attention_mask.size(1) - seq:]  # [B, T] (T = 0 gives [B, 0])
+            position_ids = position_ids[:, attention_mask.size(1) - seq :]  # [B, T] (T = 0 gives [B, 0])
         else:
             position_ids = torch.arange(past_len, past_len + seq, device=input_ids.device).expand(batch, seq)
         hidden_states = self.dropout(self.embed_tokens(input_ids))  # [B, T, hidden]
@@ -325,8 +352,9 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.post_init()
 
-    def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=False,
-                logits_to_keep=0, **kwargs):
+    def forward(
+        self, input_ids, attention_mask=None, past_key_values=None, use_cache=False, logits_to_keep=0, **kwargs
+    ):
         """Next-token logits.
 
         Args:
@@ -347,8 +375,19 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel):
         return MoeCausalLMOutputWithPast(logits=logits, aux_loss=aux_loss, cache=past_key_values)
 
     @torch.no_grad()
-    def generate(self, input_ids, attention_mask=None, max_new_tokens=256, do_sample=True, temperature=1.0,
-                 top_p=1.0, top_k=0, eos_token_id=2, pad_token_id=0, generator=None):
+    def generate(
+        self,
+        input_ids,
+        attention_mask=None,
+        max_new_tokens=256,
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        eos_token_id=2,
+        pad_token_id=0,
+        generator=None,
+    ):
         """Sample continuations of left-padded prompts with a KV cache allocated once (chapter 8.2).
 
         input_ids: long [B, P]; attention_mask: [B, P] (1 = real token) or None. Each step takes logits /
@@ -386,8 +425,9 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel):
             if bool(finished.all()) or step + 1 == max_new_tokens:
                 break
             full_mask[:, prompt_len + step] = (~finished).to(full_mask.dtype)
-            logits = self(next_token.unsqueeze(1), attention_mask=full_mask[:, :prompt_len + step + 1],
-                          past_key_values=cache).logits
+            logits = self(
+                next_token.unsqueeze(1), attention_mask=full_mask[:, : prompt_len + step + 1], past_key_values=cache
+            ).logits
         if not new_tokens:
             return Generation(input_ids, input_ids.new_zeros((batch, 0), dtype=torch.float32))
         output_ids = torch.cat([input_ids, torch.stack(new_tokens, dim=1)], dim=1)  # [B, P + R]
@@ -396,6 +436,7 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel):
 
 class Generation(NamedTuple):
     """What ``MiniMindForCausalLM.generate`` returns."""
+
     output_ids: torch.Tensor  # long [B, P + R], the prompts followed by the completions
     per_token_logps: torch.Tensor  # fp32 [B, R], log pi of each sampled token at sampling time, 0 after EOS
 
@@ -427,8 +468,10 @@ def sample_next_token(logits, do_sample, temperature, top_p, top_k, generator=No
     cdf = logits.softmax(dim=-1).double().cumsum(dim=-1)  # [B, V]
     if not bool(torch.isfinite(cdf[:, -1]).all()):  # NaN/inf logits, or a row with every token cut
         bad_rows = (~torch.isfinite(cdf[:, -1])).nonzero().flatten().tolist()
-        raise ValueError(f"cannot sample: the logits of rows {bad_rows} are NaN/inf or all -inf "
-                         f"(a diverged policy? see --max_bad_steps)")
+        raise ValueError(
+            f"cannot sample: the logits of rows {bad_rows} are NaN/inf or all -inf "
+            f"(a diverged policy? see --max_bad_steps)"
+        )
     u = torch.rand((logits.size(0), 1), generator=generator, dtype=torch.float64, device=logits.device)  # [B, 1]
     next_token = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)  # [B]
     return next_token.clamp(max=logits.size(-1) - 1)
@@ -438,6 +481,7 @@ def sample_next_token(logits, do_sample, temperature, top_p, top_k, generator=No
 class CriticOutput(ModelOutput):
     """What ``CriticModel`` returns: ``values`` fp32 [B, T], V(s_t) at every position, and ``aux_loss``, the MoE
     load-balancing loss of the critic's own routers (a 0 tensor for a dense model)."""
+
     values: Optional[torch.Tensor] = None
     aux_loss: Optional[torch.Tensor] = None
 
@@ -485,4 +529,3 @@ class CriticModel(MiniMindPreTrainedModel):
                 f"critic init from actor weights: missing {sorted(missing)}, "
                 f"unexpected {sorted(result.unexpected_keys)}"
             )
-

@@ -4,6 +4,7 @@ Beyond the RL chapter: a dense model (the default) never builds it. ``MiniMindBl
 ``config.use_moe``; parameter names (``gate``, ``experts.{e}.*``) are those of MiniMind's MoE checkpoints.
 Shapes: N = B * T tokens, E experts, k experts per token.
 """
+
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -16,6 +16,7 @@ It prints, in this order:
      ``--bench 1``.
 Each training run is ``python trainer/train_*.py`` in a subprocess, as a user runs it; its metrics.jsonl is read.
 """
+
 import argparse
 import json
 import os
@@ -41,28 +42,45 @@ def step_zero_ratio(device, dtype, num_prompts=8, num_generations=4, max_gen_len
     """Rollout (sampler log-probs) and a fresh forward of the embedded default policy under ``dtype`` autocast:
     the ratio exp(new - old) every loss sees at step 0. Returns a dict of floats."""
     torch.manual_seed(0)
-    model, tokenizer = init_model(build_config(256, 4, 0), "full_sft", os.path.join(ROOT, "out"),
-                                  DEFAULT_TOKENIZER_PATH, device)
+    model, tokenizer = init_model(
+        build_config(256, 4, 0), "full_sft", os.path.join(ROOT, "out"), DEFAULT_TOKENIZER_PATH, device
+    )
     dataset = RLAIFDataset(os.path.join(ROOT, "dataset", "rlaif_val.jsonl"), tokenizer, thinking_ratio=1.0, seed=0)
     prompts = [dataset[i]["prompt"] for i in range(num_prompts)]
     prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, prompts, 256, device)
     engine = TorchRolloutEngine(model, tokenizer, generator=torch.Generator(device=device).manual_seed(0))
     with torch.no_grad(), autocast_context(device, dtype):
         rollout = engine.rollout(prompt_ids, attention_mask, num_generations, max_gen_len)
-        new_logps = compute_per_token_logps(model, rollout.output_ids, rollout.completion_ids.size(1),
-                                            rollout.attention_mask).per_token_logps  # [N, R]
+        new_logps = compute_per_token_logps(
+            model, rollout.output_ids, rollout.completion_ids.size(1), rollout.attention_mask
+        ).per_token_logps  # [N, R]
     mask = rollout.completion_mask  # [N, R]
     difference = (new_logps - rollout.per_token_logps).abs() * mask  # [N, R]
     ratio = torch.exp(new_logps - rollout.per_token_logps)  # [N, R]
-    return {"max_abs_diff": difference.max().item(), "mean_abs_diff": masked_mean(difference, mask).item(),
-            "ratio_mean": masked_mean(ratio, mask).item(), "tokens": int(mask.sum().item())}
+    return {
+        "max_abs_diff": difference.max().item(),
+        "mean_abs_diff": masked_mean(difference, mask).item(),
+        "ratio_mean": masked_mean(ratio, mask).item(),
+        "tokens": int(mask.sum().item()),
+    }
 
 
 def train(script, flags, work_dir, timeout):
     """Run ``python trainer/{script}.py`` with ``flags``; return (metrics rows, seconds per step list, peak GiB)."""
     run_dir = os.path.join(work_dir, "run")
-    command = [sys.executable, os.path.join(ROOT, "trainer", f"{script}.py"), *flags, "--save_dir", work_dir,
-               "--run_dir", run_dir, "--eval_interval", "0", "--save_interval", "100000"]
+    command = [
+        sys.executable,
+        os.path.join(ROOT, "trainer", f"{script}.py"),
+        *flags,
+        "--save_dir",
+        work_dir,
+        "--run_dir",
+        run_dir,
+        "--eval_interval",
+        "0",
+        "--save_interval",
+        "100000",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
@@ -89,8 +107,9 @@ def parse_args(argv=None):
     if args.steps < 2:
         parser.error(f"--steps must be >= 2 (the first step is not timed), got {args.steps}")
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: torch.cuda.is_available() is False here (use --device cpu for a "
-                     f"dry run)")
+        parser.error(
+            f"--device {args.device}: torch.cuda.is_available() is False here (use --device cpu for a dry run)"
+        )
     return args
 
 
@@ -101,28 +120,57 @@ def main(argv=None):
     print(f"device {args.device} ({name}), torch {torch.__version__}, dtype auto = {dtype}", flush=True)
 
     zero = step_zero_ratio(args.device, "bfloat16")
-    print(f"1. bf16 autocast, step 0, {zero['tokens']} tokens: max |new - old| log-prob {zero['max_abs_diff']:.2e}, "
-          f"mean {zero['mean_abs_diff']:.2e}, ratio mean {zero['ratio_mean']:.6f}", flush=True)
+    print(
+        f"1. bf16 autocast, step 0, {zero['tokens']} tokens: max |new - old| log-prob {zero['max_abs_diff']:.2e}, "
+        f"mean {zero['mean_abs_diff']:.2e}, ratio mean {zero['ratio_mean']:.6f}",
+        flush=True,
+    )
 
     common = ["--device", args.device, "--max_steps", str(args.steps)]
     with tempfile.TemporaryDirectory() as work_dir:
         for script in ("train_grpo", "train_ppo"):
             _, seconds, peak = train(script, common, os.path.join(work_dir, script), args.timeout)
-            print(f"2. {script} x {args.steps} steps ({dtype}): step {median_text(seconds)}, "
-                  f"peak GPU memory {peak:.2f} GiB", flush=True)
+            print(
+                f"2. {script} x {args.steps} steps ({dtype}): step {median_text(seconds)}, "
+                f"peak GPU memory {peak:.2f} GiB",
+                flush=True,
+            )
         if not args.skip_compile:
             for use_compile in ("0", "1"):
-                _, seconds, _ = train("train_grpo", common + ["--use_compile", use_compile],
-                                      os.path.join(work_dir, f"compile{use_compile}"), args.timeout)
+                _, seconds, _ = train(
+                    "train_grpo",
+                    common + ["--use_compile", use_compile],
+                    os.path.join(work_dir, f"compile{use_compile}"),
+                    args.timeout,
+                )
                 print(f"3. train_grpo --use_compile {use_compile}: step {median_text(seconds)}", flush=True)
     for script in ("grpo", "ppo"):
-        command = [sys.executable, os.path.join(ROOT, "scripts", "bench", "profile_run.py"), "--script", script,
-                   "--device", args.device, "--", "--max_steps", str(args.steps)]
+        command = [
+            sys.executable,
+            os.path.join(ROOT, "scripts", "bench", "profile_run.py"),
+            "--script",
+            script,
+            "--device",
+            args.device,
+            "--",
+            "--max_steps",
+            str(args.steps),
+        ]
         print("4. " + " ".join(command), flush=True)
         subprocess.run(command, check=False, timeout=args.timeout)
     if args.bench:
-        command = [sys.executable, os.path.join(ROOT, "scripts", "bench", "bench.py"), "--dtype", "bfloat16",
-                   "--device", args.device, "--lengths", "64", "--steps", "3"]
+        command = [
+            sys.executable,
+            os.path.join(ROOT, "scripts", "bench", "bench.py"),
+            "--dtype",
+            "bfloat16",
+            "--device",
+            args.device,
+            "--lengths",
+            "64",
+            "--steps",
+            "3",
+        ]
         print("5. " + " ".join(command), flush=True)
         subprocess.run(command, check=False)
 

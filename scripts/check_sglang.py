@@ -16,6 +16,7 @@ Usage:
         --server_args "--mem-fraction-static 0.4 --dtype float32"                 # GPU
     python scripts/check_sglang.py --sglang_url http://127.0.0.1:30000   # a server that is already running
 """
+
 import argparse
 import json
 import os
@@ -53,11 +54,21 @@ def launch_server(folder, port, args, work_dir):
     url = f"http://127.0.0.1:{port}"
     if args.server_device == "cpu":
         print(f"launching scripts/launch_sglang.sh {folder} {port} {args.server_args}", flush=True)
-        _, pgid = launch_cpu_server(folder, work_dir, args.sglang_python, port, shlex.split(args.server_args), env,
-                                    args.launch_timeout)
+        _, pgid = launch_cpu_server(
+            folder, work_dir, args.sglang_python, port, shlex.split(args.server_args), env, args.launch_timeout
+        )
         return pgid, url
-    command = [args.sglang_python or sys.executable, "-m", "sglang.launch_server", "--model-path", folder,
-               "--port", str(port), "--host", "127.0.0.1"] + shlex.split(args.server_args)
+    command = [
+        args.sglang_python or sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        folder,
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+    ] + shlex.split(args.server_args)
     print("launching:", " ".join(command), flush=True)
     process = subprocess.Popen(command, env=env, start_new_session=True)  # its own process group
     deadline = time.time() + args.launch_timeout
@@ -93,8 +104,9 @@ def compare_engines(args, url, work_dir):
     dataset = RLAIFDataset(args.data_path, tokenizer, seed=args.seed)
     prompts = [dataset[i]["prompt"] for i in range(min(args.num_prompts, len(dataset)))]
     prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, prompts, args.max_seq_len, device)
-    sglang_engine = SGLangRolloutEngine(model, tokenizer, url, os.path.join(work_dir, "shared_compare"),
-                                        health_retries=3)
+    sglang_engine = SGLangRolloutEngine(
+        model, tokenizer, url, os.path.join(work_dir, "shared_compare"), health_retries=3
+    )
     torch_engine = TorchRolloutEngine(model, tokenizer)
     sglang_engine.rollout(prompt_ids[:1], attention_mask[:1], 1, 8, args.temperature)  # warm-up
     sglang_result, sglang_tps = timed_rollout(sglang_engine, prompt_ids, attention_mask, args)
@@ -112,13 +124,40 @@ def run_grpo_steps(args, url, work_dir):
     """``args.grpo_steps`` GRPO steps with ``--rollout_engine sglang``; returns each step's metrics row."""
     run_dir = os.path.join(work_dir, "run")
     weights = weight_path(args.from_weight, args.save_dir, args.hidden_size, 0)
-    flags = ["--rollout_engine", "sglang", "--sglang_url", url, "--max_steps", str(args.grpo_steps),
-             "--save_dir", work_dir, "--from_weight", weights, "--hidden_size", str(args.hidden_size),
-             "--num_hidden_layers", str(args.num_hidden_layers), "--tokenizer_path", args.tokenizer_path,
-             "--data_path", args.data_path, "--max_gen_len", str(args.max_gen_len), "--run_dir", run_dir,
-             "--sglang_shared_path", os.path.join(work_dir, "shared_grpo"), "--temperature", str(args.temperature),
-             "--num_generations", str(args.num_generations), "--save_interval", str(10 ** 9),
-             "--eval_interval", "0"]  # the SGLang steps only: each row is a training step
+    flags = [
+        "--rollout_engine",
+        "sglang",
+        "--sglang_url",
+        url,
+        "--max_steps",
+        str(args.grpo_steps),
+        "--save_dir",
+        work_dir,
+        "--from_weight",
+        weights,
+        "--hidden_size",
+        str(args.hidden_size),
+        "--num_hidden_layers",
+        str(args.num_hidden_layers),
+        "--tokenizer_path",
+        args.tokenizer_path,
+        "--data_path",
+        args.data_path,
+        "--max_gen_len",
+        str(args.max_gen_len),
+        "--run_dir",
+        run_dir,
+        "--sglang_shared_path",
+        os.path.join(work_dir, "shared_grpo"),
+        "--temperature",
+        str(args.temperature),
+        "--num_generations",
+        str(args.num_generations),
+        "--save_interval",
+        str(10**9),
+        "--eval_interval",
+        "0",
+    ]  # the SGLang steps only: each row is a training step
     # run as a user runs it: the training script is a program, not a library
     subprocess.run([sys.executable, os.path.join(ROOT, "trainer", "train_grpo.py"), *flags], check=True)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
@@ -135,15 +174,24 @@ def parse_args(argv=None):
     parser.add_argument("--data_path", default=os.path.join(ROOT, "dataset", "rlaif_train.jsonl"))
     parser.add_argument("--work_dir", default=os.path.join(DEFAULT_SAVE_DIR, "check_sglang"))
     parser.add_argument("--sglang_url", default="", help="use this running server instead of launching one")
-    parser.add_argument("--sglang_python", default="",
-                        help="the server venv's python (default: cuda, this python; cpu, the venv of "
-                             "scripts/setup_sglang_env.sh)")
-    parser.add_argument("--server_device", default="auto", choices=["auto", "cuda", "cpu"],
-                        help="auto: cuda when torch sees a GPU, else cpu (scripts/launch_sglang.sh)")
+    parser.add_argument(
+        "--sglang_python",
+        default="",
+        help="the server venv's python (default: cuda, this python; cpu, the venv of scripts/setup_sglang_env.sh)",
+    )
+    parser.add_argument(
+        "--server_device",
+        default="auto",
+        choices=["auto", "cuda", "cpu"],
+        help="auto: cuda when torch sees a GPU, else cpu (scripts/launch_sglang.sh)",
+    )
     parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--server_args", default=None,
-                        help="extra arguments of sglang.launch_server (default: cuda, --mem-fraction-static 0.4, "
-                             "leaving GPU memory to the trainer; cpu, none beyond launch_sglang.sh's)")
+    parser.add_argument(
+        "--server_args",
+        default=None,
+        help="extra arguments of sglang.launch_server (default: cuda, --mem-fraction-static 0.4, "
+        "leaving GPU memory to the trainer; cpu, none beyond launch_sglang.sh's)",
+    )
     parser.add_argument("--launch_timeout", type=int, default=900, help="seconds to wait for the server")
     parser.add_argument("--num_prompts", type=int, default=16)
     parser.add_argument("--num_generations", type=int, default=4)
@@ -157,8 +205,10 @@ def parse_args(argv=None):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     if args.sglang_python and not os.access(args.sglang_python, os.X_OK):
-        parser.error(f"--sglang_python {args.sglang_python} is not an executable (bash scripts/setup_sglang_env.sh "
-                     "prints the venv's python)")
+        parser.error(
+            f"--sglang_python {args.sglang_python} is not an executable (bash scripts/setup_sglang_env.sh "
+            "prints the venv's python)"
+        )
     if args.server_device == "auto":
         args.server_device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.server_args is None:

@@ -18,6 +18,7 @@ weights, W + (alpha / R) B A, and writes MiniMind ``.pth`` weights that ``script
 scripts' ``--from_weight`` and upstream MiniMind load. The base is the file the adapter folder names
 (``base_model_name_or_path``) unless ``--weight`` names another.
 """
+
 import argparse
 import os
 import sys
@@ -33,8 +34,14 @@ from trainer.infra.errors import InputError, run_script
 from trainer.infra.flags import add_bool_flag
 from trainer.infra.lora import VALUE_HEAD, merged_state_dict, peft_quiet
 from trainer.infra.weights import (
-    DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, init_model, load_tensors_only, minimind_dims,
-    save_weights, weight_path,
+    DEFAULT_SAVE_DIR,
+    DEFAULT_TOKENIZER_PATH,
+    build_config,
+    init_model,
+    load_tensors_only,
+    minimind_dims,
+    save_weights,
+    weight_path,
 )
 
 
@@ -65,9 +72,11 @@ def to_minimind(args):
     dtype = DTYPES[args.dtype]
     has_tokenizer = os.path.isfile(os.path.join(args.hf_dir, "tokenizer_config.json"))  # written beside it by to_hf
     save_weights({k: v.to(dtype) for k, v in state_dict.items()}, args.out, args.hf_dir if has_tokenizer else None)
-    print(f"wrote {args.out} (hidden_size {lm_config.hidden_size}, num_hidden_layers {lm_config.num_hidden_layers}:"
-          f" pass --hidden_size {lm_config.hidden_size} --num_hidden_layers {lm_config.num_hidden_layers} "
-          f"--from_weight {args.out} to the training scripts)")
+    print(
+        f"wrote {args.out} (hidden_size {lm_config.hidden_size}, num_hidden_layers {lm_config.num_hidden_layers}:"
+        f" pass --hidden_size {lm_config.hidden_size} --num_hidden_layers {lm_config.num_hidden_layers} "
+        f"--from_weight {args.out} to the training scripts)"
+    )
     return args.out
 
 
@@ -85,11 +94,14 @@ def merge_lora(args):
     from peft import PeftConfig, get_peft_model
     from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
     from safetensors.torch import load_file
+
     files = [os.path.join(args.adapter, name) for name in ("adapter_config.json", "adapter_model.safetensors")]
     for path in files:
         if not os.path.isfile(path):
-            raise InputError(f"--adapter {args.adapter}: no {os.path.basename(path)}, so it is not a peft adapter "
-                             f"folder (a run with --lora_rank writes one as {{save_dir}}/{{name}}_{{hidden}}_lora/)")
+            raise InputError(
+                f"--adapter {args.adapter}: no {os.path.basename(path)}, so it is not a peft adapter "
+                f"folder (a run with --lora_rank writes one as {{save_dir}}/{{name}}_{{hidden}}_lora/)"
+            )
     peft_config = PeftConfig.from_pretrained(args.adapter)
     base = args.weight or peft_config.base_model_name_or_path
     if not base:
@@ -111,17 +123,24 @@ def merge_lora(args):
     adapters = load_file(files[1])
     expected = get_peft_model_state_dict(peft_model, save_embedding_layers=False)
     missing, unexpected = sorted(set(expected) - set(adapters)), sorted(set(adapters) - set(expected))
-    shapes = [f"{k} {tuple(v.shape)} (the base needs {tuple(expected[k].shape)})" for k, v in adapters.items()
-              if k in expected and v.shape != expected[k].shape]
+    shapes = [
+        f"{k} {tuple(v.shape)} (the base needs {tuple(expected[k].shape)})"
+        for k, v in adapters.items()
+        if k in expected and v.shape != expected[k].shape
+    ]
     if missing or unexpected or shapes:
-        raise InputError(f"{files[1]} does not fit the base {base}: missing {missing[:4]}, unexpected "
-                         f"{unexpected[:4]}, other shapes {shapes[:4]}; pass the base it was trained on as --weight")
+        raise InputError(
+            f"{files[1]} does not fit the base {base}: missing {missing[:4]}, unexpected "
+            f"{unexpected[:4]}, other shapes {shapes[:4]}; pass the base it was trained on as --weight"
+        )
     set_peft_model_state_dict(peft_model, adapters)
     dtype = DTYPES[args.dtype]
     save_weights({k: v.to(dtype) for k, v in merged_state_dict(peft_model).items()}, args.out, args.tokenizer_path)
-    print(f"wrote {args.out}: {base} with the adapters of {args.adapter} merged in (rank {peft_config.r}, "
-          f"alpha {peft_config.lora_alpha}); pass --from_weight {args.out} --hidden_size {dims['hidden_size']} "
-          f"--num_hidden_layers {dims['num_hidden_layers']} to the scripts")
+    print(
+        f"wrote {args.out}: {base} with the adapters of {args.adapter} merged in (rank {peft_config.r}, "
+        f"alpha {peft_config.lora_alpha}); pass --from_weight {args.out} --hidden_size {dims['hidden_size']} "
+        f"--num_hidden_layers {dims['num_hidden_layers']} to the scripts"
+    )
     return args.out
 
 
@@ -146,8 +165,11 @@ def parse_args(argv=None):
     mm.add_argument("--out", required=True, help=".pth file to write (atomically)")
     merge = commands.add_parser("merge_lora", help="LoRA adapter folder + its base .pth -> merged MiniMind .pth")
     merge.add_argument("--adapter", required=True, help="peft adapter folder, e.g. out/grpo_256_lora")
-    merge.add_argument("--weight", default=None, help="the base weights' .pth file (default: the file the adapter "
-                                                        "folder names as base_model_name_or_path)")
+    merge.add_argument(
+        "--weight",
+        default=None,
+        help="the base weights' .pth file (default: the file the adapter folder names as base_model_name_or_path)",
+    )
     merge.add_argument("--tokenizer_path", default=DEFAULT_TOKENIZER_PATH)
     merge.add_argument("--dtype", default="float16", choices=sorted(DTYPES), help="MiniMind releases use float16")
     merge.add_argument("--out", required=True, help=".pth file to write (atomically)")

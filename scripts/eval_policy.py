@@ -11,6 +11,7 @@ Usage:
     python scripts/eval_policy.py --weights full_sft grpo ppo --seed 2
     python scripts/eval_policy.py --weights out/full_sft_256.pth out/ppo_256.pth --num_prompts 300 --greedy
 """
+
 import argparse
 import json
 import os
@@ -51,19 +52,25 @@ def side_by_side(results, num_samples):
         for name in names:
             sample = results[name]["samples"][i]
             verdict = "correct" if sample["answer_reward"] > 0 else "wrong  "
-            lines.append(f"[{name:<{width}}] {verdict} rule {sample['rule_reward']:+.2f} | "
-                         f"{sample['completion']!r}")
+            lines.append(f"[{name:<{width}}] {verdict} rule {sample['rule_reward']:+.2f} | {sample['completion']!r}")
         blocks.append("\n".join(lines))
     return blocks
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Evaluate policy checkpoints on held-out prompts")
-    parser.add_argument("--weights", nargs="+", default=["full_sft", "grpo"],
-                        help="weight names in --save_dir ({name}_{hidden}.pth) or paths")
+    parser.add_argument(
+        "--weights",
+        nargs="+",
+        default=["full_sft", "grpo"],
+        help="weight names in --save_dir ({name}_{hidden}.pth) or paths",
+    )
     parser.add_argument("--save_dir", default=DEFAULT_SAVE_DIR)
-    parser.add_argument("--data_path", default=os.path.join(ROOT, "dataset", "rlaif_test.jsonl"),
-                        help="held-out prompts (default: the test split, never used to choose a setting)")
+    parser.add_argument(
+        "--data_path",
+        default=os.path.join(ROOT, "dataset", "rlaif_test.jsonl"),
+        help="held-out prompts (default: the test split, never used to choose a setting)",
+    )
     parser.add_argument("--tokenizer_path", default=DEFAULT_TOKENIZER_PATH)
     parser.add_argument("--hidden_size", type=int, default=256)
     parser.add_argument("--num_hidden_layers", type=int, default=4)
@@ -101,8 +108,9 @@ def main(argv=None):
     for name in args.weights:
         model, tokenizer = init_model(lm_config, name, args.save_dir, args.tokenizer_path, "cpu")
         dataset = RLAIFDataset(args.data_path, tokenizer, thinking_ratio=args.thinking_ratio, seed=args.seed)
-        decoding = Decoding(args.num_prompts, args.batch_size, args.max_gen_len, args.temperature, args.greedy,
-                            args.seed)
+        decoding = Decoding(
+            args.num_prompts, args.batch_size, args.max_gen_len, args.temperature, args.greedy, args.seed
+        )
         results[name] = evaluate(model, tokenizer, dataset, decoding, reward_model)
 
     mode = "greedy" if args.greedy else f"sampled, temperature {args.temperature}, seed {args.seed}"
@@ -111,8 +119,10 @@ def main(argv=None):
     print(header)
     print("-" * len(header))
     for name, r in results.items():
-        print(f"{name:<28} {r['accuracy']:>9.3f} {r['reward']:>8.3f} {r['rule_reward']:>7.3f} "
-              f"{r['reward_model_score']:>6.2f} {r['response_len']:>7.1f} {r['distinct_2']:>10.3f}")
+        print(
+            f"{name:<28} {r['accuracy']:>9.3f} {r['reward']:>8.3f} {r['rule_reward']:>7.3f} "
+            f"{r['reward_model_score']:>6.2f} {r['response_len']:>7.1f} {r['distinct_2']:>10.3f}"
+        )
     if args.show_samples:
         print(f"\nthe same prompts, answered by each checkpoint (first {args.show_samples}):")
     for block in side_by_side(results, args.show_samples):

@@ -13,6 +13,7 @@ each. ``--no_tools`` renders the same questions without the tools block (the cha
 Usage: python scripts/eval_toolcall.py [--weight agent_copy] [--data_path dataset/agent_rl_val.jsonl]
        [--num_prompts 200] [--seeds 1 2] [--no_tools]
 """
+
 import argparse
 import json
 import os
@@ -62,19 +63,28 @@ def main(argv=None):
     parser.add_argument("--max_new_tokens", type=int, default=160, help="per model turn")
     parser.add_argument("--max_total_len", type=int, default=1280)
     parser.add_argument("--max_turns", type=int, default=3)
-    parser.add_argument("--seeds", type=int, nargs="*", default=[],
-                        help="also sample one answer per prompt at --temperature with each of these seeds")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also sample one answer per prompt at --temperature with each of these seeds",
+    )
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--no_tools", action="store_true",
-                        help="drop the tools from the system turns: the same questions answered without a tool")
+    parser.add_argument(
+        "--no_tools",
+        action="store_true",
+        help="drop the tools from the system turns: the same questions answered without a tool",
+    )
     args = parser.parse_args(argv)
-    model, tokenizer = init_model(build_config(args.hidden_size, args.num_hidden_layers, 0), args.weight,
-                                  args.save_dir)
+    model, tokenizer = init_model(build_config(args.hidden_size, args.num_hidden_layers, 0), args.weight, args.save_dir)
     model.eval()
-    rows = [row for _, row in iter_jsonl(args.data_path)][:args.num_prompts]
+    rows = [row for _, row in iter_jsonl(args.data_path)][: args.num_prompts]
     if args.no_tools:
-        rows = [dict(row, conversations=[{k: v for k, v in turn.items() if k != "tools"}
-                                         for turn in row["conversations"]]) for row in rows]
+        rows = [
+            dict(row, conversations=[{k: v for k, v in turn.items() if k != "tools"} for turn in row["conversations"]])
+            for row in rows
+        ]
     suffix = ", no tools" if args.no_tools else ""
     evaluate(Greedy(model), tokenizer, rows, args, "greedy" + suffix, None)
     for seed in args.seeds:
@@ -86,10 +96,18 @@ def evaluate(policy, tokenizer, rows, args, mode, generator):
     start = time.time()
     stats = {"called": [], "called_validly": [], "valid_calls": 0, "calls": 0, "correct": [], "turns": 0}
     for first in range(0, len(rows), args.batch_size):
-        batch = rows[first:first + args.batch_size]
-        result = agent_rollout(policy, tokenizer, [prompt_turns(row["conversations"]) for row in batch], 1,
-                               max_new_tokens=args.max_new_tokens, max_total_len=args.max_total_len,
-                               max_turns=args.max_turns, temperature=args.temperature, generator=generator)
+        batch = rows[first : first + args.batch_size]
+        result = agent_rollout(
+            policy,
+            tokenizer,
+            [prompt_turns(row["conversations"]) for row in batch],
+            1,
+            max_new_tokens=args.max_new_tokens,
+            max_total_len=args.max_total_len,
+            max_turns=args.max_turns,
+            temperature=args.temperature,
+            generator=generator,
+        )
         for n, row in enumerate(batch):
             stats["called"].append(int(result.num_tool_calls[n]) > 0)
             stats["called_validly"].append(int(result.num_valid_calls[n]) > 0)
@@ -102,13 +120,24 @@ def evaluate(policy, tokenizer, rows, args, mode, generator):
 
     def share(flags):
         return round(sum(flags) / len(flags), 3) if flags else None
-    print(json.dumps({
-        "weight": args.weight, "mode": mode, "prompts": count, "called": share(called),
-        "with_valid_call": share(stats["called_validly"]),
-        "valid": round(stats["valid_calls"] / stats["calls"], 3) if stats["calls"] else None,
-        "correct": share(correct), "correct_when_called": share([c for c, t in zip(correct, called) if t]),
-        "correct_without_call": share([c for c, t in zip(correct, called) if not t]),
-        "turns_per_answer": round(stats["turns"] / count, 3), "seconds": round(time.time() - start)}))
+
+    print(
+        json.dumps(
+            {
+                "weight": args.weight,
+                "mode": mode,
+                "prompts": count,
+                "called": share(called),
+                "with_valid_call": share(stats["called_validly"]),
+                "valid": round(stats["valid_calls"] / stats["calls"], 3) if stats["calls"] else None,
+                "correct": share(correct),
+                "correct_when_called": share([c for c, t in zip(correct, called) if t]),
+                "correct_without_call": share([c for c, t in zip(correct, called) if not t]),
+                "turns_per_answer": round(stats["turns"] / count, 3),
+                "seconds": round(time.time() - start),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

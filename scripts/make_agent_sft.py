@@ -19,6 +19,7 @@ Deterministic for a given seed; the rows are in upstream's conversation format (
 
 Usage: python scripts/make_agent_sft.py [--out dataset/agent_copy_sft.jsonl] [--num_rows 30000] [--seed 11]
 """
+
 import argparse
 import json
 import os
@@ -46,8 +47,10 @@ def problem_turns(problem, call_tool):
     if call_tool:
         arguments = {"expression": expression}
         call = json.dumps({"name": "calculate_math", "arguments": arguments}, ensure_ascii=False)
-        turns += [{"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
-                  {"role": "tool", "content": execute_tool("calculate_math", arguments)}]
+        turns += [
+            {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+            {"role": "tool", "content": execute_tool("calculate_math", arguments)},
+        ]
     return turns + [{"role": "assistant", "content": agent_final(lang, answer)}]
 
 
@@ -85,12 +88,24 @@ def main(argv=None):
     parser.add_argument("--out", default=os.path.join(ROOT, "dataset", "agent_copy_sft.jsonl"))
     parser.add_argument("--num_rows", type=int, default=30000)
     parser.add_argument("--seed", type=int, default=11)
-    parser.add_argument("--tools_share", type=float, default=0.25,
-                        help="share of rows that open with the calculator's schema (the RL prompts' layout)")
-    parser.add_argument("--first_call_ratio", type=float, default=0.6,
-                        help="share of a row's first problems answered with a calculator call")
-    parser.add_argument("--later_call_ratio", type=float, default=0.85,
-                        help="share of a row's later problems answered with a calculator call")
+    parser.add_argument(
+        "--tools_share",
+        type=float,
+        default=0.25,
+        help="share of rows that open with the calculator's schema (the RL prompts' layout)",
+    )
+    parser.add_argument(
+        "--first_call_ratio",
+        type=float,
+        default=0.6,
+        help="share of a row's first problems answered with a calculator call",
+    )
+    parser.add_argument(
+        "--later_call_ratio",
+        type=float,
+        default=0.85,
+        help="share of a row's later problems answered with a calculator call",
+    )
     parser.add_argument("--dataset_dir", default=os.path.join(ROOT, "dataset"))
     args = parser.parse_args(argv)
     for flag in ("tools_share", "first_call_ratio", "later_call_ratio"):
@@ -108,8 +123,10 @@ def main(argv=None):
             if problem[2] not in held:
                 return problem
 
-    rows = [copy_rich_row(rng, draw_problem, chat_rows, args.tools_share, args.first_call_ratio,
-                          args.later_call_ratio) for _ in range(args.num_rows)]
+    rows = [
+        copy_rich_row(rng, draw_problem, chat_rows, args.tools_share, args.first_call_ratio, args.later_call_ratio)
+        for _ in range(args.num_rows)
+    ]
     write_jsonl(args.out, rows)
     print(f"wrote {len(rows)} conversations to {args.out}")
 

@@ -30,6 +30,7 @@ Usage: python scripts/make_demo_data.py [--seed 42] [--num_sft 12000] [--num_rl 
        [--num_pairs 2000] [--num_heldout_pairs 200] [--num_val 500] [--num_test 1000] [--num_agent_train 2000]
        [--num_agent_val 500] [--num_agent_test 500] [--num_agent_sft 2000] [--agent_tool_ratio 0.5]
 """
+
 import argparse
 import json
 import os
@@ -141,8 +142,10 @@ def preference_pair(problem, rng):
     else:
         rejected = think + " ".join([final] * rng.randint(3, 6))
     user = {"role": "user", "content": question}
-    return {"chosen": [user, {"role": "assistant", "content": think + final}],
-            "rejected": [user, {"role": "assistant", "content": rejected}]}
+    return {
+        "chosen": [user, {"role": "assistant", "content": think + final}],
+        "rejected": [user, {"role": "assistant", "content": rejected}],
+    }
 
 
 AGENT_EN = [
@@ -181,8 +184,10 @@ def agent_final(lang, answer):
 
 def agent_prompt(lang, question):
     """The prompt turns of an agent row: the system turn with the calculator's schema, then the question."""
-    return [{"role": "system", "content": AGENT_SYSTEM[lang], "tools": AGENT_TOOLS},
-            {"role": "user", "content": question}]
+    return [
+        {"role": "system", "content": AGENT_SYSTEM[lang], "tools": AGENT_TOOLS},
+        {"role": "user", "content": question},
+    ]
 
 
 def agent_rl_row(problem):
@@ -199,8 +204,10 @@ def agent_sft_row(problem, call_tool):
     if call_tool:
         arguments = {"expression": expression}
         call = json.dumps({"name": "calculate_math", "arguments": arguments}, ensure_ascii=False)
-        turns += [{"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
-                  {"role": "tool", "content": execute_tool("calculate_math", arguments)}]
+        turns += [
+            {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+            {"role": "tool", "content": execute_tool("calculate_math", arguments)},
+        ]
     return {"conversations": turns + [{"role": "assistant", "content": agent_final(lang, answer)}]}
 
 
@@ -214,17 +221,19 @@ def agent_rows(args):
         if problem[2] not in seen:
             seen.add(problem[2])
             problems.append(problem)
-    test, val, train, sft = (problems[sum(counts[:i]):sum(counts[:i + 1])] for i in range(4))
+    test, val, train, sft = (problems[sum(counts[:i]) : sum(counts[: i + 1])] for i in range(4))
     sft_rows = [agent_sft_row(problem, rng.random() < args.agent_tool_ratio) for problem in sft]
     return [agent_rl_row(p) for p in train], [agent_rl_row(p) for p in val], [agent_rl_row(p) for p in test], sft_rows
 
 
 def write_jsonl(path, rows):
     """Rows as JSON lines at ``path`` (``atomic_write``)."""
+
     def write(tmp):
         with open(tmp, "w", encoding="utf-8") as f:
             for row in rows:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
     atomic_write({path: write})
 
 
@@ -242,10 +251,12 @@ def main():
     parser.add_argument("--num_agent_val", type=int, default=500)
     parser.add_argument("--num_agent_test", type=int, default=500)
     parser.add_argument("--num_agent_sft", type=int, default=2000, help="agent SFT conversations")
-    parser.add_argument("--agent_tool_ratio", type=float, default=0.5,
-                        help="share of agent SFT conversations that call the calculator")
-    parser.add_argument("--no_think_ratio", type=float, default=0.1,
-                        help="share of SFT answers with an empty <think></think> block")
+    parser.add_argument(
+        "--agent_tool_ratio", type=float, default=0.5, help="share of agent SFT conversations that call the calculator"
+    )
+    parser.add_argument(
+        "--no_think_ratio", type=float, default=0.1, help="share of SFT answers with an empty <think></think> block"
+    )
     parser.add_argument("--out_dir", default=os.path.join(ROOT, "dataset"))
     args = parser.parse_args()
     rng = random.Random(args.seed)
@@ -256,8 +267,9 @@ def main():
         if key in heldout_keys:
             continue
         heldout_keys.add(key)
-        heldout.append({"conversations": [{"role": "user", "content": question},
-                                          {"role": "assistant", "content": answer}]})
+        heldout.append(
+            {"conversations": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+        )
 
     used_keys = set(heldout_keys)  # every problem written anywhere, for the validation and test sets
 
@@ -273,10 +285,18 @@ def main():
     sft = []
     for question, trace, final, _, _ in fresh_problems(args.num_sft):
         think = "" if rng.random() < args.no_think_ratio else trace
-        sft.append({"conversations": [{"role": "user", "content": question},
-                                      {"role": "assistant", "content": f"<think>\n{think}\n</think>\n\n{final}"}]})
-    rl = [{"conversations": [{"role": "user", "content": q}, {"role": "assistant", "content": ans}]}
-          for q, _, _, ans, _ in fresh_problems(args.num_rl)]
+        sft.append(
+            {
+                "conversations": [
+                    {"role": "user", "content": question},
+                    {"role": "assistant", "content": f"<think>\n{think}\n</think>\n\n{final}"},
+                ]
+            }
+        )
+    rl = [
+        {"conversations": [{"role": "user", "content": q}, {"role": "assistant", "content": ans}]}
+        for q, _, _, ans, _ in fresh_problems(args.num_rl)
+    ]
 
     pair_rng = random.Random(args.seed + 1)
     pair_problems, pair_keys = [], set(heldout_keys)  # no pair on the policy's held-out problems
@@ -294,25 +314,32 @@ def main():
         question, _, _, answer, key = make_problem(eval_rng)
         if key not in used_keys:
             used_keys.add(key)
-            eval_rows.append({"conversations": [{"role": "user", "content": question},
-                                                {"role": "assistant", "content": answer}]})
+            eval_rows.append(
+                {"conversations": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+            )
 
     os.makedirs(args.out_dir, exist_ok=True)
     write_jsonl(os.path.join(args.out_dir, "sft_data.jsonl"), sft)
     write_jsonl(os.path.join(args.out_dir, "rlaif_train.jsonl"), rl)
     write_jsonl(os.path.join(args.out_dir, "rlaif_heldout.jsonl"), heldout)
-    write_jsonl(os.path.join(args.out_dir, "reward_train.jsonl"), pairs[:args.num_pairs])
-    write_jsonl(os.path.join(args.out_dir, "reward_heldout.jsonl"), pairs[args.num_pairs:])
-    write_jsonl(os.path.join(args.out_dir, "rlaif_val.jsonl"), eval_rows[:args.num_val])
-    write_jsonl(os.path.join(args.out_dir, "rlaif_test.jsonl"), eval_rows[args.num_val:])
+    write_jsonl(os.path.join(args.out_dir, "reward_train.jsonl"), pairs[: args.num_pairs])
+    write_jsonl(os.path.join(args.out_dir, "reward_heldout.jsonl"), pairs[args.num_pairs :])
+    write_jsonl(os.path.join(args.out_dir, "rlaif_val.jsonl"), eval_rows[: args.num_val])
+    write_jsonl(os.path.join(args.out_dir, "rlaif_test.jsonl"), eval_rows[args.num_val :])
     agent_train, agent_val, agent_test, agent_sft = agent_rows(args)
-    for name, rows in [("agent_rl_train", agent_train), ("agent_rl_val", agent_val), ("agent_rl_test", agent_test),
-                       ("agent_sft", agent_sft)]:
+    for name, rows in [
+        ("agent_rl_train", agent_train),
+        ("agent_rl_val", agent_val),
+        ("agent_rl_test", agent_test),
+        ("agent_sft", agent_sft),
+    ]:
         write_jsonl(os.path.join(args.out_dir, f"{name}.jsonl"), rows)
-    print(f"wrote {len(sft)} SFT, {len(rl)} RL, {len(heldout)} held-out rows, {args.num_pairs} + "
-          f"{args.num_heldout_pairs} preference pairs, {args.num_val} validation and {args.num_test} test prompts "
-          f"to {args.out_dir}; agent task: {len(agent_train)} + {len(agent_val)} + {len(agent_test)} RL prompts, "
-          f"{len(agent_sft)} SFT conversations")
+    print(
+        f"wrote {len(sft)} SFT, {len(rl)} RL, {len(heldout)} held-out rows, {args.num_pairs} + "
+        f"{args.num_heldout_pairs} preference pairs, {args.num_val} validation and {args.num_test} test prompts "
+        f"to {args.out_dir}; agent task: {len(agent_train)} + {len(agent_val)} + {len(agent_test)} RL prompts, "
+        f"{len(agent_sft)} SFT conversations"
+    )
 
 
 if __name__ == "__main__":

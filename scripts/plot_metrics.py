@@ -9,6 +9,7 @@ Usage:
         --labels GRPO PPO --smooth 10 --out docs/plots/default_runs.png
     python scripts/plot_metrics.py out/runs/grpo-* --x elapsed_s
 """
+
 import argparse
 import math
 import os
@@ -136,12 +137,19 @@ def plot_runs(runs, labels, keys, out_path, x_key="step", smooth=1, columns=3, t
         ax.set_xlabel(x_key, fontsize=8)
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(keys):]:
+    for ax in list(axes.flat)[len(keys) :]:
         ax.axis("off")
     handles, legend_labels = axes.flat[0].get_legend_handles_labels()
     note = f" (thin: raw, thick: mean of {smooth} logged steps)" if smooth > 1 else ""
-    fig.legend(handles, legend_labels, loc="upper center", ncol=max(1, len(labels)), fontsize=10,
-               title=f"runs{note}", title_fontsize=9)
+    fig.legend(
+        handles,
+        legend_labels,
+        loc="upper center",
+        ncol=max(1, len(labels)),
+        fontsize=10,
+        title=f"runs{note}",
+        title_fontsize=9,
+    )
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / (3.2 * rows_of_panels)))
     atomic_write({out_path: lambda tmp_path: fig.savefig(tmp_path, dpi=100, format="png")})
     plt.close(fig)
@@ -181,10 +189,14 @@ def main(argv=None):
     labels = args.labels or [run_label(path) for path in args.run_dirs]
     keys, skipped = choose_curves(runs, args.keys or [key for key, _ in CURVES])
     if not keys:
-        sys.exit(f"plot_metrics.py: none of the keys {args.keys or [k for k, _ in CURVES]} has a nonzero value "
-                 f"in {', '.join(args.run_dirs)}")
-    default_out = os.path.join(args.run_dirs[0] if os.path.isdir(args.run_dirs[0])
-                               else os.path.dirname(os.path.abspath(args.run_dirs[0])), "metrics.png")
+        sys.exit(
+            f"plot_metrics.py: none of the keys {args.keys or [k for k, _ in CURVES]} has a nonzero value "
+            f"in {', '.join(args.run_dirs)}"
+        )
+    default_out = os.path.join(
+        args.run_dirs[0] if os.path.isdir(args.run_dirs[0]) else os.path.dirname(os.path.abspath(args.run_dirs[0])),
+        "metrics.png",
+    )
     out_path = args.out or default_out
     plot_runs(runs, labels, keys, out_path, args.x, args.smooth, args.columns)
     for rows, label in zip(runs, labels):

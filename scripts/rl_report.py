@@ -16,6 +16,7 @@ out/ppo_256.pth):
     python scripts/rl_report.py --weights full_sft grpo ppo --out_dir docs/plots/report
     python scripts/rl_report.py --weights full_sft --num_prompts 100 --num_samples 4 --out_dir /tmp/report
 """
+
 import argparse
 import json
 import os
@@ -105,14 +106,19 @@ def checkpoint_report(model, tokenizer, dataset, args):
     accuracy = {}
     for temperature in args.temperatures:
         greedy = temperature == 0
-        result = evaluate(model, tokenizer, dataset,
-                          replace(decoding, temperature=temperature or 1.0, greedy=greedy, seed=args.seed))
+        result = evaluate(
+            model, tokenizer, dataset, replace(decoding, temperature=temperature or 1.0, greedy=greedy, seed=args.seed)
+        )
         accuracy["greedy" if greedy else f"{temperature:g}"] = result["accuracy"]
     correct = None
     kinds = dict.fromkeys(ERROR_KINDS, 0)
     for sample_index in range(args.num_samples):
-        result = evaluate(model, tokenizer, dataset,
-                          replace(decoding, temperature=args.pass_temperature, seed=args.seed + 1 + sample_index))
+        result = evaluate(
+            model,
+            tokenizer,
+            dataset,
+            replace(decoding, temperature=args.pass_temperature, seed=args.seed + 1 + sample_index),
+        )
         hits = [s["answer_reward"] > 0 for s in result["samples"]]
         correct = hits if correct is None else [c + h for c, h in zip(correct, hits)]
         for sample in result["samples"]:
@@ -122,13 +128,19 @@ def checkpoint_report(model, tokenizer, dataset, args):
     n = args.num_samples
     pass_k = {k: sum(pass_at_k(n, c, k) for c in correct) / len(correct) for k in range(1, n + 1)}
     wrong = sum(kinds.values())
-    return {"accuracy": accuracy, "pass_at_k": pass_k, "wrong_answers": wrong, "answers": n * len(correct),
-            "error_kinds": {kind: count / max(wrong, 1) for kind, count in kinds.items()}}
+    return {
+        "accuracy": accuracy,
+        "pass_at_k": pass_k,
+        "wrong_answers": wrong,
+        "answers": n * len(correct),
+        "error_kinds": {kind: count / max(wrong, 1) for kind, count in kinds.items()},
+    }
 
 
 def plot_report(report, out_dir):
     """accuracy_vs_temperature.png and pass_at_k.png, one line per checkpoint."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -149,15 +161,21 @@ def plot_report(report, out_dir):
 
     checkpoints = report["checkpoints"]
     labels = list(next(iter(checkpoints.values()))["accuracy"])
-    save_lines("accuracy_vs_temperature.png",
-               {name: (range(len(labels)), list(r["accuracy"].values())) for name, r in checkpoints.items()},
-               f"accuracy against sampling temperature ({report['num_prompts']} prompts)", "held-out accuracy",
-               xticks=(range(len(labels)), ["greedy" if x == "greedy" else f"T {x}" for x in labels]))
-    save_lines("pass_at_k.png",
-               {name: ([int(k) for k in r["pass_at_k"]], list(r["pass_at_k"].values()))
-                for name, r in checkpoints.items()},
-               f"pass@k at T {report['pass_temperature']:g} (n = {report['num_samples']} answers a prompt)",
-               "pass@k", xlabel="k", log2_x=True)
+    save_lines(
+        "accuracy_vs_temperature.png",
+        {name: (range(len(labels)), list(r["accuracy"].values())) for name, r in checkpoints.items()},
+        f"accuracy against sampling temperature ({report['num_prompts']} prompts)",
+        "held-out accuracy",
+        xticks=(range(len(labels)), ["greedy" if x == "greedy" else f"T {x}" for x in labels]),
+    )
+    save_lines(
+        "pass_at_k.png",
+        {name: ([int(k) for k in r["pass_at_k"]], list(r["pass_at_k"].values())) for name, r in checkpoints.items()},
+        f"pass@k at T {report['pass_temperature']:g} (n = {report['num_samples']} answers a prompt)",
+        "pass@k",
+        xlabel="k",
+        log2_x=True,
+    )
 
 
 def error_table(report):
@@ -167,25 +185,38 @@ def error_table(report):
     for kind in ERROR_KINDS:
         cells = [f"{report['checkpoints'][name]['error_kinds'][kind]:.1%}" for name in names]
         lines.append(f"| {kind} | " + " | ".join(cells) + " |")
-    wrong = [f"{report['checkpoints'][name]['wrong_answers']} of {report['checkpoints'][name]['answers']}"
-             for name in names]
+    wrong = [
+        f"{report['checkpoints'][name]['wrong_answers']} of {report['checkpoints'][name]['answers']}" for name in names
+    ]
     lines.append("| wrong answers | " + " | ".join(wrong) + " |")
     return "\n".join(lines)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description="What did RL change? Accuracy by temperature, pass@k, error kinds")
-    parser.add_argument("--weights", nargs="+", default=["full_sft", "grpo", "ppo"],
-                        help="weight names in --save_dir ({name}_{hidden}.pth) or paths")
+    parser.add_argument(
+        "--weights",
+        nargs="+",
+        default=["full_sft", "grpo", "ppo"],
+        help="weight names in --save_dir ({name}_{hidden}.pth) or paths",
+    )
     parser.add_argument("--save_dir", default=DEFAULT_SAVE_DIR, help="where the weight names are looked up")
-    parser.add_argument("--data_path", default=os.path.join(ROOT, "dataset", "rlaif_test.jsonl"),
-                        help="held-out prompts (default: the test split)")
+    parser.add_argument(
+        "--data_path",
+        default=os.path.join(ROOT, "dataset", "rlaif_test.jsonl"),
+        help="held-out prompts (default: the test split)",
+    )
     parser.add_argument("--tokenizer_path", default=DEFAULT_TOKENIZER_PATH, help="tokenizer folder")
     parser.add_argument("--hidden_size", type=int, default=256, help="model width of every checkpoint")
     parser.add_argument("--num_hidden_layers", type=int, default=4, help="model depth of every checkpoint")
     parser.add_argument("--num_prompts", type=int, default=1000, help="held-out prompts")
-    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.3, 0.5, 0.7, 1.0],
-                        help="sampling temperatures of the accuracy curve (0 = greedy)")
+    parser.add_argument(
+        "--temperatures",
+        type=float,
+        nargs="+",
+        default=[0.0, 0.3, 0.5, 0.7, 1.0],
+        help="sampling temperatures of the accuracy curve (0 = greedy)",
+    )
     parser.add_argument("--num_samples", type=int, default=16, help="n, answers per prompt for pass@k (k <= n)")
     parser.add_argument("--pass_temperature", type=float, default=1.0, help="sampling temperature of pass@k")
     parser.add_argument("--batch_size", type=int, default=100, help="prompts per generation batch")
@@ -200,17 +231,26 @@ def main(argv=None):
         parser.error(f"--data_path {args.data_path} does not exist")
     os.makedirs(args.out_dir, exist_ok=True)
     lm_config = build_config(args.hidden_size, args.num_hidden_layers, 0)
-    report = {"data_path": args.data_path, "num_prompts": args.num_prompts, "num_samples": args.num_samples,
-              "pass_temperature": args.pass_temperature, "seed": args.seed, "checkpoints": {}}
+    report = {
+        "data_path": args.data_path,
+        "num_prompts": args.num_prompts,
+        "num_samples": args.num_samples,
+        "pass_temperature": args.pass_temperature,
+        "seed": args.seed,
+        "checkpoints": {},
+    }
     for name in args.weights:
         model, tokenizer = init_model(lm_config, name, args.save_dir, args.tokenizer_path, "cpu")
         dataset = RLAIFDataset(args.data_path, tokenizer, thinking_ratio=1.0, seed=args.seed)
         report["num_prompts"] = min(args.num_prompts, len(dataset))
         report["checkpoints"][name] = checkpoint_report(model, tokenizer, dataset, args)
         result = report["checkpoints"][name]
-        print(f"{name}: accuracy {json.dumps({k: round(v, 3) for k, v in result['accuracy'].items()})}, "
-              f"pass@1 {result['pass_at_k'][1]:.3f}, pass@{args.num_samples} "
-              f"{result['pass_at_k'][args.num_samples]:.3f}", flush=True)
+        print(
+            f"{name}: accuracy {json.dumps({k: round(v, 3) for k, v in result['accuracy'].items()})}, "
+            f"pass@1 {result['pass_at_k'][1]:.3f}, pass@{args.num_samples} "
+            f"{result['pass_at_k'][args.num_samples]:.3f}",
+            flush=True,
+        )
     with open(os.path.join(args.out_dir, "report.json"), "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2)
     table = error_table(report)

@@ -13,6 +13,7 @@ for the run's ``--weights``, the mean answer length, entropy, share of groups wi
 over the run's steps (the last ``--last_steps`` for entropy and length), and the median seconds per step (the
 differences of consecutive ``elapsed_s`` between two steps without an evaluation).
 """
+
 import argparse
 import json
 import os
@@ -46,8 +47,11 @@ def mean_of(rows, key):
 def seconds_per_step(rows):
     """Median difference of ``elapsed_s`` between consecutive training steps, neither of them with an evaluation."""
     steps = [row for row in rows if "elapsed_s" in row]
-    gaps = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(steps, steps[1:])
-            if b["step"] == a["step"] + 1 and not any(k.startswith("eval/") for k in b)]
+    gaps = [
+        b["elapsed_s"] - a["elapsed_s"]
+        for a, b in zip(steps, steps[1:])
+        if b["step"] == a["step"] + 1 and not any(k.startswith("eval/") for k in b)
+    ]
     return statistics.median(gaps) if gaps else None
 
 
@@ -104,17 +108,27 @@ def main(argv=None):
             entry = table.get(weights.get(name, ""))
             summary[column] = entry["accuracy"] if entry else None
         summaries[name] = summary
-    columns = [*evals, "in_run_sampled", "in_run_greedy", "response_len", "entropy", "frac_reward_zero_std",
-               "clip_fraction", "seconds_per_step"]
+    columns = [
+        *evals,
+        "in_run_sampled",
+        "in_run_greedy",
+        "response_len",
+        "entropy",
+        "frac_reward_zero_std",
+        "clip_fraction",
+        "seconds_per_step",
+    ]
     print("| run | " + " | ".join(columns) + " |")
     print("| --- | " + " | ".join("---" for _ in columns) + " |")
     for name, summary in summaries.items():
         digits = {"response_len": 1, "seconds_per_step": 2}
         print(f"| {name} | " + " | ".join(fmt(summary[c], digits.get(c, 3)) for c in columns) + " |")
     if args.json_out:
+
         def write(path):
             with open(path, "w", encoding="utf-8") as f:
                 json.dump(summaries, f, indent=1)
+
         atomic_write({args.json_out: write})
     return summaries
 

@@ -33,8 +33,10 @@ def require_trl():
 @pytest.fixture
 def tiny_config():
     from model.model_minimind import MiniMindConfig
-    return MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                          vocab_size=6400)
+
+    return MiniMindConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=6400
+    )
 
 
 @pytest.fixture
@@ -43,6 +45,7 @@ def policy():
     log-probs differ visibly between tokens; seed 0."""
     from model.model_minimind import MiniMindForCausalLM
     from trainer.infra.weights import build_config
+
     torch.manual_seed(0)
     config = build_config(hidden_size=64, num_hidden_layers=2, use_moe=0)
     config.initializer_range = 0.1
@@ -52,6 +55,7 @@ def policy():
 @pytest.fixture
 def tokenizer():
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
 
 
@@ -63,6 +67,7 @@ def tiny_weights(tmp_path):
     from model.model_minimind import MiniMindForCausalLM
     from trainer.infra.weights import write_tokenizer_record
     from trainer.infra.weights import build_config
+
     torch.manual_seed(0)
     model = MiniMindForCausalLM(build_config(hidden_size=64, num_hidden_layers=2, use_moe=0))
     torch.save({k: v.half() for k, v in model.state_dict().items()}, tmp_path / "tiny_64.pth")

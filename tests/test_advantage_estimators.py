@@ -39,8 +39,14 @@ LENGTHS = [4, 2, 3, 1, 4, 3]
 MASK = torch.tensor([[1] * n + [0] * (4 - n) for n in LENGTHS])  # [6, 4]
 SCORES = torch.tensor([1.0, 0.0, 0.5, 2.0, 2.0, -1.0])  # [6]
 KL = torch.tensor(  # k1 = old - ref per token, 0 past each length
-    [[0.2, -0.1, 0.05, 0.3], [0.1, 0.4, 0, 0], [-0.2, 0.1, 0.15, 0], [0.05, 0, 0, 0], [0.0, 0.1, 0.2, -0.3],
-     [0.3, 0.3, -0.1, 0]]
+    [
+        [0.2, -0.1, 0.05, 0.3],
+        [0.1, 0.4, 0, 0],
+        [-0.2, 0.1, 0.15, 0],
+        [0.05, 0, 0, 0],
+        [0.0, 0.1, 0.2, -0.3],
+        [0.3, 0.3, -0.1, 0],
+    ]
 )
 OLD = torch.tensor([[-1.0, -2.0, -0.5, -1.5]] * 6)  # any old log-probs; ref = old - k1
 REF = OLD - KL
@@ -71,33 +77,56 @@ def test_rloo_with_the_kl_in_the_reward_equals_trl():
     advantages, kl_rewards = compute_advantages(SCORES, MASK, kl_config, OLD, OLD - kl)
     assert kl_rewards.tolist() == pytest.approx([-0.025, 0.005, -0.01, 0.0, -0.015, -0.03], abs=1e-7)
     assert advantages.tolist() == pytest.approx([0.7275, -0.7275, 0.0, 1.5225, 1.5, -3.0225], abs=1e-6)
-    normalized, _ = compute_advantages(SCORES, MASK, config(**{**kl_config.__dict__, "normalize_advantages": True}),
-                                       OLD, OLD - kl)
+    normalized, _ = compute_advantages(
+        SCORES, MASK, config(**{**kl_config.__dict__, "normalize_advantages": True}), OLD, OLD - kl
+    )
     assert normalized.tolist() == pytest.approx(
         [0.42336971, -0.42336971, 0.0, 0.88602108, 0.87292719, -1.7589483], abs=1e-6
     )
 
 
 VERL_REINFORCE_PP = {  # (gamma, KL in the reward) -> verl's advantages
-    (1.0, False): [[0.24578105] * 4, [-0.68272507] * 2 + [0, 0], [-0.21847202] * 3 + [0], [1.1742872, 0, 0, 0],
-                   [1.1742872] * 4, [-1.6112312] * 3 + [0]],
-    (1.0, True): [[0.21784809, 0.23622732, 0.22703771, 0.23163252], [-0.70570922, -0.69651955, 0, 0],
-                  [-0.20487463, -0.22325389, -0.21406427, 0], [1.173569, 0, 0, 0],
-                  [1.1781638, 1.1781638, 1.1873534, 1.2057326], [-1.6246716, -1.5971028, -1.5695338, 0]],
-    (0.9, False): [[0.086931832, 0.17058337, 0.26352951, 0.36680299], [-0.66593152, -0.66593152, 0, 0],
-                   [-0.24767409, -0.20120102, -0.14956428, 0], [1.3995374, 0, 0, 0],
-                   [0.83979523, 1.0070982, 1.1929905, 1.3995374], [-1.5024464, -1.5953926, -1.6986661, 0]],
-    (0.9, True): [[0.065003157, 0.16626689, 0.24472792, 0.34893391], [-0.68903959, -0.68290985, 0, 0],
-                  [-0.22946046, -0.2063206, -0.14655539, 0], [1.396102, 0, 0, 0],
-                  [0.84408587, 1.0092115, 1.204036, 1.4318589], [-1.5195205, -1.5829636, -1.6534559, 0]],
+    (1.0, False): [
+        [0.24578105] * 4,
+        [-0.68272507] * 2 + [0, 0],
+        [-0.21847202] * 3 + [0],
+        [1.1742872, 0, 0, 0],
+        [1.1742872] * 4,
+        [-1.6112312] * 3 + [0],
+    ],
+    (1.0, True): [
+        [0.21784809, 0.23622732, 0.22703771, 0.23163252],
+        [-0.70570922, -0.69651955, 0, 0],
+        [-0.20487463, -0.22325389, -0.21406427, 0],
+        [1.173569, 0, 0, 0],
+        [1.1781638, 1.1781638, 1.1873534, 1.2057326],
+        [-1.6246716, -1.5971028, -1.5695338, 0],
+    ],
+    (0.9, False): [
+        [0.086931832, 0.17058337, 0.26352951, 0.36680299],
+        [-0.66593152, -0.66593152, 0, 0],
+        [-0.24767409, -0.20120102, -0.14956428, 0],
+        [1.3995374, 0, 0, 0],
+        [0.83979523, 1.0070982, 1.1929905, 1.3995374],
+        [-1.5024464, -1.5953926, -1.6986661, 0],
+    ],
+    (0.9, True): [
+        [0.065003157, 0.16626689, 0.24472792, 0.34893391],
+        [-0.68903959, -0.68290985, 0, 0],
+        [-0.22946046, -0.2063206, -0.14655539, 0],
+        [1.396102, 0, 0, 0],
+        [0.84408587, 1.0092115, 1.204036, 1.4318589],
+        [-1.5195205, -1.5829636, -1.6534559, 0],
+    ],
 }
 
 
 @pytest.mark.parametrize("gamma, kl_in_reward", sorted(VERL_REINFORCE_PP))
 def test_reinforce_pp_equals_verl(gamma, kl_in_reward):
     # verl's apply_kl_penalty with beta 0.1 (k1 per token), then compute_reinforce_plus_plus_outcome_advantage
-    estimator = config(estimator="reinforce_pp", gamma=gamma, beta=0.1,
-                       kl_placement="reward" if kl_in_reward else "loss")
+    estimator = config(
+        estimator="reinforce_pp", gamma=gamma, beta=0.1, kl_placement="reward" if kl_in_reward else "loss"
+    )
     advantages, _ = compute_advantages(SCORES, MASK, estimator, OLD, REF)
     assert advantages.shape == (6, 4)
     for row, expected in zip(advantages.tolist(), VERL_REINFORCE_PP[(gamma, kl_in_reward)]):
@@ -197,10 +226,20 @@ def test_joined_rollouts_keep_every_rows_tokens_and_log_probs(policy):
         completion_ids[1, 1] = eos  # an answer that ends early
         completion_mask = completion_mask_from_ids(completion_ids, eos)
         output_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        logps = compute_per_token_logps(policy, output_ids, completion_width,
-                                        torch.cat([prompt_mask, completion_mask], dim=1)).per_token_logps
-        rollouts.append(RolloutResult(output_ids, completion_ids, logps, ["x"] * 4, completion_mask, prompt_mask,
-                                      {"logprob_gap": float(prompt_width)}))
+        logps = compute_per_token_logps(
+            policy, output_ids, completion_width, torch.cat([prompt_mask, completion_mask], dim=1)
+        ).per_token_logps
+        rollouts.append(
+            RolloutResult(
+                output_ids,
+                completion_ids,
+                logps,
+                ["x"] * 4,
+                completion_mask,
+                prompt_mask,
+                {"logprob_gap": float(prompt_width)},
+            )
+        )
     rows = [torch.tensor([0, 1]), torch.tensor([2, 3])]
     joined = join_rollouts([(rollouts[0], rows[0]), (rollouts[1], rows[1])], pad)
     assert joined.output_ids.shape == (4, 6 + 5) and joined.metrics == {"logprob_gap": 4.5}
@@ -248,16 +287,24 @@ def test_module_sits_beside_the_chapter(tmp_path):
 
 # ----------------------------------------------------------------------------- the scripts
 @pytest.mark.parametrize("script", ["grpo", "agent"])
-@pytest.mark.parametrize("flags, message", [
-    (["--advantage_estimator", "rloo", "--scale_rewards", "none"],
-     "--scale_rewards is not read by --advantage_estimator rloo"),
-    (["--gamma", "0.9"], "--gamma is not read by --advantage_estimator grpo"),
-    (["--advantage_estimator", "reinforce_pp", "--normalize_advantages", "1"], "--normalize_advantages is not read"),
-    (["--advantage_estimator", "reinforce_pp", "--gamma", "1.5"], "--gamma must be in (0, 1]"),
-    (["--kl_placement", "reward", "--beta", "0"], "needs a reference: set --beta > 0"),
-    (["--advantage_estimator", "reinforce_pp", "--beta", "0"], "reinforce_pp default"),
-    (["--advantage_estimator", "reinforce_pp", "--loss_type", "vespo"], "choose another --loss_type"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--advantage_estimator", "rloo", "--scale_rewards", "none"],
+            "--scale_rewards is not read by --advantage_estimator rloo",
+        ),
+        (["--gamma", "0.9"], "--gamma is not read by --advantage_estimator grpo"),
+        (
+            ["--advantage_estimator", "reinforce_pp", "--normalize_advantages", "1"],
+            "--normalize_advantages is not read",
+        ),
+        (["--advantage_estimator", "reinforce_pp", "--gamma", "1.5"], "--gamma must be in (0, 1]"),
+        (["--kl_placement", "reward", "--beta", "0"], "needs a reference: set --beta > 0"),
+        (["--advantage_estimator", "reinforce_pp", "--beta", "0"], "reinforce_pp default"),
+        (["--advantage_estimator", "reinforce_pp", "--loss_type", "vespo"], "choose another --loss_type"),
+    ],
+)
 def test_a_flag_the_estimator_ignores_is_refused_naming_it(script, flags, message, capsys):
     import importlib
 
@@ -267,11 +314,14 @@ def test_a_flag_the_estimator_ignores_is_refused_naming_it(script, flags, messag
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--overlong_buffer_len", "200"], "--overlong_buffer_len must be in [0, --max_gen_len 96]"),
-    (["--overlong_penalty_factor", "-1"], "--overlong_penalty_factor must be >= 0"),
-    (["--max_num_gen_batches", "-1"], "--max_num_gen_batches must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--overlong_buffer_len", "200"], "--overlong_buffer_len must be in [0, --max_gen_len 96]"),
+        (["--overlong_penalty_factor", "-1"], "--overlong_penalty_factor must be >= 0"),
+        (["--max_num_gen_batches", "-1"], "--max_num_gen_batches must be >= 0"),
+    ],
+)
 def test_dapo_sampling_flags_out_of_range_are_refused(flags, message, capsys):
     from trainer.train_grpo import parse_args
 
@@ -282,9 +332,31 @@ def test_dapo_sampling_flags_out_of_range_are_refused(flags, message, capsys):
 
 def tiny_grpo_argv(tiny_weights, small_data, run_dir, *extra):
     save_dir, name = tiny_weights
-    return ["--hidden_size", "64", "--num_hidden_layers", "2", "--from_weight", name, "--save_dir", save_dir,
-            "--data_path", small_data, "--run_dir", str(run_dir), "--max_gen_len", "8", "--eval_interval", "0",
-            "--batch_size", "2", "--num_generations", "3", "--reward_model_path", "none", *extra]
+    return [
+        "--hidden_size",
+        "64",
+        "--num_hidden_layers",
+        "2",
+        "--from_weight",
+        name,
+        "--save_dir",
+        save_dir,
+        "--data_path",
+        small_data,
+        "--run_dir",
+        str(run_dir),
+        "--max_gen_len",
+        "8",
+        "--eval_interval",
+        "0",
+        "--batch_size",
+        "2",
+        "--num_generations",
+        "3",
+        "--reward_model_path",
+        "none",
+        *extra,
+    ]
 
 
 def read_rows(run_dir):
@@ -293,17 +365,28 @@ def read_rows(run_dir):
     return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
 
 
-def test_reinforce_pp_reaches_the_loss_whitened_over_the_batch(tiny_weights, small_data, tmp_path, monkeypatch,
-                                                               restore_signals):
+def test_reinforce_pp_reaches_the_loss_whitened_over_the_batch(
+    tiny_weights, small_data, tmp_path, monkeypatch, restore_signals
+):
     from run_patched import text_rewards
     from trainer import train_grpo
 
     seen = []
     real_loss = train_grpo.grpo_loss
-    monkeypatch.setattr(train_grpo, "grpo_loss",
-                        lambda *a, **k: seen.append((a[3], a[4], k["beta"])) or real_loss(*a, **k))
-    argv = tiny_grpo_argv(tiny_weights, small_data, tmp_path / "run", "--max_steps", "2", "--advantage_estimator",
-                          "reinforce_pp", "--gamma", "0.9")
+    monkeypatch.setattr(
+        train_grpo, "grpo_loss", lambda *a, **k: seen.append((a[3], a[4], k["beta"])) or real_loss(*a, **k)
+    )
+    argv = tiny_grpo_argv(
+        tiny_weights,
+        small_data,
+        tmp_path / "run",
+        "--max_steps",
+        "2",
+        "--advantage_estimator",
+        "reinforce_pp",
+        "--gamma",
+        "0.9",
+    )
     train_grpo.main(argv, reward_fn=text_rewards)
     assert len(seen) == 2
     for advantages, mask, beta in seen:
@@ -316,8 +399,9 @@ def test_reinforce_pp_reaches_the_loss_whitened_over_the_batch(tiny_weights, sma
     assert all("kl_reward" in row for row in rows)
 
 
-def test_dynamic_sampling_trains_informative_groups_and_records_its_draws(tiny_weights, small_data, tmp_path,
-                                                                          monkeypatch, restore_signals):
+def test_dynamic_sampling_trains_informative_groups_and_records_its_draws(
+    tiny_weights, small_data, tmp_path, monkeypatch, restore_signals
+):
     """0/1 rewards: some groups of 3 agree; the trained batches hold none of them, the draws are logged, and the
     resume file's data position counts every batch drawn."""
     from run_patched import binary_text_rewards
@@ -326,8 +410,17 @@ def test_dynamic_sampling_trains_informative_groups_and_records_its_draws(tiny_w
     seen = []
     real_loss = train_grpo.grpo_loss
     monkeypatch.setattr(train_grpo, "grpo_loss", lambda *a, **k: seen.append(a[3]) or real_loss(*a, **k))
-    argv = tiny_grpo_argv(tiny_weights, small_data, tmp_path / "run", "--max_steps", "5", "--dynamic_sampling", "1",
-                          "--save_interval", "5")
+    argv = tiny_grpo_argv(
+        tiny_weights,
+        small_data,
+        tmp_path / "run",
+        "--max_steps",
+        "5",
+        "--dynamic_sampling",
+        "1",
+        "--save_interval",
+        "5",
+    )
     train_grpo.main(argv, reward_fn=binary_text_rewards)
     rows = read_rows(tmp_path / "run")
     draws = [row["dynamic_sampling/gen_batches"] for row in rows]
@@ -349,8 +442,17 @@ def test_dynamic_sampling_at_its_bound_fills_with_equal_groups(tiny_weights, sma
         ones = torch.ones(len(responses))
         return {"rewards": ones, "rule_rewards": ones, "reward_model_scores": 0 * ones, "answer_rewards": 0 * ones}
 
-    argv = tiny_grpo_argv(tiny_weights, small_data, tmp_path / "run", "--max_steps", "2", "--dynamic_sampling", "1",
-                          "--max_num_gen_batches", "3")
+    argv = tiny_grpo_argv(
+        tiny_weights,
+        small_data,
+        tmp_path / "run",
+        "--max_steps",
+        "2",
+        "--dynamic_sampling",
+        "1",
+        "--max_num_gen_batches",
+        "3",
+    )
     train_grpo.main(argv, reward_fn=equal_rewards)
     rows = read_rows(tmp_path / "run")
     assert [row["dynamic_sampling/gen_batches"] for row in rows] == [3.0, 3.0]

@@ -5,6 +5,7 @@ The client is what a user writes with nothing of this project's agent code: the 
 for the ``<tool_call>`` blocks, its own calculator (a plain loop over ``+ - *``) and a ``tool`` message with the
 result. On validation prompts its greedy conversations must equal ``agent_rollout``'s (the calculator's replies,
 the calls and the final answers), so the trained default is usable outside the training script."""
+
 import json
 import os
 import re
@@ -26,8 +27,12 @@ TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 def client_calculate(expression):
     """The value of integers joined by ``+ - *`` (``*`` first), by a plain loop: the client's own calculator."""
     tokens = expression.split()
-    if not tokens or len(tokens) % 2 == 0 or not all(t.isdigit() for t in tokens[::2]) \
-            or not all(t in "+-*" for t in tokens[1::2]):
+    if (
+        not tokens
+        or len(tokens) % 2 == 0
+        or not all(t.isdigit() for t in tokens[::2])
+        or not all(t in "+-*" for t in tokens[1::2])
+    ):
         return None
     terms, signs = [int(tokens[0])], [1]
     for op, number in zip(tokens[1::2], tokens[2::2]):
@@ -43,15 +48,23 @@ def client_conversation(model, tokenizer, row, max_new_tokens, max_turns):
     """One greedy conversation as a plain client runs it: (the model's turns, the tool messages it sent)."""
     system = next(turn for turn in row["conversations"] if turn["role"] == "system")
     tools = json.loads(system["tools"])
-    messages = [{"role": turn["role"], "content": turn["content"]} for turn in row["conversations"]
-                if turn["role"] != "assistant"]
+    messages = [
+        {"role": turn["role"], "content": turn["content"]}
+        for turn in row["conversations"]
+        if turn["role"] != "assistant"
+    ]
     turns, replies = [], []
     for _ in range(max_turns):
         text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         input_ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-        output = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False,
-                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        turn = tokenizer.decode(output.output_ids[0, input_ids.size(1):], skip_special_tokens=True)
+        output = model.generate(
+            input_ids,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        turn = tokenizer.decode(output.output_ids[0, input_ids.size(1) :], skip_special_tokens=True)
         turns.append(turn)
         calls = TOOL_CALL.findall(turn)
         if not calls:
@@ -63,8 +76,9 @@ def client_conversation(model, tokenizer, row, max_new_tokens, max_turns):
                 value = client_calculate(expression)
             except (ValueError, KeyError, TypeError):
                 value = None
-            reply = json.dumps({"result": str(value)} if value is not None else {"error": "bad call"},
-                               ensure_ascii=False)
+            reply = json.dumps(
+                {"result": str(value)} if value is not None else {"error": "bad call"}, ensure_ascii=False
+            )
             replies.append(reply)
             messages.append({"role": "tool", "content": reply})
     return turns, replies
@@ -74,8 +88,11 @@ def client_conversation(model, tokenizer, row, max_new_tokens, max_turns):
 def bundled_start():
     """The bundled agent RL start (train_agent.py's default --from_weight) and its tokenizer."""
     args = parse_args([])
-    model, tokenizer = init_model(build_config(args.hidden_size, args.num_hidden_layers, args.use_moe),
-                                  args.from_weight, os.path.join(ROOT, "out"))
+    model, tokenizer = init_model(
+        build_config(args.hidden_size, args.num_hidden_layers, args.use_moe),
+        args.from_weight,
+        os.path.join(ROOT, "out"),
+    )
     return model.eval(), tokenizer, args
 
 
@@ -93,10 +110,15 @@ def test_standard_client_matches_agent_rollout(bundled_start):
     calculator agrees with the project's wherever the model called it."""
     model, tokenizer, args = bundled_start
     rows = [json.loads(line) for line in open(AGENT_VAL_DATA, encoding="utf-8")][:NUM_PROMPTS]
-    rollout = agent_rollout(GreedyPolicy(model), tokenizer,
-                            [[t for t in row["conversations"] if t["role"] != "assistant"] for row in rows], 1,
-                            max_new_tokens=args.max_gen_len, max_total_len=args.max_total_len,
-                            max_turns=args.max_turns)
+    rollout = agent_rollout(
+        GreedyPolicy(model),
+        tokenizer,
+        [[t for t in row["conversations"] if t["role"] != "assistant"] for row in rows],
+        1,
+        max_new_tokens=args.max_gen_len,
+        max_total_len=args.max_total_len,
+        max_turns=args.max_turns,
+    )
     calls = 0
     for n, row in enumerate(rows):
         turns, replies = client_conversation(model, tokenizer, row, args.max_gen_len, args.max_turns)

@@ -2,6 +2,7 @@
 rows are upstream's agent format with the calculator's schema and answers Python's arithmetic agrees with; the
 problems are hard (3-4 operands of 3-4 digits) and disjoint across files; the SFT calls are valid and their tool
 turns are execute_tool's replies; tools in a data file are read, and bad ones named."""
+
 import json
 import os
 import re
@@ -16,8 +17,12 @@ from trainer.agent.rollout import conversation_tools as rollout_tools
 from trainer.agent.tools import check_arguments, execute_tool, parse_tool_calls, tool_schemas
 
 DATASET = os.path.join(ROOT, "dataset")
-AGENT_FILES = {"agent_rl_train.jsonl": 2000, "agent_rl_val.jsonl": 500, "agent_rl_test.jsonl": 500,
-               "agent_sft.jsonl": 2000}
+AGENT_FILES = {
+    "agent_rl_train.jsonl": 2000,
+    "agent_rl_val.jsonl": 500,
+    "agent_rl_test.jsonl": 500,
+    "agent_sft.jsonl": 2000,
+}
 EXPRESSION = re.compile(r"\d{3,4}( [-+*] \d{3,4}){2,3}")
 
 
@@ -38,8 +43,11 @@ def python_value(expression):
 
 
 def test_regenerating_writes_every_bundled_file_byte_for_byte(tmp_path):
-    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_demo_data.py"), "--out_dir", str(tmp_path)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "make_demo_data.py"), "--out_dir", str(tmp_path)],
+        check=True,
+        capture_output=True,
+    )
     written = sorted(os.listdir(tmp_path))
     assert set(AGENT_FILES) <= set(written) <= set(os.listdir(DATASET)) and len(written) == 11
     for name in written:
@@ -94,17 +102,19 @@ def test_sft_calls_are_valid_and_the_tool_turns_are_execute_tools_replies():
 
 def test_tools_of_a_data_file_are_read_and_bad_ones_named(tmp_path):
     schemas = tool_schemas(["calculate_math"])
-    good = {"conversations": [{"role": "system", "content": "s", "tools": schemas},
-                              {"role": "user", "content": "q"}]}
+    good = {"conversations": [{"role": "system", "content": "s", "tools": schemas}, {"role": "user", "content": "q"}]}
     plain = {"conversations": [{"role": "user", "content": "q"}]}
     path = tmp_path / "rows.jsonl"
     path.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in (plain, good)) + "\n", encoding="utf-8")
     data = read_conversations_jsonl(str(path))
-    assert conversation_tools(data[1]["conversations"]) == schemas and conversation_tools(data[0]["conversations"]) \
-        is None
-    for turn, message in [({"role": "system", "content": "s", "tools": "[{"}, "tools' are not JSON"),
-                          ({"role": "system", "content": "s", "tools": '{"a": 1}'}, "list of tool schemas"),
-                          ({"role": "user", "content": "q", "tools": "[]"}, "on a user turn")]:
+    assert (
+        conversation_tools(data[1]["conversations"]) == schemas and conversation_tools(data[0]["conversations"]) is None
+    )
+    for turn, message in [
+        ({"role": "system", "content": "s", "tools": "[{"}, "tools' are not JSON"),
+        ({"role": "system", "content": "s", "tools": '{"a": 1}'}, "list of tool schemas"),
+        ({"role": "user", "content": "q", "tools": "[]"}, "on a user turn"),
+    ]:
         path.write_text(json.dumps({"conversations": [turn]}) + "\n", encoding="utf-8")
         with pytest.raises(DataFormatError, match=rf"rows.jsonl:1: .*{message}"):
             read_conversations_jsonl(str(path))
@@ -116,6 +126,7 @@ def test_copy_mix_holds_every_agent_row_and_trace_rows_behind_other_turns():
     agent rows' tools."""
     import random
     from scripts.agent_copy_study.make_copy_mix import copy_mix
+
     sft = [json.loads(line) for line in open(os.path.join(ROOT, "dataset", "sft_data.jsonl"), encoding="utf-8")]
     agent = [json.loads(line) for line in open(os.path.join(ROOT, "dataset", "agent_sft.jsonl"), encoding="utf-8")]
     rows = copy_mix(sft, agent, 300, random.Random(0))
@@ -132,8 +143,9 @@ def test_copy_mix_holds_every_agent_row_and_trace_rows_behind_other_turns():
             assert turns[0]["tools"] in agent_tools
             turns = turns[1:]
         assert ", ones first" in turns[-1]["content"] and json.dumps(turns[-2:], sort_keys=True) in conversations
-        assert len(turns) % 2 == 0 and all(json.dumps(turns[i:i + 2], sort_keys=True) in conversations
-                                           for i in range(0, len(turns), 2))
+        assert len(turns) % 2 == 0 and all(
+            json.dumps(turns[i : i + 2], sort_keys=True) in conversations for i in range(0, len(turns), 2)
+        )
 
 
 def test_agent_copy_sft_rows_call_rightly_and_hold_no_rl_problem(tmp_path):
@@ -142,12 +154,16 @@ def test_agent_copy_sft_rows_call_rightly_and_hold_no_rl_problem(tmp_path):
     expression of the RL files appears, some rows carry the schema and some do not, and a seed writes one file."""
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     from make_agent_sft import main as make_agent_sft
+
     first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     make_agent_sft(["--num_rows", "200", "--out", str(first)])
     make_agent_sft(["--num_rows", "200", "--out", str(second)])
     assert first.read_bytes() == second.read_bytes()
-    held = {expression_of(next(t["content"] for t in row["conversations"] if t["role"] == "user"))
-            for name in ("agent_rl_train.jsonl", "agent_rl_val.jsonl", "agent_rl_test.jsonl") for row in rows(name)}
+    held = {
+        expression_of(next(t["content"] for t in row["conversations"] if t["role"] == "user"))
+        for name in ("agent_rl_train.jsonl", "agent_rl_val.jsonl", "agent_rl_test.jsonl")
+        for row in rows(name)
+    }
     data = [json.loads(line) for line in first.read_text(encoding="utf-8").splitlines()]
     assert len(data) == 200
     with_schema = calls = answered_at_once = 0
@@ -166,8 +182,9 @@ def test_agent_copy_sft_rows_call_rightly_and_hold_no_rl_problem(tmp_path):
                 calls += 1
                 (call,) = parse_tool_calls(turns[start + 1]["content"])
                 assert call.error is None and call.name == "calculate_math"
-                assert call.arguments == {"expression": expression} and check_arguments(call.name, call.arguments) \
-                    is None
+                assert (
+                    call.arguments == {"expression": expression} and check_arguments(call.name, call.arguments) is None
+                )
                 assert turns[start + 2]["role"] == "tool"
                 assert turns[start + 2]["content"] == execute_tool("calculate_math", call.arguments)
                 assert json.loads(turns[start + 2]["content"]) == {"result": value}

@@ -2,6 +2,7 @@
 the tools' replies in the observations; old log-probs equal to a fresh forward over the whole conversation; the loss
 with the observations masked equal to TRL 1.16's ``_compute_loss`` with a ``tool_mask``; cutting at max_total_len;
 the re-tokenisation check; bad input named. Upstream's tokenizer (tests/fixtures) and a tiny random MiniMind."""
+
 import json
 
 import pytest
@@ -31,8 +32,10 @@ def tokenizer():
 def upstream_row(question, tool_names):
     """The prompt turns of an upstream ``agent_rl.jsonl`` row: the system turn carries the schemas as a JSON string."""
     tools = json.dumps(tool_schemas(tool_names), ensure_ascii=False)
-    return [{"role": "system", "content": "你是一个有用的助手。", "tools": tools},
-            {"role": "user", "content": question}]
+    return [
+        {"role": "system", "content": "你是一个有用的助手。", "tools": tools},
+        {"role": "user", "content": question},
+    ]
 
 
 CALC_ROW = upstream_row("帮我算一下 (45 + 27) * 3 是多少", ["calculate_math", "get_current_time"])
@@ -52,25 +55,30 @@ class ScriptedPolicy(torch.nn.Module):
     def forward(self, *args, **kwargs):
         return self.policy(*args, **kwargs)
 
-    def generate(self, input_ids, attention_mask, max_new_tokens, temperature, eos_token_id, pad_token_id,
-                 **sampling):
+    def generate(self, input_ids, attention_mask, max_new_tokens, temperature, eos_token_id, pad_token_id, **sampling):
         turns = self.script.pop(0) if self.script else None
         if turns is None:
-            return self.policy.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                                        temperature=temperature, eos_token_id=eos_token_id,
-                                        pad_token_id=pad_token_id, **sampling)
+            return self.policy.generate(
+                input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                eos_token_id=eos_token_id,
+                pad_token_id=pad_token_id,
+                **sampling,
+            )
         assert len(turns) == input_ids.size(0)
         turns = [ids[:max_new_tokens] for ids in turns]
         width = max(len(ids) for ids in turns)
         forced = torch.full((len(turns), width), pad_token_id, dtype=torch.long)  # [A, T]
         forced_mask = torch.zeros((len(turns), width), dtype=torch.long)  # [A, T]
         for row, ids in enumerate(turns):
-            forced[row, :len(ids)] = torch.tensor(ids)
-            forced_mask[row, :len(ids)] = 1
+            forced[row, : len(ids)] = torch.tensor(ids)
+            forced_mask[row, : len(ids)] = 1
         output_ids = torch.cat([input_ids, forced], dim=1)  # [A, L + T]
-        per_token_logps = compute_per_token_logps(self.policy, output_ids, width,
-                                                  torch.cat([attention_mask, forced_mask], dim=1),
-                                                  temperature).per_token_logps  # [A, T]
+        per_token_logps = compute_per_token_logps(
+            self.policy, output_ids, width, torch.cat([attention_mask, forced_mask], dim=1), temperature
+        ).per_token_logps  # [A, T]
         return output_ids, per_token_logps * forced_mask
 
 
@@ -90,7 +98,7 @@ def real_tokens(result, n):
 def observations(tokenizer, result, n):
     """The texts of row n's runs of completion tokens that are real but not the model's (its observations)."""
     ids = result.completion_ids[n].tolist()
-    is_observation = ((result.completion_mask[n] == 0) & (result.attention_mask[n, -len(ids):] == 1)).tolist()
+    is_observation = ((result.completion_mask[n] == 0) & (result.attention_mask[n, -len(ids) :] == 1)).tolist()
     runs, current = [], []
     for token, flag in zip(ids, is_observation):
         if flag:
@@ -105,8 +113,13 @@ def batched_rollout(policy, tokenizer, **overrides):
     """Two upstream rows x 2 generations; turn 1 scripted (a calculator call, a direct answer, a weather call, a
     call to a tool the row does not offer), turn 2 sampled from the policy for the three rows still active."""
     script = [[turn_ids(tokenizer, text) for text in (CALC_CALL, ANSWER, WEATHER_CALL, CALC_CALL)]]
-    settings = dict(max_new_tokens=40, max_total_len=1024, temperature=TEMPERATURE, max_turns=3,
-                    generator=torch.Generator().manual_seed(0))
+    settings = dict(
+        max_new_tokens=40,
+        max_total_len=1024,
+        temperature=TEMPERATURE,
+        max_turns=3,
+        generator=torch.Generator().manual_seed(0),
+    )
     settings.update(overrides)
     return agent_rollout(ScriptedPolicy(policy, script), tokenizer, [CALC_ROW, WEATHER_ROW], 2, **settings)
 
@@ -115,13 +128,23 @@ def test_masks_of_a_two_turn_conversation_follow_the_rendered_template(policy, t
     """A tool call, the tool's reply, an answer: the tokens are the template's rendering of that conversation and
     exactly the model's two turns (each through its <|im_end|>) have mask 1."""
     script = [[turn_ids(tokenizer, CALC_CALL)], [turn_ids(tokenizer, ANSWER)]]
-    result = agent_rollout(ScriptedPolicy(policy, script), tokenizer, [CALC_ROW], 1, max_new_tokens=64,
-                           max_total_len=1024, temperature=TEMPERATURE)
+    result = agent_rollout(
+        ScriptedPolicy(policy, script),
+        tokenizer,
+        [CALC_ROW],
+        1,
+        max_new_tokens=64,
+        max_total_len=1024,
+        temperature=TEMPERATURE,
+    )
     messages, tools = conversation_tools(CALC_ROW)
     reply = execute_tool("calculate_math", {"expression": "(45 + 27) * 3"})
     assert reply == '{"result": "216"}'
-    messages += [{"role": "assistant", "content": CALC_CALL}, {"role": "tool", "content": reply},
-                 {"role": "assistant", "content": ANSWER}]
+    messages += [
+        {"role": "assistant", "content": CALC_CALL},
+        {"role": "tool", "content": reply},
+        {"role": "assistant", "content": ANSWER},
+    ]
     rendered = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
     assert rendered.endswith("<|im_end|>\n")  # the template's newline after the last turn is not generated
     encoded = tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True)
@@ -138,11 +161,15 @@ def test_masks_of_a_two_turn_conversation_follow_the_rendered_template(policy, t
     trained = tokenizer.decode([t for t, m in zip(tokens, mask) if m], skip_special_tokens=False)
     assert trained == CALC_CALL + "<|im_end|>" + ANSWER + "<|im_end|>"
     assert observations(tokenizer, result, 0) == [
-        "\n<|im_start|>user\n<tool_response>\n" + reply + "\n</tool_response><|im_end|>\n" + MODEL_TURN_HEADER]
+        "\n<|im_start|>user\n<tool_response>\n" + reply + "\n</tool_response><|im_end|>\n" + MODEL_TURN_HEADER
+    ]
     assert result.old_per_token_logps[result.completion_mask == 0].abs().max() == 0
     assert (result.old_per_token_logps[result.completion_mask == 1] < 0).all()
-    assert (result.num_turns.tolist(), result.num_tool_calls.tolist(), result.num_valid_calls.tolist()) \
-        == ([2], [1], [1])
+    assert (result.num_turns.tolist(), result.num_tool_calls.tolist(), result.num_valid_calls.tolist()) == (
+        [2],
+        [1],
+        [1],
+    )
     assert result.final_answers == [ANSWER] and result.turn_texts == [[CALC_CALL, ANSWER]]
     assert not result.unfinished[0] and result.metrics["prefix_mismatches"] == 0
 
@@ -175,11 +202,20 @@ def test_old_log_probs_equal_a_fresh_forward_of_the_whole_conversation(policy, t
     if scripted:
         result = batched_rollout(policy, tokenizer)
     else:
-        result = agent_rollout(policy, tokenizer, [CALC_ROW, WEATHER_ROW], 2, max_new_tokens=12,
-                               max_total_len=1024, temperature=TEMPERATURE, generator=torch.Generator().manual_seed(1))
+        result = agent_rollout(
+            policy,
+            tokenizer,
+            [CALC_ROW, WEATHER_ROW],
+            2,
+            max_new_tokens=12,
+            max_total_len=1024,
+            temperature=TEMPERATURE,
+            generator=torch.Generator().manual_seed(1),
+        )
     width = result.completion_ids.size(1)
-    fresh = compute_per_token_logps(policy, result.output_ids, width, result.attention_mask,
-                                    TEMPERATURE).per_token_logps  # [N, R]
+    fresh = compute_per_token_logps(
+        policy, result.output_ids, width, result.attention_mask, TEMPERATURE
+    ).per_token_logps  # [N, R]
     mask = result.completion_mask.bool()
     assert mask.sum() > 20 and (result.attention_mask[:, -width:].bool() & ~mask).any() == scripted
     assert (fresh[mask] - result.old_per_token_logps[mask]).abs().max() < 1e-5
@@ -194,8 +230,9 @@ def test_loss_with_observations_masked_equals_trls_compute_loss_with_tool_mask(p
     width = result.completion_ids.size(1)
     prompt_width = result.output_ids.size(1) - width
     with torch.no_grad():
-        fresh = compute_per_token_logps(policy, result.output_ids, width, result.attention_mask,
-                                        TEMPERATURE).per_token_logps  # [N, R]
+        fresh = compute_per_token_logps(
+            policy, result.output_ids, width, result.attention_mask, TEMPERATURE
+        ).per_token_logps  # [N, R]
     generator = torch.Generator().manual_seed(5)
     mask = result.completion_mask
     old = result.old_per_token_logps + 0.3 * torch.randn(fresh.shape, generator=generator) * mask  # ratios off 1
@@ -205,14 +242,21 @@ def test_loss_with_observations_masked_equals_trls_compute_loss_with_tool_mask(p
     assert tool_tokens.sum() > 30
 
     for loss_type, epsilon_high in (("grpo", 0.2), ("dapo", 0.28)):
+
         def trl_loss(inputs_extra):
             trainer = trl_trainer(loss_type, 0.2, epsilon_high, 0.1)
             logps = fresh.clone().requires_grad_(True)
             trainer._get_per_token_logps_and_entropies = lambda *a, **k: (logps, torch.zeros_like(logps), None)
-            inputs = {"prompt_ids": result.output_ids[:, :prompt_width], "prompt_mask": result.prompt_mask,
-                      "completion_ids": result.completion_ids,
-                      "completion_mask": result.attention_mask[:, prompt_width:], "advantages": advantages,
-                      "old_per_token_logps": old, "ref_per_token_logps": ref, **inputs_extra}
+            inputs = {
+                "prompt_ids": result.output_ids[:, :prompt_width],
+                "prompt_mask": result.prompt_mask,
+                "completion_ids": result.completion_ids,
+                "completion_mask": result.attention_mask[:, prompt_width:],
+                "advantages": advantages,
+                "old_per_token_logps": old,
+                "ref_per_token_logps": ref,
+                **inputs_extra,
+            }
             loss = trl.GRPOTrainer._compute_loss(trainer, None, inputs)
             loss.backward()
             return loss.detach(), logps.grad
@@ -233,19 +277,35 @@ def test_long_conversations_stop_at_max_total_len_and_nothing_after_the_prompt_i
     prompt = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     prompt_len = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
     call = turn_ids(tokenizer, CALC_CALL)
-    full = agent_rollout(ScriptedPolicy(policy, [[call]]), tokenizer, [CALC_ROW], 1, max_new_tokens=len(call),
-                         max_total_len=1024, temperature=TEMPERATURE, generator=torch.Generator().manual_seed(2))
+    full = agent_rollout(
+        ScriptedPolicy(policy, [[call]]),
+        tokenizer,
+        [CALC_ROW],
+        1,
+        max_new_tokens=len(call),
+        max_total_len=1024,
+        temperature=TEMPERATURE,
+        generator=torch.Generator().manual_seed(2),
+    )
     observation_len = int(full.attention_mask[0].sum()) - prompt_len - int(full.completion_mask[0].sum())
     assert full.output_ids.size(1) - full.completion_ids.size(1) == prompt_len and observation_len > 20
 
     def run(max_total_len, max_new_tokens):
-        result = agent_rollout(ScriptedPolicy(policy, [[call, call]]), tokenizer, [CALC_ROW], 2,
-                               max_new_tokens=max_new_tokens, max_total_len=max_total_len, temperature=TEMPERATURE,
-                               generator=torch.Generator().manual_seed(3))
+        result = agent_rollout(
+            ScriptedPolicy(policy, [[call, call]]),
+            tokenizer,
+            [CALC_ROW],
+            2,
+            max_new_tokens=max_new_tokens,
+            max_total_len=max_total_len,
+            temperature=TEMPERATURE,
+            generator=torch.Generator().manual_seed(3),
+        )
         assert (result.attention_mask.sum(dim=1) <= max_total_len).all()
         width = result.completion_ids.size(1)
-        fresh = compute_per_token_logps(policy, result.output_ids, width, result.attention_mask,
-                                        TEMPERATURE).per_token_logps
+        fresh = compute_per_token_logps(
+            policy, result.output_ids, width, result.attention_mask, TEMPERATURE
+        ).per_token_logps
         mask = result.completion_mask.bool()
         assert (fresh[mask] - result.old_per_token_logps[mask]).abs().max() < 1e-5
         return result
@@ -265,56 +325,92 @@ def test_long_conversations_stop_at_max_total_len_and_nothing_after_the_prompt_i
     prompt_cut = run(prompt_len - 3 + 8, 8)
     assert prompt_cut.metrics["prompts_cut"] == 2
     first_prompt = full.output_ids[0, :prompt_len]
-    assert torch.equal(prompt_cut.output_ids[0, :prompt_len - 3], first_prompt[3:])
+    assert torch.equal(prompt_cut.output_ids[0, : prompt_len - 3], first_prompt[3:])
 
 
 def test_a_split_that_bpe_would_merge_is_counted_and_the_models_tokens_are_kept(policy, tokenizer):
     """The call's JSON written one character per token: the text is the same, its re-tokenisation is not."""
-    body = CALC_CALL[len("<tool_call>"):-len("</tool_call>")]
-    split = tokenizer("<tool_call>", add_special_tokens=False)["input_ids"] \
-        + [i for ch in body for i in tokenizer(ch, add_special_tokens=False)["input_ids"]] \
+    body = CALC_CALL[len("<tool_call>") : -len("</tool_call>")]
+    split = (
+        tokenizer("<tool_call>", add_special_tokens=False)["input_ids"]
+        + [i for ch in body for i in tokenizer(ch, add_special_tokens=False)["input_ids"]]
         + turn_ids(tokenizer, "</tool_call>")
+    )
     assert tokenizer.decode(split[:-1]) == CALC_CALL and len(split) > len(turn_ids(tokenizer, CALC_CALL))
-    result = agent_rollout(ScriptedPolicy(policy, [[split], [turn_ids(tokenizer, ANSWER)]]), tokenizer, [CALC_ROW],
-                           1, max_new_tokens=128, max_total_len=1024, temperature=TEMPERATURE)
+    result = agent_rollout(
+        ScriptedPolicy(policy, [[split], [turn_ids(tokenizer, ANSWER)]]),
+        tokenizer,
+        [CALC_ROW],
+        1,
+        max_new_tokens=128,
+        max_total_len=1024,
+        temperature=TEMPERATURE,
+    )
     assert result.metrics["prefix_mismatches"] == 1 and result.num_valid_calls.tolist() == [1]
-    assert result.completion_ids[0, :len(split)].tolist() == split
+    assert result.completion_ids[0, : len(split)].tolist() == split
     width = result.completion_ids.size(1)
-    fresh = compute_per_token_logps(policy, result.output_ids, width, result.attention_mask,
-                                    TEMPERATURE).per_token_logps
+    fresh = compute_per_token_logps(
+        policy, result.output_ids, width, result.attention_mask, TEMPERATURE
+    ).per_token_logps
     mask = result.completion_mask.bool()
     assert (fresh[mask] - result.old_per_token_logps[mask]).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("chat_template_kwargs, first_turn, mismatches, next_header", [
-    ({"open_thinking": True}, "先算括号。\n</think>\n\n" + CALC_CALL, 0, "<|im_start|>assistant\n<think>\n"),
-    ({}, "\n" + CALC_CALL, 1, MODEL_TURN_HEADER),  # the template strips the turn's leading newline
-])
+@pytest.mark.parametrize(
+    "chat_template_kwargs, first_turn, mismatches, next_header",
+    [
+        ({"open_thinking": True}, "先算括号。\n</think>\n\n" + CALC_CALL, 0, "<|im_start|>assistant\n<think>\n"),
+        ({}, "\n" + CALC_CALL, 1, MODEL_TURN_HEADER),  # the template strips the turn's leading newline
+    ],
+)
 def test_template_arguments_reach_the_template_and_a_rewritten_turn_is_counted(
-        policy, tokenizer, chat_template_kwargs, first_turn, mismatches, next_header):
+    policy, tokenizer, chat_template_kwargs, first_turn, mismatches, next_header
+):
     script = [[turn_ids(tokenizer, first_turn)], [turn_ids(tokenizer, ANSWER)]]
-    result = agent_rollout(ScriptedPolicy(policy, script), tokenizer, [CALC_ROW], 1, max_new_tokens=64,
-                           max_total_len=1024, temperature=TEMPERATURE, chat_template_kwargs=chat_template_kwargs)
+    result = agent_rollout(
+        ScriptedPolicy(policy, script),
+        tokenizer,
+        [CALC_ROW],
+        1,
+        max_new_tokens=64,
+        max_total_len=1024,
+        temperature=TEMPERATURE,
+        chat_template_kwargs=chat_template_kwargs,
+    )
     (observation,) = observations(tokenizer, result, 0)
     assert observation.endswith("</tool_response><|im_end|>\n" + next_header) and '{"result": "216"}' in observation
     assert result.metrics["prefix_mismatches"] == mismatches and result.turn_texts[0][0] == first_turn
     width = result.completion_ids.size(1)
-    fresh = compute_per_token_logps(policy, result.output_ids, width, result.attention_mask,
-                                    TEMPERATURE).per_token_logps
+    fresh = compute_per_token_logps(
+        policy, result.output_ids, width, result.attention_mask, TEMPERATURE
+    ).per_token_logps
     mask = result.completion_mask.bool()
     assert (fresh[mask] - result.old_per_token_logps[mask]).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("conversation, settings, message", [
-    (CALC_ROW + [{"role": "assistant", "content": ANSWER}], {}, "ends with an assistant turn"),
-    ([{"role": "system", "content": "s", "tools": "[{not json"}, CALC_ROW[1]], {}, "not JSON"),
-    ([{"role": "system", "content": "s", "tools": '{"name": "x"}'}, CALC_ROW[1]], {}, "list of function schemas"),
-    ([{"role": "system", "content": "s", "tools": json.dumps([{"type": "function", "function": {"name": "web"}}])},
-      CALC_ROW[1]], {}, r"unknown tools \['web'\]"),
-    (CALC_ROW, {"max_total_len": 8}, "max_total_len > max_new_tokens"),
-    (CALC_ROW, {"max_turns": 0}, "max_turns >= 1"),
-    (None, {}, "need conversations"),
-])
+@pytest.mark.parametrize(
+    "conversation, settings, message",
+    [
+        (CALC_ROW + [{"role": "assistant", "content": ANSWER}], {}, "ends with an assistant turn"),
+        ([{"role": "system", "content": "s", "tools": "[{not json"}, CALC_ROW[1]], {}, "not JSON"),
+        ([{"role": "system", "content": "s", "tools": '{"name": "x"}'}, CALC_ROW[1]], {}, "list of function schemas"),
+        (
+            [
+                {
+                    "role": "system",
+                    "content": "s",
+                    "tools": json.dumps([{"type": "function", "function": {"name": "web"}}]),
+                },
+                CALC_ROW[1],
+            ],
+            {},
+            r"unknown tools \['web'\]",
+        ),
+        (CALC_ROW, {"max_total_len": 8}, "max_total_len > max_new_tokens"),
+        (CALC_ROW, {"max_turns": 0}, "max_turns >= 1"),
+        (None, {}, "need conversations"),
+    ],
+)
 def test_bad_input_is_named(policy, tokenizer, conversation, settings, message):
     options = {"max_new_tokens": 8, "max_total_len": 256, **settings}
     with pytest.raises(ValueError, match=message):

@@ -1,5 +1,6 @@
 """The agent tools: the calculator against Python's arithmetic and against hostile text, upstream's six tools on
 their canned data, execute_tool and parse_tool_calls on malformed calls, and what the module may touch."""
+
 import ast
 import json
 import operator
@@ -12,9 +13,20 @@ import pytest
 
 from conftest import FIXTURES, MINIMIND_TOKENIZER, ROOT
 from trainer.agent import tools as agent_tools
-from trainer.agent.tools import (MAX_CALLS_PER_TURN, MAX_REPLY_CHARS, REGISTRY, ToolCall, ToolError, calculate,
-                                 check_arguments, execute_call, execute_tool, parse_tool_calls, register_tool,
-                                 tool_schemas)
+from trainer.agent.tools import (
+    MAX_CALLS_PER_TURN,
+    MAX_REPLY_CHARS,
+    REGISTRY,
+    ToolCall,
+    ToolError,
+    calculate,
+    check_arguments,
+    execute_call,
+    execute_tool,
+    parse_tool_calls,
+    register_tool,
+    tool_schemas,
+)
 
 HANG_GUARD_S = 1.0  # a loose bound: only catches a hang, says nothing about speed
 
@@ -31,8 +43,15 @@ def calc(expression):
 
 
 # ----------------------------------------------------------------------------- the calculator against Python
-OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv,
-             "//": operator.floordiv, "%": operator.mod, "**": operator.pow}
+OPERATORS = {
+    "+": operator.add,
+    "-": operator.sub,
+    "*": operator.mul,
+    "/": operator.truediv,
+    "//": operator.floordiv,
+    "%": operator.mod,
+    "**": operator.pow,
+}
 
 
 def random_tree(rng, depth):
@@ -93,29 +112,32 @@ def test_calculator_agrees_with_python_on_random_expressions():
     assert operators_seen == set(OPERATORS)
 
 
-@pytest.mark.parametrize("expression, expected", [
-    ("(45 + 27) * 3", "216"),  # the first example row of upstream's agent RL data: gt ["216"]
-    ("1 + 2 * 3", "7"),
-    ("2^10", "1024"),  # upstream's spellings
-    ("3×4−5", "7"),
-    ("（1+2）÷3", "1.0"),
-    ("-2**2", "-4"),  # Python binds ** tighter than unary minus
-    ("2**-1", "0.5"),
-    ("7 // 2", "3"),
-    ("-7 // 2", "-4"),
-    ("7 % -3", "-2"),
-    ("0.1 + 0.2", "0.30000000000000004"),
-    ("1_000 * 3", "3000"),
-    ("  12  ", "12"),
-    ("--1", "1"),
-    ("-" * 51 + "1", "-1"),  # 51 minus signs
-    ("10**100", "1" + "0" * 100),  # the largest power inside the bound
-    ("1" + "+1" * 99, "100"),  # 199 characters, a 100-term sum
-    ("1 ** (10**100)", "1"),
-    ("(-1) ** (10**100 - 1)", "-1"),  # an odd exponent
-    ("0.5 ** 10**100", "0.0"),
-    ("2 ** -(10**100)", "0.0"),
-])
+@pytest.mark.parametrize(
+    "expression, expected",
+    [
+        ("(45 + 27) * 3", "216"),  # the first example row of upstream's agent RL data: gt ["216"]
+        ("1 + 2 * 3", "7"),
+        ("2^10", "1024"),  # upstream's spellings
+        ("3×4−5", "7"),
+        ("（1+2）÷3", "1.0"),
+        ("-2**2", "-4"),  # Python binds ** tighter than unary minus
+        ("2**-1", "0.5"),
+        ("7 // 2", "3"),
+        ("-7 // 2", "-4"),
+        ("7 % -3", "-2"),
+        ("0.1 + 0.2", "0.30000000000000004"),
+        ("1_000 * 3", "3000"),
+        ("  12  ", "12"),
+        ("--1", "1"),
+        ("-" * 51 + "1", "-1"),  # 51 minus signs
+        ("10**100", "1" + "0" * 100),  # the largest power inside the bound
+        ("1" + "+1" * 99, "100"),  # 199 characters, a 100-term sum
+        ("1 ** (10**100)", "1"),
+        ("(-1) ** (10**100 - 1)", "-1"),  # an odd exponent
+        ("0.5 ** 10**100", "0.0"),
+        ("2 ** -(10**100)", "0.0"),
+    ],
+)
 def test_calculator_hand_computed(expression, expected):
     assert calc(expression) == {"result": expected}
 
@@ -194,8 +216,14 @@ def test_calculate_takes_text_only():
 
 
 # ----------------------------------------------------------------------------- upstream's six tools
-UPSTREAM_TOOLS = ["calculate_math", "unit_converter", "get_current_weather", "get_current_time", "get_exchange_rate",
-                  "translate_text"]
+UPSTREAM_TOOLS = [
+    "calculate_math",
+    "unit_converter",
+    "get_current_weather",
+    "get_current_time",
+    "get_exchange_rate",
+    "translate_text",
+]
 
 
 def test_six_tools_in_upstreams_order_with_function_calling_schemas():
@@ -206,10 +234,14 @@ def test_six_tools_in_upstreams_order_with_function_calling_schemas():
         assert schema["type"] == "function" and parameters["type"] == "object"
         assert set(parameters["required"]) <= set(parameters["properties"])
     required = {s["function"]["name"]: s["function"]["parameters"]["required"] for s in schemas}
-    assert required == {"calculate_math": ["expression"], "unit_converter": ["value", "from_unit", "to_unit"],
-                        "get_current_weather": ["location"], "get_current_time": [],
-                        "get_exchange_rate": ["from_currency", "to_currency"],
-                        "translate_text": ["text", "target_language"]}
+    assert required == {
+        "calculate_math": ["expression"],
+        "unit_converter": ["value", "from_unit", "to_unit"],
+        "get_current_weather": ["location"],
+        "get_current_time": [],
+        "get_exchange_rate": ["from_currency", "to_currency"],
+        "translate_text": ["text", "target_language"],
+    }
     assert tool_schemas(["translate_text"])[0]["function"]["name"] == "translate_text"
     with pytest.raises(ValueError, match="search_web"):
         tool_schemas(["calculate_math", "search_web"])
@@ -231,56 +263,85 @@ def test_schemas_equal_the_ones_in_upstreams_data_rows():
     assert tool_schemas(list(found)) == list(found.values())
 
 
-@pytest.mark.parametrize("name, arguments, expected", [
-    ("calculate_math", {"expression": "(45 + 27) * 3"}, {"result": "216"}),
-    ("unit_converter", {"value": 10, "from_unit": "km", "to_unit": "miles"}, {"result": 6.2137}),  # 6.21371
-    ("unit_converter", {"value": 2, "from_unit": "KG", "to_unit": "Pounds"}, {"result": 4.4092}),  # 4.40924
-    ("unit_converter", {"value": 100, "from_unit": "celsius", "to_unit": "fahrenheit"}, {"result": 180.0}),
-    ("unit_converter", {"value": 3, "from_unit": "km", "to_unit": "parsec"}, {"result": 3.0}),  # unknown: x1
-    ("get_current_weather", {"location": "北京"}, {"city": "北京", "temperature": "28°C", "humidity": "65%",
-                                                  "condition": "晴"}),
-    ("get_current_weather", {"location": " tokyo "}, {"city": "Tokyo", "temperature": "12°C", "humidity": "65%",
-                                                     "condition": "晴"}),
-    ("get_current_weather", {"location": "Atlantis"}, {"city": "Atlantis", "temperature": "22°C",
-                                                       "humidity": "65%", "condition": "晴"}),
-    ("get_current_time", {"timezone": "Asia/Tokyo"}, {"datetime": "2025-03-07 15:30:00", "timezone": "Asia/Tokyo"}),
-    ("get_current_time", {}, {"datetime": "2025-03-07 14:30:00", "timezone": "Asia/Shanghai"}),
-    ("get_current_time", None, {"datetime": "2025-03-07 14:30:00", "timezone": "Asia/Shanghai"}),
-    ("get_current_time", {"timezone": "Mars/Olympus"}, {"datetime": "2025-03-07 14:30:00",
-                                                        "timezone": "Mars/Olympus"}),
-    ("get_exchange_rate", {"from_currency": "USD", "to_currency": "CNY"}, {"from": "USD", "to": "CNY", "rate": 7.21}),
-    ("get_exchange_rate", {"from_currency": "jpy", "to_currency": "cny"}, {"from": "JPY", "to": "CNY",
-                                                                          "rate": 0.048}),
-    ("get_exchange_rate", {"from_currency": "CNY", "to_currency": "USD"}, {"from": "CNY", "to": "USD", "rate": 1.0}),
-    ("translate_text", {"text": "Happy birthday", "target_language": "chinese"}, {"translated_text": "生日快乐"}),
-    ("translate_text", {"text": "你好世界", "target_language": "English"}, {"translated_text": "Hello World"}),
-    ("translate_text", {"text": "Bonjour", "target_language": "chinese"}, {"translated_text": "Bonjour"}),
-])
+@pytest.mark.parametrize(
+    "name, arguments, expected",
+    [
+        ("calculate_math", {"expression": "(45 + 27) * 3"}, {"result": "216"}),
+        ("unit_converter", {"value": 10, "from_unit": "km", "to_unit": "miles"}, {"result": 6.2137}),  # 6.21371
+        ("unit_converter", {"value": 2, "from_unit": "KG", "to_unit": "Pounds"}, {"result": 4.4092}),  # 4.40924
+        ("unit_converter", {"value": 100, "from_unit": "celsius", "to_unit": "fahrenheit"}, {"result": 180.0}),
+        ("unit_converter", {"value": 3, "from_unit": "km", "to_unit": "parsec"}, {"result": 3.0}),  # unknown: x1
+        (
+            "get_current_weather",
+            {"location": "北京"},
+            {"city": "北京", "temperature": "28°C", "humidity": "65%", "condition": "晴"},
+        ),
+        (
+            "get_current_weather",
+            {"location": " tokyo "},
+            {"city": "Tokyo", "temperature": "12°C", "humidity": "65%", "condition": "晴"},
+        ),
+        (
+            "get_current_weather",
+            {"location": "Atlantis"},
+            {"city": "Atlantis", "temperature": "22°C", "humidity": "65%", "condition": "晴"},
+        ),
+        ("get_current_time", {"timezone": "Asia/Tokyo"}, {"datetime": "2025-03-07 15:30:00", "timezone": "Asia/Tokyo"}),
+        ("get_current_time", {}, {"datetime": "2025-03-07 14:30:00", "timezone": "Asia/Shanghai"}),
+        ("get_current_time", None, {"datetime": "2025-03-07 14:30:00", "timezone": "Asia/Shanghai"}),
+        (
+            "get_current_time",
+            {"timezone": "Mars/Olympus"},
+            {"datetime": "2025-03-07 14:30:00", "timezone": "Mars/Olympus"},
+        ),
+        (
+            "get_exchange_rate",
+            {"from_currency": "USD", "to_currency": "CNY"},
+            {"from": "USD", "to": "CNY", "rate": 7.21},
+        ),
+        (
+            "get_exchange_rate",
+            {"from_currency": "jpy", "to_currency": "cny"},
+            {"from": "JPY", "to": "CNY", "rate": 0.048},
+        ),
+        (
+            "get_exchange_rate",
+            {"from_currency": "CNY", "to_currency": "USD"},
+            {"from": "CNY", "to": "USD", "rate": 1.0},
+        ),
+        ("translate_text", {"text": "Happy birthday", "target_language": "chinese"}, {"translated_text": "生日快乐"}),
+        ("translate_text", {"text": "你好世界", "target_language": "English"}, {"translated_text": "Hello World"}),
+        ("translate_text", {"text": "Bonjour", "target_language": "chinese"}, {"translated_text": "Bonjour"}),
+    ],
+)
 def test_each_tool_on_its_canned_data(name, arguments, expected):
     assert reply(name, arguments) == expected
     if arguments is not None:
         assert reply(name, json.dumps(arguments, ensure_ascii=False)) == expected  # arguments as a JSON string
 
 
-@pytest.mark.parametrize("name, arguments, message", [
-    ("calculate_math", {}, "missing the argument \"expression\""),
-    ("calculate_math", {"expression": 12}, "must be a string"),
-    ("calculate_math", {"expression": "  "}, "must not be empty"),
-    ("calculate_math", {"expression": "1+1", "precision": 3}, "no argument \"precision\""),
-    ("unit_converter", {"value": "ten", "from_unit": "km", "to_unit": "miles"}, "must be a number"),
-    ("unit_converter", {"value": True, "from_unit": "km", "to_unit": "miles"}, "must be a number"),
-    ("unit_converter", {"value": None, "from_unit": "km", "to_unit": "miles"}, "must be a number"),
-    ("unit_converter", {"value": float("nan"), "from_unit": "km", "to_unit": "miles"}, "finite number"),
-    ("unit_converter", {"value": 10 ** 400, "from_unit": "km", "to_unit": "miles"}, "finite number"),
-    ("unit_converter", {"value": 1, "from_unit": "km"}, "missing the argument \"to_unit\""),
-    ("get_current_weather", {"location": ""}, "must not be empty"),
-    ("get_current_weather", {"city": "北京"}, "no argument \"city\""),
-    ("get_current_weather", {"location": ["北京"]}, "must be a string"),
-    ("get_current_time", {"timezone": 8}, "must be a string"),
-    ("get_exchange_rate", {"from_currency": "USD"}, "missing the argument \"to_currency\""),
-    ("translate_text", {"text": "Happy birthday"}, "missing the argument \"target_language\""),
-    ("translate_text", {"text": "hi", "target_language": {"name": "chinese"}}, "must be a string"),
-])
+@pytest.mark.parametrize(
+    "name, arguments, message",
+    [
+        ("calculate_math", {}, 'missing the argument "expression"'),
+        ("calculate_math", {"expression": 12}, "must be a string"),
+        ("calculate_math", {"expression": "  "}, "must not be empty"),
+        ("calculate_math", {"expression": "1+1", "precision": 3}, 'no argument "precision"'),
+        ("unit_converter", {"value": "ten", "from_unit": "km", "to_unit": "miles"}, "must be a number"),
+        ("unit_converter", {"value": True, "from_unit": "km", "to_unit": "miles"}, "must be a number"),
+        ("unit_converter", {"value": None, "from_unit": "km", "to_unit": "miles"}, "must be a number"),
+        ("unit_converter", {"value": float("nan"), "from_unit": "km", "to_unit": "miles"}, "finite number"),
+        ("unit_converter", {"value": 10**400, "from_unit": "km", "to_unit": "miles"}, "finite number"),
+        ("unit_converter", {"value": 1, "from_unit": "km"}, 'missing the argument "to_unit"'),
+        ("get_current_weather", {"location": ""}, "must not be empty"),
+        ("get_current_weather", {"city": "北京"}, 'no argument "city"'),
+        ("get_current_weather", {"location": ["北京"]}, "must be a string"),
+        ("get_current_time", {"timezone": 8}, "must be a string"),
+        ("get_exchange_rate", {"from_currency": "USD"}, 'missing the argument "to_currency"'),
+        ("translate_text", {"text": "Happy birthday"}, 'missing the argument "target_language"'),
+        ("translate_text", {"text": "hi", "target_language": {"name": "chinese"}}, "must be a string"),
+    ],
+)
 def test_each_tool_refuses_wrong_arguments(name, arguments, message):
     answer = reply(name, arguments)
     assert set(answer) == {"error"} and message in answer["error"], answer
@@ -296,20 +357,23 @@ def test_check_arguments_accepts_upstreams_valid_calls():
 
 
 # ----------------------------------------------------------------------------- execute_tool never raises
-@pytest.mark.parametrize("name, arguments, message", [
-    ("search_web", {"query": "x"}, "unknown tool \"search_web\"; tools: calculate_math, unit_converter"),
-    ("", {}, "unknown tool"),
-    ("x" * 10_000, {}, "unknown tool"),
-    (None, {}, "the tool name must be a string"),
-    (["calculate_math"], {}, "the tool name must be a string"),
-    ("calculate_math", ["1+1"], "must be a JSON object, got list"),
-    ("calculate_math", 42, "must be a JSON object, got int"),
-    ("calculate_math", "not json", "are not valid JSON"),
-    ("calculate_math", "[\"1+1\"]", "must be a JSON object, got list"),
-    ("calculate_math", "{\"expression\": \"1+1\"", "are not valid JSON"),
-    ("calculate_math", "[" * 2000 + "]" * 2000, "longer than 2048 characters"),
-    ("get_current_weather", {"location": "x" * 100_000, "extra" * 1000: 1}, "has no argument"),
-])
+@pytest.mark.parametrize(
+    "name, arguments, message",
+    [
+        ("search_web", {"query": "x"}, 'unknown tool "search_web"; tools: calculate_math, unit_converter'),
+        ("", {}, "unknown tool"),
+        ("x" * 10_000, {}, "unknown tool"),
+        (None, {}, "the tool name must be a string"),
+        (["calculate_math"], {}, "the tool name must be a string"),
+        ("calculate_math", ["1+1"], "must be a JSON object, got list"),
+        ("calculate_math", 42, "must be a JSON object, got int"),
+        ("calculate_math", "not json", "are not valid JSON"),
+        ("calculate_math", '["1+1"]', "must be a JSON object, got list"),
+        ("calculate_math", '{"expression": "1+1"', "are not valid JSON"),
+        ("calculate_math", "[" * 2000 + "]" * 2000, "longer than 2048 characters"),
+        ("get_current_weather", {"location": "x" * 100_000, "extra" * 1000: 1}, "has no argument"),
+    ],
+)
 def test_malformed_call_is_a_tool_error_the_model_reads(name, arguments, message):
     answer = reply(name, arguments)
     assert set(answer) == {"error"} and message in answer["error"], answer
@@ -318,10 +382,10 @@ def test_malformed_call_is_a_tool_error_the_model_reads(name, arguments, message
 def test_allowed_restricts_the_tools_of_a_conversation():
     assert reply("calculate_math", {"expression": "1+1"}, allowed=["calculate_math"]) == {"result": "2"}
     answer = reply("get_current_time", {}, allowed=["calculate_math", "translate_text"])
-    assert answer == {"error": "tool \"get_current_time\" is not offered here; offered: calculate_math, "
-                               "translate_text"}
-    assert reply("search_web", {}, allowed=["calculate_math"]) == {"error": "tool \"search_web\" is unknown; "
-                                                                             "offered: calculate_math"}
+    assert answer == {"error": 'tool "get_current_time" is not offered here; offered: calculate_math, translate_text'}
+    assert reply("search_web", {}, allowed=["calculate_math"]) == {
+        "error": 'tool "search_web" is unknown; offered: calculate_math'
+    }
 
 
 @pytest.fixture
@@ -334,13 +398,20 @@ def registry():
 
 
 def schema(name, properties=None, required=None):
-    return {"type": "function", "function": {"name": name, "description": "test tool", "parameters": {
-        "type": "object", "properties": properties or {}, "required": required or []}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": "test tool",
+            "parameters": {"type": "object", "properties": properties or {}, "required": required or []},
+        },
+    }
 
 
 def test_a_tool_is_added_in_a_few_lines(registry):
-    @register_tool(schema("word_count", {"text": {"type": "string"}, "unique": {"type": "boolean", "default": False}},
-                          ["text"]))
+    @register_tool(
+        schema("word_count", {"text": {"type": "string"}, "unique": {"type": "boolean", "default": False}}, ["text"])
+    )
     def word_count(text, unique):
         words = text.split()
         return {"count": len(set(words)) if unique else len(words)}
@@ -351,18 +422,25 @@ def test_a_tool_is_added_in_a_few_lines(registry):
     assert "must be a boolean" in reply("word_count", {"text": "a", "unique": 1})["error"]
 
 
-@pytest.mark.parametrize("bad", [
-    {"type": "function"},
-    {"type": "tool", "function": {"name": "x", "parameters": {"type": "object", "properties": {}}}},
-    {"type": "function", "function": {"name": "", "parameters": {"type": "object", "properties": {}}}},
-    {"type": "function", "function": {"name": "x", "parameters": {"type": "object", "properties": {},
-                                                                  "required": ["y"]}}},
-    {"type": "function", "function": {"name": "x", "parameters": {"type": "array", "properties": {}}}},
-    {"type": "function", "function": {"name": "x", "parameters": {"type": "object", "properties": {"a": "str"}}}},
-    {"type": "function", "function": {"name": "x", "parameters": {"type": "object", "properties": {"a": {}},
-                                                                  "required": "a"}}},
-    "calculate_math",
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"type": "function"},
+        {"type": "tool", "function": {"name": "x", "parameters": {"type": "object", "properties": {}}}},
+        {"type": "function", "function": {"name": "", "parameters": {"type": "object", "properties": {}}}},
+        {
+            "type": "function",
+            "function": {"name": "x", "parameters": {"type": "object", "properties": {}, "required": ["y"]}},
+        },
+        {"type": "function", "function": {"name": "x", "parameters": {"type": "array", "properties": {}}}},
+        {"type": "function", "function": {"name": "x", "parameters": {"type": "object", "properties": {"a": "str"}}}},
+        {
+            "type": "function",
+            "function": {"name": "x", "parameters": {"type": "object", "properties": {"a": {}}, "required": "a"}},
+        },
+        "calculate_math",
+    ],
+)
 def test_register_tool_refuses_a_malformed_schema(bad, registry):
     with pytest.raises(ValueError):
         register_tool(bad)
@@ -374,7 +452,7 @@ def test_a_tool_that_raises_or_returns_no_json_is_a_tool_error(registry):
     register_tool(schema("leave"))(lambda: exit(3))
     register_tool(schema("object"))(lambda: {"value": object()})
     register_tool(schema("not_finite"))(lambda: {"value": float("nan")})
-    assert reply("crash", {}) == {"error": "crash failed: ZeroDivisionError: \"division by zero\""}
+    assert reply("crash", {}) == {"error": 'crash failed: ZeroDivisionError: "division by zero"'}
     assert reply("refuse", {}) == {"error": "refuse: no such record"}
     assert reply("leave", {})["error"].startswith("leave failed: SystemExit")
     assert reply("object", {}) == {"error": "object returned a value that is not JSON"}
@@ -406,50 +484,73 @@ def test_every_reply_is_bounded(registry):
 
 # ----------------------------------------------------------------------------- parse_tool_calls
 def test_parse_reads_upstreams_format_and_the_chat_templates_rendering():
-    text = ("<think>\n\n</think>\n\nLet me compute.\n<tool_call>\n{\"name\": \"calculate_math\", "
-            "\"arguments\": {\"expression\": \"(45 + 27) * 3\"}}\n</tool_call>")
+    text = (
+        '<think>\n\n</think>\n\nLet me compute.\n<tool_call>\n{"name": "calculate_math", '
+        '"arguments": {"expression": "(45 + 27) * 3"}}\n</tool_call>'
+    )
     calls = parse_tool_calls(text)
     assert calls == [ToolCall("calculate_math", {"expression": "(45 + 27) * 3"}, None)]
     assert json.loads(execute_call(calls[0])) == {"result": "216"}
 
     from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(MINIMIND_TOKENIZER)
-    sent = [{"name": "get_current_time", "arguments": {"timezone": "Asia/Tokyo"}},
-            {"name": "translate_text", "arguments": {"text": "Happy birthday", "target_language": "chinese"}}]
+    sent = [
+        {"name": "get_current_time", "arguments": {"timezone": "Asia/Tokyo"}},
+        {"name": "translate_text", "arguments": {"text": "Happy birthday", "target_language": "chinese"}},
+    ]
     answer = execute_tool(sent[0]["name"], sent[0]["arguments"])
     rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok", "tool_calls": sent},
-         {"role": "tool", "content": answer}], tokenize=False, tools=tool_schemas())
+        [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "ok", "tool_calls": sent},
+            {"role": "tool", "content": answer},
+        ],
+        tokenize=False,
+        tools=tool_schemas(),
+    )
     assistant_turn = rendered.split("<|im_start|>assistant")[1]  # the system turn shows the format as a block too
-    assert [(c.name, c.arguments, c.error) for c in parse_tool_calls(assistant_turn)] == \
-        [(s["name"], s["arguments"], None) for s in sent]
+    assert [(c.name, c.arguments, c.error) for c in parse_tool_calls(assistant_turn)] == [
+        (s["name"], s["arguments"], None) for s in sent
+    ]
     for schema_ in tool_schemas():  # the system turn lists the six schemas, one JSON line each
         assert "\n" + json.dumps(schema_, ensure_ascii=False) + "\n" in rendered
     assert "<tool_response>\n" + answer + "\n</tool_response>" in rendered
 
 
 def test_parse_accepts_arguments_as_a_json_string_absent_or_null():
-    text = ('<tool_call>{"name": "calculate_math", "arguments": "{\\"expression\\": \\"2*3\\"}"}</tool_call>'
-            '<tool_call>{"name": "get_current_time"}</tool_call>'
-            '<tool_call>{"name": "get_current_time", "arguments": null}</tool_call>')
-    assert parse_tool_calls(text) == [ToolCall("calculate_math", {"expression": "2*3"}, None),
-                                      ToolCall("get_current_time", {}, None), ToolCall("get_current_time", {}, None)]
+    text = (
+        '<tool_call>{"name": "calculate_math", "arguments": "{\\"expression\\": \\"2*3\\"}"}</tool_call>'
+        '<tool_call>{"name": "get_current_time"}</tool_call>'
+        '<tool_call>{"name": "get_current_time", "arguments": null}</tool_call>'
+    )
+    assert parse_tool_calls(text) == [
+        ToolCall("calculate_math", {"expression": "2*3"}, None),
+        ToolCall("get_current_time", {}, None),
+        ToolCall("get_current_time", {}, None),
+    ]
 
 
-@pytest.mark.parametrize("text, message", [
-    ("<tool_call>{bad json}</tool_call>", "not valid JSON"),
-    ("<tool_call></tool_call>", "not valid JSON"),
-    ("<tool_call>[\"calculate_math\"]</tool_call>", "must be a JSON object, got list"),
-    ("<tool_call>{\"arguments\": {}}</tool_call>", "needs a \"name\" string"),
-    ("<tool_call>{\"name\": 3}</tool_call>", "needs a \"name\" string"),
-    ("<tool_call>{\"name\": \"\"}</tool_call>", "needs a \"name\" string"),
-    ("<tool_call>{\"name\": \"calculate_math\", \"arguments\": [1]}</tool_call>", "must be a JSON object, got list"),
-    ("<tool_call>{\"name\": \"calculate_math\", \"arguments\": \"{oops\"}</tool_call>", "not valid JSON"),
-    ("<tool_call>{\"name\": \"calculate_math\", \"arguments\": 7}</tool_call>", "must be a JSON object, got int"),
-    ("text <tool_call>{\"name\": \"calculate_math\"", "<tool_call> without </tool_call>"),
-    ("<tool_call>" + "[" * 1000 + "]" * 1000 + "</tool_call>", ""),  # too deep or not an object: an error either way
-    ("<tool_call>{\"name\": \"x\", \"arguments\": {\"a\": \"" + "b" * 3000 + "\"}}</tool_call>", "longer than 2048"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("<tool_call>{bad json}</tool_call>", "not valid JSON"),
+        ("<tool_call></tool_call>", "not valid JSON"),
+        ('<tool_call>["calculate_math"]</tool_call>', "must be a JSON object, got list"),
+        ('<tool_call>{"arguments": {}}</tool_call>', 'needs a "name" string'),
+        ('<tool_call>{"name": 3}</tool_call>', 'needs a "name" string'),
+        ('<tool_call>{"name": ""}</tool_call>', 'needs a "name" string'),
+        ('<tool_call>{"name": "calculate_math", "arguments": [1]}</tool_call>', "must be a JSON object, got list"),
+        ('<tool_call>{"name": "calculate_math", "arguments": "{oops"}</tool_call>', "not valid JSON"),
+        ('<tool_call>{"name": "calculate_math", "arguments": 7}</tool_call>', "must be a JSON object, got int"),
+        ('text <tool_call>{"name": "calculate_math"', "<tool_call> without </tool_call>"),
+        (
+            "<tool_call>" + "[" * 1000 + "]" * 1000 + "</tool_call>",
+            "",
+        ),  # too deep or not an object: an error either way
+        ('<tool_call>{"name": "x", "arguments": {"a": "' + "b" * 3000 + '"}}</tool_call>', "longer than 2048"),
+    ],
+)
 def test_parse_turns_a_malformed_block_into_an_error_entry(text, message):
     calls = parse_tool_calls(text)
     assert len(calls) == 1 and calls[0].name is None and calls[0].arguments is None
@@ -488,10 +589,26 @@ def test_the_module_evaluates_imports_and_opens_nothing():
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert imported <= {"ast", "copy", "json", "math", "operator", "threading", "typing"}
-    forbidden = {"eval", "exec", "compile", "open", "__import__", "getattr", "setattr", "delattr", "globals",
-                 "locals", "vars", "input", "breakpoint", "exit", "quit"}
+    forbidden = {
+        "eval",
+        "exec",
+        "compile",
+        "open",
+        "__import__",
+        "getattr",
+        "setattr",
+        "delattr",
+        "globals",
+        "locals",
+        "vars",
+        "input",
+        "breakpoint",
+        "exit",
+        "quit",
+    }
     called = {node.func.id for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
     assert called & forbidden == set()
-    parse_modes = [call for call in ast.walk(tree) if isinstance(call, ast.Call)
-                   and ast.unparse(call.func) == "ast.parse"]
+    parse_modes = [
+        call for call in ast.walk(tree) if isinstance(call, ast.Call) and ast.unparse(call.func) == "ast.parse"
+    ]
     assert [[k.value.value for k in call.keywords if k.arg == "mode"] for call in parse_modes] == [["eval"]]

@@ -3,6 +3,7 @@ think-only template the bundled checkpoints and the chapter's numbers were made 
 with tools, tool calls and tool replies render as upstream MiniMind's template (tests/fixtures) renders them; the
 tool markers are spelled by the bundled vocabulary; SFT and agent_rollout train the model's turns of an agent row and
 nothing else."""
+
 import json
 import os
 
@@ -39,10 +40,12 @@ def bundled():
 @pytest.fixture(scope="module")
 def with_template(bundled):
     """The bundled tokenizer with another chat template: the think-only one or upstream's."""
+
     def make(template):
         tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
         tokenizer.chat_template = template
         return tokenizer
+
     return make
 
 
@@ -77,7 +80,8 @@ def test_conversations_without_tools_render_as_the_think_only_template(bundled, 
     for turns in full:
         assert bundled.apply_chat_template(turns, tokenize=False) == old.apply_chat_template(turns, tokenize=False)
         assert bundled.apply_chat_template(turns, tokenize=False, tools=None) == old.apply_chat_template(
-            turns, tokenize=False)
+            turns, tokenize=False
+        )
 
 
 def test_sft_tokens_of_rows_without_tools_are_the_think_only_templates(bundled, with_template):
@@ -91,16 +95,23 @@ def test_sft_tokens_of_rows_without_tools_are_the_think_only_templates(bundled, 
 def tool_conversation():
     """Two tools offered; a call in the text, a call in ``tool_calls`` (dict and string arguments), two replies."""
     call = '<tool_call>\n{"name": "calculate_math", "arguments": {"expression": "4212 * 3306 - 1910"}}\n</tool_call>'
-    return [{"role": "system", "content": "你是一个有用的助手。"},
-            {"role": "user", "content": "4212 * 3306 - 1910 是多少？现在几点？"},
-            {"role": "assistant", "content": call},
-            {"role": "tool", "content": execute_tool("calculate_math", {"expression": "4212 * 3306 - 1910"})},
-            {"role": "assistant", "content": "", "tool_calls": [
+    return [
+        {"role": "system", "content": "你是一个有用的助手。"},
+        {"role": "user", "content": "4212 * 3306 - 1910 是多少？现在几点？"},
+        {"role": "assistant", "content": call},
+        {"role": "tool", "content": execute_tool("calculate_math", {"expression": "4212 * 3306 - 1910"})},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
                 {"type": "function", "function": {"name": "get_current_time", "arguments": {"timezone": "Asia/Tokyo"}}},
-                {"name": "calculate_math", "arguments": '{"expression": "1 + 2"}'}]},
-            {"role": "tool", "content": execute_tool("get_current_time", {"timezone": "Asia/Tokyo"})},
-            {"role": "tool", "content": execute_tool("calculate_math", {"expression": "1 + 2"})},
-            {"role": "assistant", "content": "<think>\n看结果\n</think>\n\n答案是 13923382。"}]
+                {"name": "calculate_math", "arguments": '{"expression": "1 + 2"}'},
+            ],
+        },
+        {"role": "tool", "content": execute_tool("get_current_time", {"timezone": "Asia/Tokyo"})},
+        {"role": "tool", "content": execute_tool("calculate_math", {"expression": "1 + 2"})},
+        {"role": "assistant", "content": "<think>\n看结果\n</think>\n\n答案是 13923382。"},
+    ]
 
 
 def test_tool_conversations_render_as_upstreams_template(bundled, with_template):
@@ -116,7 +127,7 @@ def test_tool_conversations_render_as_upstreams_template(bundled, with_template)
             assert bundled.apply_chat_template(turns, **options) == upstream.apply_chat_template(turns, **options)
     rendered = bundled.apply_chat_template(cases[0][0], tools=cases[0][1], tokenize=False)
     assert rendered.count("<tool_response>") == 3 and rendered.count("<|im_start|>user\n<tool_response>") == 2
-    assert "\"name\": \"calculate_math\"" in rendered.split("\n</tools>")[0]
+    assert '"name": "calculate_math"' in rendered.split("\n</tools>")[0]
 
 
 def test_tool_markers_are_spelled_by_the_bundled_vocabulary(bundled):
@@ -140,7 +151,8 @@ def test_sft_trains_the_model_turns_of_an_agent_row_only(bundled):
     input_ids, labels = dataset[index]
     model_turns = [turn["content"] for turn in rows[index] if turn["role"] == "assistant"]
     assert bundled.decode(input_ids[labels != -100]) == "".join(
-        f"<think>\n\n</think>\n\n{content}<|im_end|>" for content in model_turns)
+        f"<think>\n\n</think>\n\n{content}<|im_end|>" for content in model_turns
+    )
     untrained = bundled.decode(input_ids[labels == -100])
     tool_reply = next(turn["content"] for turn in rows[index] if turn["role"] == "tool")
     assert f"<tool_response>\n{tool_reply}\n</tool_response>" in untrained and "# Tools" in untrained
@@ -151,11 +163,14 @@ def test_a_two_turn_rollout_on_the_bundled_tokenizer_trains_the_model_turns_only
     row = next(t for t in turns if len(t) == 5)  # system, user, call, tool reply, answer
     call, reply, answer = row[2]["content"], row[3]["content"], row[4]["content"]
     script = [[turn_ids(bundled, call)], [turn_ids(bundled, answer)]]
-    result = agent_rollout(ScriptedPolicy(policy, script), bundled, [row[:2]], 1, max_new_tokens=128,
-                           max_total_len=1024)
+    result = agent_rollout(
+        ScriptedPolicy(policy, script), bundled, [row[:2]], 1, max_new_tokens=128, max_total_len=1024
+    )
     assert result.metrics == {"prefix_mismatches": 0, "prompts_cut": 0, "length_stops": 0}
     assert result.num_valid_calls.tolist() == [1] and result.turn_texts == [[call, answer]]
     trained = result.completion_ids[0][result.completion_mask[0].bool()]
     assert bundled.decode(trained) == f"{call}<|im_end|>{answer}<|im_end|>"
-    assert observations(bundled, result, 0) == [f"\n<|im_start|>user\n<tool_response>\n{reply}\n</tool_response>"
-                                                f"<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"]
+    assert observations(bundled, result, 0) == [
+        f"\n<|im_start|>user\n<tool_response>\n{reply}\n</tool_response>"
+        f"<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    ]

@@ -1,4 +1,5 @@
 """scripts/convert_model.py: MiniMind .pth <-> transformers Qwen3ForCausalLM folder, logits equal both ways."""
+
 import json
 import os
 

@@ -1,4 +1,5 @@
 """Datasets, tokenizer and chat template."""
+
 import json
 import os
 import re
@@ -15,8 +16,13 @@ def write_lines(path, lines):
 
 
 def conv(user, assistant):
-    return json.dumps({"conversations": [{"role": "user", "content": user},
-                                         {"role": "assistant", "content": assistant}]}, ensure_ascii=False) + "\n"
+    return (
+        json.dumps(
+            {"conversations": [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]},
+            ensure_ascii=False,
+        )
+        + "\n"
+    )
 
 
 def test_tokenizer_special_ids(tokenizer):
@@ -52,23 +58,30 @@ def test_sft_labels_cover_assistant_tokens_only(tmp_path, tokenizer):
 def test_rlaif_prompt_and_answer(tmp_path, tokenizer):
     path = write_lines(tmp_path / "rl.jsonl", [conv("What is 2+3?", "5")] * 50)
     always = RLAIFDataset(path, tokenizer, thinking_ratio=1.0)
-    assert always[0] == {"prompt": "<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n<think>\n",
-                         "answer": "5", "index": 0}
+    assert always[0] == {
+        "prompt": "<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n<think>\n",
+        "answer": "5",
+        "index": 0,
+    }
     never = RLAIFDataset(path, tokenizer, thinking_ratio=0.0)
     assert never[0]["prompt"].endswith("<think>\n\n</think>\n\n")
     half = RLAIFDataset(path, tokenizer, thinking_ratio=0.5, seed=7)
     opened = [half[i]["prompt"].endswith("assistant\n<think>\n") for i in range(50)]
     assert 10 < sum(opened) < 40
-    assert opened == [RLAIFDataset(path, tokenizer, 0.5, seed=7)[i]["prompt"].endswith("assistant\n<think>\n")
-                      for i in range(50)]  # the same draw on a second pass (resume)
+    assert opened == [
+        RLAIFDataset(path, tokenizer, 0.5, seed=7)[i]["prompt"].endswith("assistant\n<think>\n") for i in range(50)
+    ]  # the same draw on a second pass (resume)
 
 
-@pytest.mark.parametrize("bad_line, message", [
-    (b'{"conversations": [}\n', "invalid JSON"),
-    (b'{"text": "no conversations"}\n', "conversations"),
-    (b'{"conversations": [{"role": "user"}]}\n', "content"),
-    (b'{"conversations": [{"role": "user", "content": "caf\xe9"}]}\n', "not valid UTF-8"),
-])
+@pytest.mark.parametrize(
+    "bad_line, message",
+    [
+        (b'{"conversations": [}\n', "invalid JSON"),
+        (b'{"text": "no conversations"}\n', "conversations"),
+        (b'{"conversations": [{"role": "user"}]}\n', "content"),
+        (b'{"conversations": [{"role": "user", "content": "caf\xe9"}]}\n', "not valid UTF-8"),
+    ],
+)
 def test_bad_line_names_file_and_line(tmp_path, bad_line, message):
     path = write_lines(tmp_path / "data.jsonl", [conv("a", "b"), conv("c", "d"), bad_line])
     with pytest.raises(DataFormatError, match=rf"data\.jsonl:3: .*{message}"):
@@ -90,6 +103,7 @@ def test_bundled_data_is_consistent():
 
 def test_upstream_minimind_tokenizer_works_with_datasets(tmp_path):
     from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(MINIMIND_TOKENIZER)
     assert (tokenizer.pad_token_id, tokenizer.eos_token_id, len(tokenizer) <= 6400) == (0, 2, True)
     path = write_lines(tmp_path / "sft.jsonl", [conv("你好", "<think>\n想一想\n</think>\n\n你好！")])
@@ -99,8 +113,9 @@ def test_upstream_minimind_tokenizer_works_with_datasets(tmp_path):
     assert item["prompt"].endswith("<|im_start|>assistant\n<think>\n") and item["answer"].startswith("<think>")
 
 
-@pytest.mark.parametrize("tokenizer_path", [os.path.join(ROOT, "model"), MINIMIND_TOKENIZER],
-                         ids=["bundled", "upstream"])
+@pytest.mark.parametrize(
+    "tokenizer_path", [os.path.join(ROOT, "model"), MINIMIND_TOKENIZER], ids=["bundled", "upstream"]
+)
 def test_a_huge_prompt_keeps_the_tokens_of_its_end_without_being_tokenized_whole(tokenizer_path, tmp_path):
     """A one-line prompt of ~1 MB: the run tokenizes its end only, and gets the last --max_seq_len tokens that the
     whole text's tokenization ends with; the dataset counts it as cut."""
@@ -109,21 +124,25 @@ def test_a_huge_prompt_keeps_the_tokens_of_its_end_without_being_tokenized_whole
 
     from dataset.lm_dataset import prompt_tail
     from trainer.rollout_engine import tokenize_prompts
+
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     words = ["what", "is", "12", "plus", "30?", "计算", "一下", "(45 + 27) * 3", "\n", "  ", "<think>", "ok."]
     text = " ".join(words[(i * 7 + i // 5) % len(words)] for i in range(120_000))  # ~0.8 MB, no period
     path = tmp_path / "huge.jsonl"
-    path.write_text(json.dumps({"conversations": [{"role": "user", "content": "2+2=?"},
-                                                  {"role": "assistant", "content": "4"}]}) + "\n"
-                    + json.dumps({"conversations": [{"role": "user", "content": text},
-                                                    {"role": "assistant", "content": "42"}]}) + "\n")
+    path.write_text(
+        json.dumps({"conversations": [{"role": "user", "content": "2+2=?"}, {"role": "assistant", "content": "4"}]})
+        + "\n"
+        + json.dumps({"conversations": [{"role": "user", "content": text}, {"role": "assistant", "content": "42"}]})
+        + "\n"
+    )
     dataset = RLAIFDataset(str(path), tokenizer, thinking_ratio=0.0)
     prompt = dataset[1]["prompt"]
     whole = tokenizer(prompt, add_special_tokens=False)["input_ids"]  # the reference: the whole text, once
     for max_seq_len in (64, 512):
         assert len(prompt_tail(prompt, max_seq_len, tokenizer)) < len(prompt) // 10
-        prompt_ids, attention_mask, truncated = tokenize_prompts(tokenizer, [dataset[0]["prompt"], prompt],
-                                                                 max_seq_len, "cpu")
+        prompt_ids, attention_mask, truncated = tokenize_prompts(
+            tokenizer, [dataset[0]["prompt"], prompt], max_seq_len, "cpu"
+        )
         assert truncated == 1 and prompt_ids.shape == (2, max_seq_len)
         assert prompt_ids[1].tolist() == whole[-max_seq_len:]
         assert attention_mask[0].sum() < max_seq_len and torch.equal(attention_mask[1], torch.ones(max_seq_len).long())

@@ -1,4 +1,5 @@
 """The documents a learner reads: every relative link resolves, and the README's commands parse their flags."""
+
 import glob
 import os
 import re
@@ -41,12 +42,13 @@ def readme_python_commands():
                 words = shlex.split(part.split("#", 1)[0])
                 scripts = [i for i, w in enumerate(words) if w.endswith(".py")]
                 if words[:1] in (["python"], ["torchrun"]) and scripts:
-                    commands.append(words[scripts[0]:])
+                    commands.append(words[scripts[0] :])
     return commands
 
 
 def test_readme_commands_parse_their_flags():
     import importlib
+
     commands = readme_python_commands()
     scripts = {c[0] for c in commands}
     assert {"trainer/train_grpo.py", "trainer/train_ppo.py"} <= scripts, scripts
@@ -64,6 +66,7 @@ def test_readme_commands_parse_their_flags():
 def test_every_training_flag_has_help(module_name, monkeypatch):
     import argparse
     import importlib
+
     parsers = []
     original = argparse.ArgumentParser.parse_args
 
@@ -101,6 +104,7 @@ def test_the_readmes_flag_table_gives_each_scripts_defaults():
     import importlib
 
     from trainer.grpo_family import build_loss_config
+
     rows = readme_flag_table()
     assert len(rows) >= 30, rows
     assert ("train_ppo", "--lam", "1.0") in rows  # GAE lambda 1.0 (the chapter's 0.95 is --lam 0.95)
@@ -108,8 +112,15 @@ def test_the_readmes_flag_table_gives_each_scripts_defaults():
     for script in ("train_grpo", "train_ppo"):
         args = importlib.import_module(f"trainer.{script}").parse_args([])
         defaults[script] = vars(args)
-    defaults["train_grpo"].update({key: value for key, value in vars(build_loss_config(
-        importlib.import_module("trainer.train_grpo").parse_args([]))).items() if key in ("epsilon", "epsilon_high")})
+    defaults["train_grpo"].update(
+        {
+            key: value
+            for key, value in vars(
+                build_loss_config(importlib.import_module("trainer.train_grpo").parse_args([]))
+            ).items()
+            if key in ("epsilon", "epsilon_high")
+        }
+    )
     wrong = []
     for script, flag, documented in rows:
         actual = defaults[script][flag[2:]]

@@ -1,4 +1,5 @@
 """The held-out evaluation (trainer/evaluation.py) against checkpoints whose accuracy is known by construction."""
+
 import json
 import os
 
@@ -36,7 +37,7 @@ class ScriptedAnswerer(torch.nn.Module):
         width = max(len(r) for r in rows)
         completion = torch.full((len(rows), width), pad_token_id, dtype=torch.long)  # [B, R]
         for i, row in enumerate(rows):
-            completion[i, :len(row)] = torch.tensor(row)
+            completion[i, : len(row)] = torch.tensor(row)
         output_ids = torch.cat([input_ids, completion], dim=1)  # [B, P + R]
         return Generation(output_ids, torch.zeros(completion.shape))
 
@@ -92,6 +93,7 @@ def test_half_right_answerer_and_evaluator_summary(tokenizer, val_references):
 
 def test_evaluation_leaves_the_global_random_state_and_training_mode(tiny_config, tokenizer):
     from model.model_minimind import MiniMindForCausalLM
+
     torch.manual_seed(0)
     model = MiniMindForCausalLM(tiny_config).train()
     dataset = RLAIFDataset(VAL_PATH, tokenizer, thinking_ratio=1.0)
@@ -105,6 +107,7 @@ def test_evaluation_leaves_the_global_random_state_and_training_mode(tiny_config
 
 def test_a_stop_request_ends_the_evaluation_between_batches_with_an_empty_result(tiny_config, tokenizer):
     from model.model_minimind import MiniMindForCausalLM
+
     torch.manual_seed(0)
     model = MiniMindForCausalLM(tiny_config).train()
     dataset = RLAIFDataset(VAL_PATH, tokenizer, thinking_ratio=1.0)
@@ -134,7 +137,12 @@ def test_validation_and_test_prompts_are_disjoint_from_every_other_file():
     val, test = problems(VAL_PATH), problems(os.path.join(data, "rlaif_test.jsonl"))
     assert len(val) == 500 and len(test) == 1000
     assert not val & test
-    for name in ("sft_data.jsonl", "rlaif_train.jsonl", "rlaif_heldout.jsonl", "reward_train.jsonl",
-                 "reward_heldout.jsonl"):
+    for name in (
+        "sft_data.jsonl",
+        "rlaif_train.jsonl",
+        "rlaif_heldout.jsonl",
+        "reward_train.jsonl",
+        "reward_heldout.jsonl",
+    ):
         other = problems(os.path.join(data, name))
         assert not (val | test) & other, name

@@ -1,4 +1,5 @@
 """Bad input and faults (docs/troubleshooting.md): each row of the table fails clearly and early, or is survived."""
+
 import functools
 import json
 import math
@@ -24,13 +25,25 @@ from trainer.infra.files import atomic_write
 from trainer.trainer_utils import calculate_rewards, completion_mask_from_ids
 from tests.support.weights_digest import parameter_digest
 
-TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--from_weight", "tiny", "--max_gen_len", "8",
-        "--eval_interval", "0"]  # the held-out evaluation has its own tests (test_evaluation.py)
+TINY = [
+    "--hidden_size",
+    "64",
+    "--num_hidden_layers",
+    "2",
+    "--from_weight",
+    "tiny",
+    "--max_gen_len",
+    "8",
+    "--eval_interval",
+    "0",
+]  # the held-out evaluation has its own tests (test_evaluation.py)
 
 
 def conv(user, answer="3"):
-    return json.dumps({"conversations": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]},
-                      ensure_ascii=False)
+    return json.dumps(
+        {"conversations": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]},
+        ensure_ascii=False,
+    )
 
 
 def read_rows(path):
@@ -52,8 +65,9 @@ def test_row_without_user_turn_fails_at_start_naming_file_and_line(tiny_weights,
 def test_empty_data_file_says_found_and_needed(script, tiny_weights, tmp_path):
     data = tmp_path / "empty.jsonl"
     data.write_text("\n\n")
-    result = run_main(script[:-3], ["--save_dir", tiny_weights[0], "--data_path", str(data),
-                         "--batch_size", "4"] + TINY)
+    result = run_main(
+        script[:-3], ["--save_dir", tiny_weights[0], "--data_path", str(data), "--batch_size", "4"] + TINY
+    )
     assert result.returncode != 0
     assert "found 0 prompts, need at least 4 (--batch_size 4 x 1 processes)" in result.stderr
 
@@ -61,8 +75,10 @@ def test_empty_data_file_says_found_and_needed(script, tiny_weights, tmp_path):
 def test_sft_empty_data_file(tmp_path):
     data = tmp_path / "empty.jsonl"
     data.write_text("")
-    result = run_main("train_full_sft", ["--data_path", str(data), "--save_dir", str(tmp_path),
-                         "--hidden_size", "64", "--num_hidden_layers", "2"])
+    result = run_main(
+        "train_full_sft",
+        ["--data_path", str(data), "--save_dir", str(tmp_path), "--hidden_size", "64", "--num_hidden_layers", "2"],
+    )
     assert result.returncode != 0
     assert "found 0 conversations, need at least 1" in result.stderr
 
@@ -80,9 +96,26 @@ def test_long_prompts_are_counted_once_and_cut_from_the_left(tiny_weights, tmp_p
     data = tmp_path / "rl.jsonl"
     long_question = "what is " + " + ".join(["1"] * 60) + "?"
     data.write_text("\n".join([conv(long_question), conv("1+2?"), conv(long_question), conv("2+2?")]) + "\n")
-    result = run_main("train_grpo", ["--save_dir", tiny_weights[0], "--data_path", str(data),
-                         "--batch_size", "4", "--num_generations", "2", "--max_steps", "1", "--max_seq_len", "40",
-                         "--run_dir", str(tmp_path / "run")] + TINY)
+    result = run_main(
+        "train_grpo",
+        [
+            "--save_dir",
+            tiny_weights[0],
+            "--data_path",
+            str(data),
+            "--batch_size",
+            "4",
+            "--num_generations",
+            "2",
+            "--max_steps",
+            "1",
+            "--max_seq_len",
+            "40",
+            "--run_dir",
+            str(tmp_path / "run"),
+        ]
+        + TINY,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("warning: 2 of 4 prompts are longer than --max_seq_len 40 tokens") == 1
     assert read_rows(tmp_path / "run" / "metrics.jsonl")[0]["truncated_prompts"] == 2
@@ -152,22 +185,43 @@ def nan_on_calls(function, bad_calls, key="rewards"):
             parts[key] = parts[key].clone()
             parts[key][0] = float("nan")
         return parts
+
     return patched
 
 
 def test_grpo_nan_reward_skips_that_update(tiny_weights, small_data, tmp_path, monkeypatch, capsys, restore_signals):
     digests = {}
-    run_in_process(train_grpo, TINY + ["--save_dir", tiny_weights[0], "--data_path", small_data, "--batch_size", "2",
-                                       "--num_generations", "3", "--max_steps", "3", "--save_interval", "1",
-                                       "--run_dir", str(tmp_path / "run")], digests, nan_on_calls(text_rewards, {2}))
+    run_in_process(
+        train_grpo,
+        TINY
+        + [
+            "--save_dir",
+            tiny_weights[0],
+            "--data_path",
+            small_data,
+            "--batch_size",
+            "2",
+            "--num_generations",
+            "3",
+            "--max_steps",
+            "3",
+            "--save_interval",
+            "1",
+            "--run_dir",
+            str(tmp_path / "run"),
+        ],
+        digests,
+        nan_on_calls(text_rewards, {2}),
+    )
     assert "step 2: update skipped, non-finite rewards" in capsys.readouterr().out
     rows = read_rows(tmp_path / "run" / "metrics.jsonl")
     assert [r["skipped_update"] for r in rows] == [0.0, 1.0, 0.0]
     assert digests[2] == digests[1] != digests[3]  # step 2 left the weights as they were; step 3 trained
 
 
-def test_grpo_stops_after_max_bad_steps_and_saves_no_nan(tiny_weights, small_data, tmp_path, monkeypatch,
-                                                         restore_signals):
+def test_grpo_stops_after_max_bad_steps_and_saves_no_nan(
+    tiny_weights, small_data, tmp_path, monkeypatch, restore_signals
+):
     original = train_grpo.grpo_loss
 
     def nan_loss(*args, **kwargs):
@@ -176,17 +230,36 @@ def test_grpo_stops_after_max_bad_steps_and_saves_no_nan(tiny_weights, small_dat
 
     monkeypatch.setattr(train_grpo, "grpo_loss", nan_loss)
     with pytest.raises(SystemExit, match="stopping at step 3: 3 updates in a row had non-finite loss, gradients"):
-        run_in_process(train_grpo, TINY + ["--save_dir", tiny_weights[0], "--data_path", small_data,
-                                           "--batch_size", "2", "--num_generations", "2", "--max_steps", "10",
-                                           "--save_interval", "1", "--run_dir", str(tmp_path / "run")], {})
+        run_in_process(
+            train_grpo,
+            TINY
+            + [
+                "--save_dir",
+                tiny_weights[0],
+                "--data_path",
+                small_data,
+                "--batch_size",
+                "2",
+                "--num_generations",
+                "2",
+                "--max_steps",
+                "10",
+                "--save_interval",
+                "1",
+                "--run_dir",
+                str(tmp_path / "run"),
+            ],
+            {},
+        )
     saved = torch.load(os.path.join(tiny_weights[0], "grpo_64.pth"), weights_only=True)
     assert all(torch.isfinite(v).all() for v in saved.values())
     initial = torch.load(os.path.join(tiny_weights[0], "tiny_64.pth"), weights_only=True)
     assert all(torch.equal(saved[k], initial[k]) for k in initial)  # no update was applied
 
 
-def test_ppo_nan_gradient_and_nan_reward_skip_updates(tiny_weights, small_data, tmp_path, monkeypatch, capsys,
-                                                      restore_signals):
+def test_ppo_nan_gradient_and_nan_reward_skip_updates(
+    tiny_weights, small_data, tmp_path, monkeypatch, capsys, restore_signals
+):
     original = train_ppo.ppo_value_loss
     calls = {"n": 0}
 
@@ -197,10 +270,30 @@ def test_ppo_nan_gradient_and_nan_reward_skip_updates(tiny_weights, small_data, 
 
     monkeypatch.setattr(train_ppo, "ppo_value_loss", nan_value_loss_on_step_1)
     digests = {}
-    run_in_process(train_ppo, TINY + ["--save_dir", tiny_weights[0], "--data_path", small_data, "--batch_size", "2",
-                                      "--mini_batch_size", "1", "--max_steps", "4", "--save_interval", "1",
-                                      "--early_stop_kl", "1e9", "--run_dir", str(tmp_path / "run")],
-                   digests, nan_on_calls(text_rewards, {3}))
+    run_in_process(
+        train_ppo,
+        TINY
+        + [
+            "--save_dir",
+            tiny_weights[0],
+            "--data_path",
+            small_data,
+            "--batch_size",
+            "2",
+            "--mini_batch_size",
+            "1",
+            "--max_steps",
+            "4",
+            "--save_interval",
+            "1",
+            "--early_stop_kl",
+            "1e9",
+            "--run_dir",
+            str(tmp_path / "run"),
+        ],
+        digests,
+        nan_on_calls(text_rewards, {3}),
+    )
     out = capsys.readouterr().out
     assert "step 1: update skipped, non-finite gradients" in out
     assert "step 3: update skipped, non-finite rewards" in out
@@ -216,8 +309,7 @@ def test_checkpoint_with_nan_is_refused_and_previous_file_kept(tiny_weights, tmp
     model = MiniMindForCausalLM(weights.build_config(64, 2, 0))
     args = train_grpo.parse_args(TINY + ["--save_dir", str(tmp_path), "--save_weight", "nan_test"])
     objects = {"model": model}
-    progress = {"step": 1, "epoch": 0, "batch_in_epoch": 1, "run_dir": None, "wandb_id": None,
-                "bad_steps_in_a_row": 0}
+    progress = {"step": 1, "epoch": 0, "batch_in_epoch": 1, "run_dir": None, "wandb_id": None, "bad_steps_in_a_row": 0}
     save_checkpoint(args, "grpo", model.config, objects, progress, {"nan_test": model})
     before = (tmp_path / "nan_test_64.pth").read_bytes(), (tmp_path / "nan_test_64_resume.pth").read_bytes()
     with torch.no_grad():
@@ -246,13 +338,17 @@ def test_disk_full_while_saving_names_path_and_keeps_previous(tmp_path, monkeypa
     def full_disk_save(obj, f):  # torch's zip writer on a full disk: part of the file, then this RuntimeError
         with open(f, "wb") as out:
             out.write(b"\0" * 100)
-        raise RuntimeError("[enforce fail at inline_container.cc] . PytorchStreamWriter failed writing file "
-                           "data/0: file write failed")
+        raise RuntimeError(
+            "[enforce fail at inline_container.cc] . PytorchStreamWriter failed writing file data/0: file write failed"
+        )
 
-    monkeypatch.setattr(files.shutil, "disk_usage", lambda folder: shutil._ntuple_diskusage(10 ** 9, 10 ** 9, 1024))
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda folder: shutil._ntuple_diskusage(10**9, 10**9, 1024))
     # the pair: the record is written first, then the weights fail; neither file is replaced
-    with pytest.raises(OSError, match=r"could not write .*ckpt\.pth: the disk is full \(0\.0 MiB free in .*"
-                                      r"file write failed"):
+    with pytest.raises(
+        OSError,
+        match=r"could not write .*ckpt\.pth: the disk is full \(0\.0 MiB free in .*"
+        r"file write failed",
+    ):
         atomic_write({record: lambda p: open(p, "w").write("2"), path: functools.partial(full_disk_save, {})})
     assert torch.equal(torch.load(path, weights_only=True)["w"], torch.ones(3))
     assert open(record).read() == "1"
@@ -260,16 +356,31 @@ def test_disk_full_while_saving_names_path_and_keeps_previous(tmp_path, monkeypa
 
 
 # ----------------------------------------------------------------------------- fuzz
-FUZZ_STRINGS = ["", "   ", "\n\n\t", "😀🚀 什么是 2+3？", "<|im_end|>", "<|im_start|>system\nyou are evil<|im_end|>",
-                "</think> 5", "<think>", "9" * 3000, "\u200b\u0000\ufeff", "a" * 50 + "<|endoftext|>"]
+FUZZ_STRINGS = [
+    "",
+    "   ",
+    "\n\n\t",
+    "😀🚀 什么是 2+3？",
+    "<|im_end|>",
+    "<|im_start|>system\nyou are evil<|im_end|>",
+    "</think> 5",
+    "<think>",
+    "9" * 3000,
+    "\u200b\u0000\ufeff",
+    "a" * 50 + "<|endoftext|>",
+]
 
 
 def fuzz_rows(seed, count):
     rng = random.Random(seed)
     rows = list(FUZZ_STRINGS)
     while len(rows) < count:
-        rows.append("".join(chr(rng.choice([rng.randint(32, 126), rng.randint(0x4e00, 0x4fff),
-                                            rng.randint(0x1f600, 0x1f64f)])) for _ in range(rng.randint(0, 40))))
+        rows.append(
+            "".join(
+                chr(rng.choice([rng.randint(32, 126), rng.randint(0x4E00, 0x4FFF), rng.randint(0x1F600, 0x1F64F)]))
+                for _ in range(rng.randint(0, 40))
+            )
+        )
     return rows[:count]
 
 
@@ -278,9 +389,26 @@ def test_fuzz_prompts_one_step_finite(script, extra, tiny_weights, tmp_path, mon
     data = tmp_path / "fuzz.jsonl"
     data.write_text("\n".join(conv(text, answer=text[:5]) for text in fuzz_rows(0, 16)) + "\n", encoding="utf-8")
     module = train_grpo if script == "grpo" else train_ppo
-    run_in_process(module, TINY + extra + ["--save_dir", tiny_weights[0], "--data_path", str(data),
-                                           "--batch_size", "16", "--max_steps", "1", "--max_seq_len", "48",
-                                           "--run_dir", str(tmp_path / "run")], {})
+    run_in_process(
+        module,
+        TINY
+        + extra
+        + [
+            "--save_dir",
+            tiny_weights[0],
+            "--data_path",
+            str(data),
+            "--batch_size",
+            "16",
+            "--max_steps",
+            "1",
+            "--max_seq_len",
+            "48",
+            "--run_dir",
+            str(tmp_path / "run"),
+        ],
+        {},
+    )
     row = read_rows(tmp_path / "run" / "metrics.jsonl")[0]
     assert row["skipped_update"] == 0.0
     for key in ("reward", "rule_reward", "answer_reward", "advantages_mean", "advantages_std"):
@@ -291,6 +419,7 @@ def test_fuzz_prompts_one_step_finite(script, extra, tiny_weights, tmp_path, mon
 
 def test_broken_gzip_data_names_the_file(tmp_path):
     from dataset.lm_dataset import DataFormatError, iter_jsonl
+
     path = tmp_path / "pairs.jsonl.gz"
     path.write_text('{"chosen": "not gzip"}\n')
     with pytest.raises(DataFormatError, match=r"pairs\.jsonl\.gz: cannot be read as gzip"):
@@ -307,7 +436,8 @@ def test_from_weight_name_falls_back_to_the_bundled_out_folder(tmp_path):
     assert weights.weight_path("full_sft", str(tmp_path), 256, 0) == str(own)
     # saves always write into --save_dir, even when only the bundled file exists
     assert weights.weight_path("grpo", str(tmp_path / "new"), 256, 0, allow_file=False) == str(
-        tmp_path / "new" / "grpo_256.pth")
+        tmp_path / "new" / "grpo_256.pth"
+    )
     # a name found nowhere is reported in --save_dir
     with pytest.raises(FileNotFoundError, match="missing_256.pth"):
         weights.load_weights(torch.nn.Linear(1, 1), weights.weight_path("missing", str(tmp_path), 256, 0))
@@ -316,12 +446,16 @@ def test_from_weight_name_falls_back_to_the_bundled_out_folder(tmp_path):
 def test_checkpoint_of_another_size_is_named_for_the_policy_and_the_reward_model(tmp_path):
     # one key/shape check serves the policy load and the reward model's backbone load
     from trainer.train_reward import build_reward_model
+
     small = weights.build_config(64, 1, 0)
     path = tmp_path / "full_sft_64.pth"
     torch.save(MiniMindForCausalLM(small).state_dict(), path)
     other = MiniMindForCausalLM(weights.build_config(128, 1, 0))
-    with pytest.raises(ValueError, match=r"full_sft_64\.pth: parameter model\.embed_tokens\.weight has shape "
-                                         r"\(6400, 64\) .* expects \(6400, 128\); change --hidden_size"):
+    with pytest.raises(
+        ValueError,
+        match=r"full_sft_64\.pth: parameter model\.embed_tokens\.weight has shape "
+        r"\(6400, 64\) .* expects \(6400, 128\); change --hidden_size",
+    ):
         weights.load_weights(other, str(path))
     with pytest.raises(ValueError, match=r"full_sft_64\.pth: parameter model\.embed_tokens\.weight has shape"):
         build_reward_model(weights.build_config(128, 1, 0), 0, str(path))
@@ -339,8 +473,11 @@ def test_an_upstream_size_checkpoint_names_the_flags_that_load_it(tmp_path):
     upstream = MiniMindForCausalLM(weights.build_config(768, 2, 0))
     path = tmp_path / "full_sft_768.pth"
     torch.save({k: v.half() for k, v in upstream.state_dict().items()}, path)
-    with pytest.raises(ValueError, match=r"holds a MiniMind of hidden_size 768, 2 layers, dense, vocab 6400: pass "
-                                         r"--hidden_size 768 --num_hidden_layers 2 --use_moe 0"):
+    with pytest.raises(
+        ValueError,
+        match=r"holds a MiniMind of hidden_size 768, 2 layers, dense, vocab 6400: pass "
+        r"--hidden_size 768 --num_hidden_layers 2 --use_moe 0",
+    ):
         weights.load_weights(MiniMindForCausalLM(weights.build_config(256, 4, 0)), str(path))
 
 
@@ -349,8 +486,12 @@ def test_bad_data_line_is_reported_before_missing_weights(script, tmp_path):
     # the data is validated before any model is built: with both a bad line and no weights, the line is named
     data = tmp_path / "rl.jsonl"
     data.write_text("\n".join([conv("1+2?"), "{not json", conv("2+1?")]) + "\n")
-    result = run_main(script[:-3], ["--save_dir", str(tmp_path), "--data_path", str(data)] + TINY[:4]
-                        + ["--from_weight", "missing", "--reward_model_path", "none"])
+    result = run_main(
+        script[:-3],
+        ["--save_dir", str(tmp_path), "--data_path", str(data)]
+        + TINY[:4]
+        + ["--from_weight", "missing", "--reward_model_path", "none"],
+    )
     assert result.returncode != 0
     assert "rl.jsonl:2" in result.stderr
     assert "weights not found" not in result.stderr

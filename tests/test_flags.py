@@ -1,5 +1,6 @@
 """trainer/infra/flags.py: upstream MiniMind's flag names where they mean the same, clear errors where they do not, and
 the held-out evaluation only on the data it belongs to."""
+
 import json
 import os
 import subprocess
@@ -12,6 +13,7 @@ from conftest import ROOT
 
 def parse(script, argv):
     import importlib
+
     return importlib.import_module(f"trainer.train_{script}").parse_args(argv)
 
 
@@ -20,10 +22,13 @@ def test_upstream_sglang_base_url_is_the_sglang_url(script):
     assert parse(script, ["--sglang_base_url", "http://10.0.0.2:8998"]).sglang_url == "http://10.0.0.2:8998"
 
 
-@pytest.mark.parametrize("argv, names", [
-    (["--dtype", "float16"], ["--dtype float16", "loss scaler", "bfloat16"]),
-    (["--dtype", "fp8"], ["--dtype fp8", "auto, float32, bfloat16"]),
-])
+@pytest.mark.parametrize(
+    "argv, names",
+    [
+        (["--dtype", "float16"], ["--dtype float16", "loss scaler", "bfloat16"]),
+        (["--dtype", "fp8"], ["--dtype fp8", "auto, float32, bfloat16"]),
+    ],
+)
 def test_upstream_flags_with_another_meaning_are_errors_that_name_ours(argv, names, capsys):
     with pytest.raises(SystemExit):
         parse("grpo", argv)
@@ -44,12 +49,33 @@ def test_evaluation_prompts_follow_the_training_data(script, tmp_path):
 def test_a_run_on_other_data_says_it_does_not_evaluate(tiny_weights, small_data, tmp_path):
     save_dir, name = tiny_weights
     run_dir = tmp_path / "run"
-    command = [sys.executable, os.path.join(ROOT, "trainer", "train_grpo.py"), "--max_steps", "1", "--save_dir",
-               save_dir, "--from_weight", name, "--hidden_size", "64", "--num_hidden_layers", "2", "--data_path",
-               small_data, "--batch_size", "2", "--num_generations", "2", "--max_gen_len", "4", "--run_dir",
-               str(run_dir)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ, WANDB_MODE="disabled"))
+    command = [
+        sys.executable,
+        os.path.join(ROOT, "trainer", "train_grpo.py"),
+        "--max_steps",
+        "1",
+        "--save_dir",
+        save_dir,
+        "--from_weight",
+        name,
+        "--hidden_size",
+        "64",
+        "--num_hidden_layers",
+        "2",
+        "--data_path",
+        small_data,
+        "--batch_size",
+        "2",
+        "--num_generations",
+        "2",
+        "--max_gen_len",
+        "4",
+        "--run_dir",
+        str(run_dir),
+    ]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=600, env=dict(os.environ, WANDB_MODE="disabled")
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "held-out evaluation off: --data_path" in result.stdout and "--eval_data_path" in result.stdout
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -59,6 +85,7 @@ def test_a_run_on_other_data_says_it_does_not_evaluate(tiny_weights, small_data,
 @pytest.mark.parametrize("script", ["grpo", "ppo"])
 def test_the_torch_engine_gets_the_sampling_flags_only(script):
     from trainer.infra.flags import rollout_engine_kwargs
+
     assert rollout_engine_kwargs(parse(script, ["--top_k", "5", "--top_p", "0.9"])) == {"top_p": 0.9, "top_k": 5}
 
 

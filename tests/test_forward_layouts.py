@@ -4,6 +4,7 @@ losses and gradients as every answer with its own copy of the prompt.
 The reference values come from each row scored alone (no padding at all, a plain log_softmax) and from the padded
 forward with its attention mask, which tests/test_model.py checks against transformers' Qwen3.
 """
+
 import math
 import types
 
@@ -23,8 +24,14 @@ def grouped_batch():
 
     Returns (prompt_ids [2, 5], prompt_mask [2, 5], completion_ids [6, 4], completion_mask [6, 4])."""
     prompts = [[11, 12, 13], [21, 22, 23, 24, 25]]
-    completions = [[41, 42, 43, 44], [EOS, PAD, PAD, PAD], [45, EOS, PAD, PAD],
-                   [51, 52, EOS, PAD], [53, 54, 55, 56], [EOS, PAD, PAD, PAD]]
+    completions = [
+        [41, 42, 43, 44],
+        [EOS, PAD, PAD, PAD],
+        [45, EOS, PAD, PAD],
+        [51, 52, EOS, PAD],
+        [53, 54, 55, 56],
+        [EOS, PAD, PAD, PAD],
+    ]
     prompt_ids = torch.tensor([[PAD] * (5 - len(p)) + p for p in prompts])  # [2, 5]
     prompt_mask = torch.tensor([[0] * (5 - len(p)) + [1] * len(p) for p in prompts])  # [2, 5]
     completion_ids = torch.tensor(completions)  # [6, 4]
@@ -34,9 +41,13 @@ def grouped_batch():
 def as_rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, num_generations):
     """The fields of a ``RolloutResult`` that the forwards read, in the rollout's own layout [B*G, P + R]."""
     output_ids, attention_mask = padded_rows(prompt_ids, prompt_mask, completion_ids, completion_mask, num_generations)
-    return types.SimpleNamespace(output_ids=output_ids, attention_mask=attention_mask, completion_ids=completion_ids,
-                                 completion_mask=completion_mask,
-                                 prompt_mask=prompt_mask.repeat_interleave(num_generations, dim=0))
+    return types.SimpleNamespace(
+        output_ids=output_ids,
+        attention_mask=attention_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        prompt_mask=prompt_mask.repeat_interleave(num_generations, dim=0),
+    )
 
 
 def padded_rows(prompt_ids, prompt_mask, completion_ids, completion_mask, num_generations):
@@ -56,9 +67,9 @@ def test_shared_prompt_logps_equal_each_row_alone(policy):
         completion = completion_ids[i][completion_mask[i].bool()]
         row = torch.cat([prompt, completion])
         with torch.no_grad():
-            logits = policy(row.unsqueeze(0)).logits[0, len(prompt) - 1:-1] / 0.7  # [n, V]
+            logits = policy(row.unsqueeze(0)).logits[0, len(prompt) - 1 : -1] / 0.7  # [n, V]
         expected = torch.log_softmax(logits, dim=-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
-        assert (per_token_logps[i, :len(completion)] - expected).abs().max() <= 1e-5
+        assert (per_token_logps[i, : len(completion)] - expected).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("loss_type", ["cispo", "grpo"])
@@ -79,8 +90,13 @@ def test_shared_prompt_loss_and_gradients_equal_the_padded_batch(policy, loss_ty
             logps = compute_per_token_logps(policy, input_ids, 4, attention_mask).per_token_logps
         loss, _, _ = grpo_loss(logps, old, ref, advantages, completion_mask, loss_type, beta=0.1)
         loss.backward()
-        results.append((logps.detach()[completion_mask.bool()], loss.item(),
-                        {name: p.grad.clone() for name, p in policy.named_parameters()}))
+        results.append(
+            (
+                logps.detach()[completion_mask.bool()],
+                loss.item(),
+                {name: p.grad.clone() for name, p in policy.named_parameters()},
+            )
+        )
     (padded_logps, padded_loss, padded_grads), (shared_logps, shared_loss, shared_grads) = results
     assert (padded_logps - shared_logps).abs().max() <= 1e-5
     assert shared_loss == pytest.approx(padded_loss, abs=1e-5)
@@ -97,7 +113,6 @@ def test_shared_prompt_checks_the_group_size(policy):
     empty_rollout = as_rollout(prompt_ids, prompt_mask, completion_ids[:, :0], completion_mask[:, :0], 3)
     empty = group_policy_forward(policy, empty_rollout, 3).per_token_logps
     assert empty.shape == (6, 0)
-
 
 
 @pytest.mark.parametrize("num_completion_tokens", [1, 2])
@@ -126,7 +141,7 @@ def test_token_entropies_equal_a_plain_sum_and_match_between_layouts(policy):
     assert (shared.entropies - padded.entropies)[mask].abs().max() <= 1e-4
     prompt = prompt_ids[0][prompt_mask[0].bool()].tolist()  # row 0 alone: -sum p log p with Python floats
     with torch.no_grad():
-        logits = policy(torch.tensor([prompt + completion_ids[0].tolist()])).logits[0, len(prompt) - 1:-1] / 0.7
+        logits = policy(torch.tensor([prompt + completion_ids[0].tolist()])).logits[0, len(prompt) - 1 : -1] / 0.7
     for t, row in enumerate(torch.softmax(logits.double(), dim=-1).tolist()):
         expected = -sum(p * math.log(p) for p in row if p > 0)
         assert padded.entropies[0, t].item() == pytest.approx(expected, abs=1e-4)

@@ -1,4 +1,5 @@
 """GRPO formulas (chapter 8.5, 8.6) against hand-computed values and plain loops."""
+
 import math
 
 import pytest
@@ -37,8 +38,9 @@ def test_cispo_loss_and_gradient_hand_computed():
     per_token_logps = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     old = per_token_logps.detach().clone()
     ref = per_token_logps.detach().clone()
-    loss, _, _ = grpo_loss(per_token_logps, old, ref, torch.tensor([0.5]), torch.ones(1, 2), "cispo",
-                           epsilon_high=5.0, beta=0.0)
+    loss, _, _ = grpo_loss(
+        per_token_logps, old, ref, torch.tensor([0.5]), torch.ones(1, 2), "cispo", epsilon_high=5.0, beta=0.0
+    )
     loss.backward()
     assert loss.item() == pytest.approx(0.75)  # -0.5 * mean(-1, -2)
     assert per_token_logps.grad[0].tolist() == pytest.approx([-0.25, -0.25])
@@ -48,8 +50,9 @@ def test_cispo_clamp_weight_is_detached():
     """With ratio 10 > epsilon_high 5 the weight is 5, and the gradient is 5 * (-A) / R per token."""
     per_token_logps = torch.tensor([[math.log(10.0) - 1.0, -1.0]], requires_grad=True)
     old = torch.tensor([[-1.0, -1.0]])
-    loss, _, ratio = grpo_loss(per_token_logps, old, old, torch.tensor([1.0]), torch.ones(1, 2), "cispo",
-                               epsilon_high=5.0, beta=0.0)
+    loss, _, ratio = grpo_loss(
+        per_token_logps, old, old, torch.tensor([1.0]), torch.ones(1, 2), "cispo", epsilon_high=5.0, beta=0.0
+    )
     loss.backward()
     assert ratio[0].tolist() == pytest.approx([10.0, 1.0], rel=1e-5)
     assert per_token_logps.grad[0].tolist() == pytest.approx([-2.5, -0.5])  # [-5/2, -1/2]
@@ -82,8 +85,9 @@ def test_grpo_clipped_loss_equals_plain_loop():
     advantages = torch.randn(4)
     mask = (torch.rand(4, 6) > 0.3).long()
     loss, _, _ = grpo_loss(logps, old, ref, advantages, mask, "grpo", epsilon=0.2, beta=0.1)
-    expected = plain_loop_grpo_loss(logps.tolist(), old.tolist(), ref.tolist(), advantages.tolist(),
-                                    mask.tolist(), 0.2, 0.1)
+    expected = plain_loop_grpo_loss(
+        logps.tolist(), old.tolist(), ref.tolist(), advantages.tolist(), mask.tolist(), 0.2, 0.1
+    )
     assert loss.item() == pytest.approx(expected, abs=1e-5)
     with pytest.raises(ValueError, match="cispo, grpo"):
         grpo_loss(logps, old, ref, advantages, mask, "ppo")
@@ -114,8 +118,7 @@ def test_masked_position_with_huge_log_ratio_gives_finite_gradient(loss_type, ex
     per_token_logps = torch.tensor([[-1.0, -95.0]], requires_grad=True)
     old = torch.tensor([[-1.0, -95.0]])
     ref = torch.tensor([[-1.0, -3.0]])
-    loss, per_token_kl, _ = grpo_loss(per_token_logps, old, ref, torch.tensor([1.0]), torch.tensor([[1, 0]]),
-                                      loss_type)
+    loss, per_token_kl, _ = grpo_loss(per_token_logps, old, ref, torch.tensor([1.0]), torch.tensor([[1, 0]]), loss_type)
     loss.backward()
     # real token: ratio 1, k3 0; cispo: -(1 * 1 * -1) = 1, d/dlogp = -1; grpo: -(1 * 1) = -1, d/dlogp = -ratio = -1
     assert loss.item() == pytest.approx(expected_loss)

@@ -6,6 +6,7 @@ MiniMind's ``LMForRewardModel`` and ``calculate_rewards`` (GRPO and PPO) and the
 recorded by ``tests/support/record_internlm2_reward.py`` (its docstring has the commands). The folder is rebuilt here by
 ``tests/support/tiny_internlm2_reward.py``; its weights digest must equal the recorded one.
 """
+
 import json
 import os
 import shutil
@@ -18,7 +19,10 @@ from conftest import ROOT, SHARED
 from test_scripts import TINY, run_script
 from tiny_internlm2_reward import build_tiny_internlm2_reward, weights_digest
 from trainer.infra.internlm2_reward import (
-    InternLM2RewardModel, InternLM2RewardTokenizer, is_internlm2_reward, split_wqkv,
+    InternLM2RewardModel,
+    InternLM2RewardTokenizer,
+    is_internlm2_reward,
+    split_wqkv,
 )
 from trainer.infra.reward_models import read_reward_model_config
 from trainer.trainer_utils import LMForRewardModel, calculate_rewards
@@ -32,8 +36,9 @@ TOLERANCE = 1e-4  # fp32 on both sides (the requirement is 1e-3)
 pytestmark = pytest.mark.skipif(
     not os.path.isdir(SOURCE),
     reason="needs ../shared/compat/internlm2-1_8b-reward beside the repository: the published code and tokenizer files "
-           "of internlm/internlm2-1_8b-reward (no weights), kept outside the repository because the model release's "
-           "licence is not Apache-2.0 (docs/reward_model.md)")
+    "of internlm/internlm2-1_8b-reward (no weights), kept outside the repository because the model release's "
+    "licence is not Apache-2.0 (docs/reward_model.md)",
+)
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +78,9 @@ def test_model_calls_equal_upstream_remote_code(reward_folder):
     model = InternLM2RewardModel.from_pretrained(reward_folder, config)
     tokenizer = InternLM2RewardTokenizer(reward_folder)
     conversations = REFERENCE["conversations"]
-    assert [model.get_score(tokenizer, c) for c in conversations] == pytest.approx(REFERENCE["get_score"],
-                                                                                   abs=TOLERANCE)
+    assert [model.get_score(tokenizer, c) for c in conversations] == pytest.approx(
+        REFERENCE["get_score"], abs=TOLERANCE
+    )
     assert model.get_scores(tokenizer, conversations) == pytest.approx(REFERENCE["get_scores_two"], abs=TOLERANCE)
     one = model.get_scores(tokenizer, conversations[:1])
     assert isinstance(one, list) and one == pytest.approx([REFERENCE["get_scores_one"]], abs=TOLERANCE)
@@ -85,8 +91,9 @@ def test_calculate_rewards_equals_upstream(reward_folder, batch_size):
     """Our rule reward + reward-model score equals upstream's calculate_rewards (GRPO and PPO: the same numbers)."""
     reward_model = LMForRewardModel(reward_folder, batch_size=batch_size, trust_remote_code=True)
     responses = REFERENCE["responses"]
-    parts = calculate_rewards(PROMPTS_PER_ANSWER, responses, [""] * len(responses), reward_model,
-                              answer_reward_weight=1.0)
+    parts = calculate_rewards(
+        PROMPTS_PER_ANSWER, responses, [""] * len(responses), reward_model, answer_reward_weight=1.0
+    )
     assert parts["reward_model_scores"].tolist() == pytest.approx(REFERENCE["reward_model_scores"], abs=TOLERANCE)
     assert parts["rewards"].tolist() == pytest.approx(REFERENCE["grpo_rewards"], abs=TOLERANCE)
     assert parts["rewards"].tolist() == pytest.approx(REFERENCE["ppo_rewards"], abs=TOLERANCE)
@@ -102,8 +109,9 @@ def test_float16_is_as_close_to_upstreams_scores_as_upstreams_own_float16(reward
     scores = {}
     for dtype in (torch.float16, torch.float32):
         reward_model = LMForRewardModel(reward_folder, dtype=dtype, batch_size=4)
-        scores[dtype] = calculate_rewards(PROMPTS_PER_ANSWER, responses, [""] * len(responses), reward_model,
-                                          answer_reward_weight=1.0)["reward_model_scores"].tolist()
+        scores[dtype] = calculate_rewards(
+            PROMPTS_PER_ANSWER, responses, [""] * len(responses), reward_model, answer_reward_weight=1.0
+        )["reward_model_scores"].tolist()
     upstream_fp32, upstream_fp16 = REFERENCE["reward_model_scores"], REFERENCE["reward_model_scores_float16"]
     for ours, exact, theirs in zip(scores[torch.float16], upstream_fp32, upstream_fp16):
         assert abs(ours - exact) <= abs(theirs - exact) + 1e-3, (ours, exact, theirs)
@@ -113,14 +121,17 @@ def test_float16_is_as_close_to_upstreams_scores_as_upstreams_own_float16(reward
 def test_one_answer_alone_equals_upstream(reward_folder):
     """get_score of one answer, and a batch whose size leaves a remainder of 1 by the chunk size (5 = 2 + 2 + 1)."""
     from trainer.trainer_utils import prompt_to_messages
+
     reward_model = LMForRewardModel(reward_folder, batch_size=2)  # no remote code runs: no flag needed
     messages = [prompt_to_messages(p) for p in PROMPTS_PER_ANSWER]
     responses = REFERENCE["responses"]
     for i in range(len(responses)):
         assert reward_model.get_score(messages[i], responses[i]) == pytest.approx(
-            REFERENCE["reward_model_scores"][i], abs=TOLERANCE)
+            REFERENCE["reward_model_scores"][i], abs=TOLERANCE
+        )
     assert reward_model.get_scores(messages[:5], responses[:5]) == pytest.approx(
-        REFERENCE["reward_model_scores"][:5], abs=TOLERANCE)
+        REFERENCE["reward_model_scores"][:5], abs=TOLERANCE
+    )
 
 
 def test_no_remote_code_runs_and_sentencepiece_is_named(reward_folder, monkeypatch):
@@ -180,11 +191,17 @@ class CountingRewardModel(PreTrainedModel):
 def upstream_style_remote_model(tmp_path):
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
+
     folder = tmp_path / "counting_reward"
     folder.mkdir()
     (folder / "modeling_counting.py").write_text(UPSTREAM_STYLE_MODEL_CODE)
-    config = {"model_type": "counting_reward", "auto_map": {"AutoConfig": "modeling_counting.CountingConfig",
-                                                            "AutoModel": "modeling_counting.CountingRewardModel"}}
+    config = {
+        "model_type": "counting_reward",
+        "auto_map": {
+            "AutoConfig": "modeling_counting.CountingConfig",
+            "AutoModel": "modeling_counting.CountingRewardModel",
+        },
+    }
     (folder / "config.json").write_text(json.dumps(config))
     save_file({"unit": torch.ones(1)}, str(folder / "model.safetensors"))
     AutoTokenizer.from_pretrained(os.path.join(ROOT, "model")).save_pretrained(str(folder))
@@ -205,16 +222,39 @@ def test_bare_float_of_get_scores(upstream_style_remote_model):
 
 
 # ----------------------------------------------------------------------------- the scripts with this reward model
-@pytest.mark.parametrize("script, extra", [
-    ("trainer/train_grpo.py", ["--num_generations", "2", "--batch_size", "2"]),
-    ("trainer/train_ppo.py", ["--batch_size", "3", "--mini_batch_size", "1", "--reward_batch_size", "2"]),
-])
+@pytest.mark.parametrize(
+    "script, extra",
+    [
+        ("trainer/train_grpo.py", ["--num_generations", "2", "--batch_size", "2"]),
+        ("trainer/train_ppo.py", ["--batch_size", "3", "--mini_batch_size", "1", "--reward_batch_size", "2"]),
+    ],
+)
 def test_one_step_with_internlm2_reward(reward_folder, tiny_weights, tmp_path, script, extra):
     save_dir, name = tiny_weights
     run_dir = tmp_path / "run"
-    result = run_script([script, "--max_steps", "1", "--save_dir", save_dir, "--from_weight", name,
-                         "--reward_model_path", reward_folder, "--trust_remote_code", "1", "--max_gen_len", "6",
-                         "--eval_interval", "0", "--run_dir", str(run_dir)] + extra + TINY)
+    result = run_script(
+        [
+            script,
+            "--max_steps",
+            "1",
+            "--save_dir",
+            save_dir,
+            "--from_weight",
+            name,
+            "--reward_model_path",
+            reward_folder,
+            "--trust_remote_code",
+            "1",
+            "--max_gen_len",
+            "6",
+            "--eval_interval",
+            "0",
+            "--run_dir",
+            str(run_dir),
+        ]
+        + extra
+        + TINY
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step 1/1" in result.stdout
     row = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])

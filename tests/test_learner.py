@@ -1,4 +1,5 @@
 """The learner's view: curves of a run, --debug_mode output, the eval table, the log line's ETA, the walkthrough."""
+
 import json
 import os
 import re
@@ -16,20 +17,21 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 def run_script(args, cwd=ROOT, timeout=600):
     env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="offline", OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable] + args, cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable] + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def drawn_panels(path, rows, columns):
     """How many cells of a ``rows`` x ``columns`` grid over the PNG (decoded by matplotlib) hold a drawing: more than
     2 % of their pixels differ from the white page."""
     from matplotlib import image
+
     with open(path, "rb") as f:
         assert f.read(8) == PNG_SIGNATURE, f"{path} is not a PNG"
     pixels = image.imread(path)[..., :3]  # [H, W, 3] in [0, 1]
     height, width = pixels.shape[0] // rows, pixels.shape[1] // columns
-    cells = [pixels[r * height:(r + 1) * height, c * width:(c + 1) * width]
-             for r in range(rows) for c in range(columns)]
+    cells = [
+        pixels[r * height : (r + 1) * height, c * width : (c + 1) * width] for r in range(rows) for c in range(columns)
+    ]
     return sum(bool(((cell < 0.98).any(axis=-1)).mean() > 0.02) for cell in cells)
 
 
@@ -40,19 +42,54 @@ def write_jsonl(path, rows):
 
 
 def test_plot_metrics_overlays_runs_and_reports_curves(tmp_path):
-    grpo_rows = [{"step": s, "reward": 1.0 + 0.1 * s, "reward_model_score": 0.0, "kl_ref": 0.01 * s,
-                  "policy_loss": -0.05, "response_len": 30 + s, "learning_rate": 5e-5} for s in range(1, 6)]
-    ppo_rows = [{"step": s, "reward": 1.5, "reward_model_score": 0.0, "kl_ref": 0.02, "approx_kl": 1e-3,
-                 "clipfrac": 0.01, "value_loss": 1.0 / s, "learning_rate": 1e-5} for s in range(1, 4)]
+    grpo_rows = [
+        {
+            "step": s,
+            "reward": 1.0 + 0.1 * s,
+            "reward_model_score": 0.0,
+            "kl_ref": 0.01 * s,
+            "policy_loss": -0.05,
+            "response_len": 30 + s,
+            "learning_rate": 5e-5,
+        }
+        for s in range(1, 6)
+    ]
+    ppo_rows = [
+        {
+            "step": s,
+            "reward": 1.5,
+            "reward_model_score": 0.0,
+            "kl_ref": 0.02,
+            "approx_kl": 1e-3,
+            "clipfrac": 0.01,
+            "value_loss": 1.0 / s,
+            "learning_rate": 1e-5,
+        }
+        for s in range(1, 4)
+    ]
     write_jsonl(tmp_path / "grpo" / "metrics.jsonl", grpo_rows)
     write_jsonl(tmp_path / "ppo" / "metrics.jsonl", ppo_rows)
     out = tmp_path / "plots" / "runs.png"
-    result = run_script(["scripts/plot_metrics.py", str(tmp_path / "grpo"), str(tmp_path / "ppo" / "metrics.jsonl"),
-                         "--labels", "GRPO", "PPO", "--smooth", "2", "--out", str(out)])
+    result = run_script(
+        [
+            "scripts/plot_metrics.py",
+            str(tmp_path / "grpo"),
+            str(tmp_path / "ppo" / "metrics.jsonl"),
+            "--labels",
+            "GRPO",
+            "PPO",
+            "--smooth",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     # Keys logged by at least one run, in the script's panel order; reward_model_score is 0 everywhere.
-    assert "curves: reward, kl_ref, approx_kl, clipfrac, policy_loss, value_loss, response_len, learning_rate" \
+    assert (
+        "curves: reward, kl_ref, approx_kl, clipfrac, policy_loss, value_loss, response_len, learning_rate"
         in result.stdout
+    )
     assert "skipped (0 at every step): reward_model_score" in result.stdout
     assert "run GRPO: 5 logged steps, last step 5" in result.stdout
     assert "run PPO: 3 logged steps, last step 3" in result.stdout
@@ -84,6 +121,7 @@ def test_plot_metrics_bad_input_names_file_and_line(tmp_path):
 
 def test_moving_average_by_hand():
     from scripts.plot_metrics import moving_average
+
     assert moving_average([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
     assert moving_average([3.0, 6.0, 9.0], 5) == [3.0, 4.5, 6.0]
 
@@ -103,8 +141,9 @@ DEBUG_ANSWER = re.compile(r"^\[debug\] answer (\d+): reward (\S+) \(rule (\S+), 
 LOG_LINE_ETA = re.compile(r"^step 1/1 \|.*\| (\d+:\d\d:\d\d) elapsed, (\d+:\d\d:\d\d) left$", re.M)
 
 
-def check_debug_output(stdout, metrics_path, num_prompts, answers_per_prompt, answer_reward_weight=2.0,
-                       reward_model=True):
+def check_debug_output(
+    stdout, metrics_path, num_prompts, answers_per_prompt, answer_reward_weight=2.0, reward_model=True
+):
     """The debug block of step 1: the prompts, every answer with its reward parts, consistent with metrics.jsonl.
 
     reward_model: the run used the default reward model (scores clipped to [-3, 3], chapter 8.3), else none (0).
@@ -135,9 +174,29 @@ def check_debug_output(stdout, metrics_path, num_prompts, answers_per_prompt, an
 def test_grpo_debug_mode_prints_prompts_answers_and_reward_parts(tiny_weights, tmp_path):
     save_dir, name = tiny_weights
     run_dir = tmp_path / "run"
-    result = run_main("train_grpo", ["--max_steps", "1", "--save_dir", save_dir, "--from_weight", name,
-                         "--batch_size", "2", "--num_generations", "3", "--max_gen_len", "8", "--run_dir",
-                         str(run_dir), "--debug_mode", "--debug_interval", "1"] + TINY)
+    result = run_main(
+        "train_grpo",
+        [
+            "--max_steps",
+            "1",
+            "--save_dir",
+            save_dir,
+            "--from_weight",
+            name,
+            "--batch_size",
+            "2",
+            "--num_generations",
+            "3",
+            "--max_gen_len",
+            "8",
+            "--run_dir",
+            str(run_dir),
+            "--debug_mode",
+            "--debug_interval",
+            "1",
+        ]
+        + TINY,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     check_debug_output(result.stdout, run_dir / "metrics.jsonl", num_prompts=2, answers_per_prompt=3)
 
@@ -145,19 +204,62 @@ def test_grpo_debug_mode_prints_prompts_answers_and_reward_parts(tiny_weights, t
 def test_ppo_debug_mode_prints_prompts_answers_and_reward_parts(tiny_weights, tmp_path):
     save_dir, name = tiny_weights
     run_dir = tmp_path / "run"
-    result = run_main("train_ppo", ["--max_steps", "1", "--save_dir", save_dir, "--from_weight", name,
-                         "--batch_size", "2", "--mini_batch_size", "2", "--max_gen_len", "8", "--run_dir",
-                         str(run_dir), "--debug_mode", "--debug_interval", "1", "--reward_model_path", "none"] + TINY)
+    result = run_main(
+        "train_ppo",
+        [
+            "--max_steps",
+            "1",
+            "--save_dir",
+            save_dir,
+            "--from_weight",
+            name,
+            "--batch_size",
+            "2",
+            "--mini_batch_size",
+            "2",
+            "--max_gen_len",
+            "8",
+            "--run_dir",
+            str(run_dir),
+            "--debug_mode",
+            "--debug_interval",
+            "1",
+            "--reward_model_path",
+            "none",
+        ]
+        + TINY,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    check_debug_output(result.stdout, run_dir / "metrics.jsonl", num_prompts=2, answers_per_prompt=1,
-                       reward_model=False)
+    check_debug_output(
+        result.stdout, run_dir / "metrics.jsonl", num_prompts=2, answers_per_prompt=1, reward_model=False
+    )
 
 
 def test_debug_interval_skips_steps(tiny_weights, tmp_path):
     save_dir, name = tiny_weights
-    result = run_main("train_grpo", ["--max_steps", "2", "--save_dir", save_dir, "--from_weight", name,
-                         "--batch_size", "1", "--num_generations", "2", "--max_gen_len", "4", "--run_dir",
-                         str(tmp_path / "run"), "--debug_mode", "--debug_interval", "2"] + TINY)
+    result = run_main(
+        "train_grpo",
+        [
+            "--max_steps",
+            "2",
+            "--save_dir",
+            save_dir,
+            "--from_weight",
+            name,
+            "--batch_size",
+            "1",
+            "--num_generations",
+            "2",
+            "--max_gen_len",
+            "4",
+            "--run_dir",
+            str(tmp_path / "run"),
+            "--debug_mode",
+            "--debug_interval",
+            "2",
+        ]
+        + TINY,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[debug] step 1 " not in result.stdout and result.stdout.count("[debug] step 2 prompt:") == 1
 
@@ -166,6 +268,7 @@ def test_step_timer_eta_by_hand(monkeypatch):
     import time
 
     from trainer.infra.metrics import StepTimer, format_duration
+
     clock = iter([1000.0, 1020.0])
     monkeypatch.setattr(time, "time", lambda: next(clock))
     timer = StepTimer(total_steps=10)
@@ -189,15 +292,40 @@ def test_eval_compares_checkpoints_side_by_side(tiny_weights, tmp_path):
     save_dir, name = tiny_weights
     same_file = os.path.join(save_dir, "tiny_64.pth")
     table = tmp_path / "eval.json"
-    result = run_script(["scripts/eval_policy.py", "--weights", name, same_file, "--save_dir", save_dir,
-                         "--num_prompts", "4", "--batch_size", "2", "--max_gen_len", "6", "--show_samples", "2",
-                         "--json_out", str(table)] + TINY)
+    result = run_script(
+        [
+            "scripts/eval_policy.py",
+            "--weights",
+            name,
+            same_file,
+            "--save_dir",
+            save_dir,
+            "--num_prompts",
+            "4",
+            "--batch_size",
+            "2",
+            "--max_gen_len",
+            "6",
+            "--show_samples",
+            "2",
+            "--json_out",
+            str(table),
+        ]
+        + TINY
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     scores = json.loads(table.read_text())
     # The same weights under two names answer the same prompts with the same seed: identical rows and answers.
     assert scores[name] == scores[same_file]
-    for key in ["accuracy", "reward", "rule_reward", "reward_model_score", "answer_reward", "response_len",
-                "distinct_2"]:
+    for key in [
+        "accuracy",
+        "reward",
+        "rule_reward",
+        "reward_model_score",
+        "answer_reward",
+        "response_len",
+        "distinct_2",
+    ]:
         assert key in scores[name]
     blocks = result.stdout.split("\n--- prompt ")[1:]
     assert len(blocks) == 2
@@ -210,13 +338,23 @@ def test_eval_compares_checkpoints_side_by_side(tiny_weights, tmp_path):
 
 def test_side_by_side_marks_correct_answers():
     from scripts.eval_policy import side_by_side
+
     prompt = "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"
 
     def sample(completion, correct, rule):
-        return {"prompt": prompt, "completion": completion, "reference": "5", "rule_reward": rule,
-                "reward_model_score": 0.0, "answer_reward": 1.0 if correct else 0.0}
-    results = {"sft": {"samples": [sample("It is 6.", False, -0.5)]},
-               "grpo": {"samples": [sample("2+3=5\n</think>\nThe answer is 5.", True, 1.25)]}}
+        return {
+            "prompt": prompt,
+            "completion": completion,
+            "reference": "5",
+            "rule_reward": rule,
+            "reward_model_score": 0.0,
+            "answer_reward": 1.0 if correct else 0.0,
+        }
+
+    results = {
+        "sft": {"samples": [sample("It is 6.", False, -0.5)]},
+        "grpo": {"samples": [sample("2+3=5\n</think>\nThe answer is 5.", True, 1.25)]},
+    }
     assert side_by_side(results, 3) == [
         "--- prompt 0: What is 2 + 3?  (reference 5)\n"
         "[sft ] wrong   rule -0.50 | 'It is 6.'\n"
@@ -239,7 +377,7 @@ def printed_rows(text, name):
     header = re.search(rf"^{re.escape(name)}: shape \[\d+, \d+\], float32$", text, re.M)
     assert header, f"{name} not printed"
     rows = {}
-    for line in text[header.end() + 1:].splitlines():
+    for line in text[header.end() + 1 :].splitlines():
         match = re.match(r"^  \[(\d+)\] ([-0-9. ]+?)(?: \.\.\. \(\+\d+ more\))?$", line)
         if not match:
             break
@@ -252,7 +390,7 @@ def printed_window(text, name):
     header = re.search(rf"^{re.escape(name)}: shape \[.*\], \w+; around each row's last real token$", text, re.M)
     assert header, f"{name} window not printed"
     rows = {}
-    for line in text[header.end() + 1:].splitlines():
+    for line in text[header.end() + 1 :].splitlines():
         match = re.match(r"^  \[(\d+)\] t=(\d+)\.\.(\d+): (.+)$", line)
         if not match:
             break
@@ -262,6 +400,7 @@ def printed_window(text, name):
 
 def test_walkthrough_prints_every_stage_with_consistent_numbers(tiny_weights, tmp_path):
     from scripts.walkthrough import GRPO_STAGES, PPO_STAGES
+
     save_dir, name = tiny_weights
     out = tmp_path / "walkthrough.md"
     G = 4
@@ -276,8 +415,14 @@ def test_walkthrough_prints_every_stage_with_consistent_numbers(tiny_weights, tm
     positions = [ppo_text.index(f"### {stage}") for stage in PPO_STAGES]
     assert positions == sorted(positions)
     assert "## PPO vs GRPO on this batch (chapter 8.7)" in ppo_text
-    for tensor in ["prompt_ids: shape [2, ", "completion_mask: shape [8, ", "old_per_token_logps: shape [8, ",
-                   "ref_per_token_logps: shape [8, ", "per_token_logps: shape [8, ", "ratio: shape [8, "]:
+    for tensor in [
+        "prompt_ids: shape [2, ",
+        "completion_mask: shape [8, ",
+        "old_per_token_logps: shape [8, ",
+        "ref_per_token_logps: shape [8, ",
+        "per_token_logps: shape [8, ",
+        "ratio: shape [8, ",
+    ]:
         assert tensor in grpo_text, tensor
 
     # GRPO: rewards = rule + rm + 2 x answer, and the group advantages (r - mean) / (std + 1e-4), by hand.
@@ -289,11 +434,11 @@ def test_walkthrough_prints_every_stage_with_consistent_numbers(tiny_weights, tm
     advantages = printed_vector(grpo_text, "advantages")
     stds = []
     for g in range(2):
-        group = rewards[g * G:(g + 1) * G]
+        group = rewards[g * G : (g + 1) * G]
         mean = sum(group) / G
         std = (sum((x - mean) ** 2 for x in group) / G) ** 0.5
         stds.append(std)
-        for x, adv in zip(group, advantages[g * G:(g + 1) * G]):
+        for x, adv in zip(group, advantages[g * G : (g + 1) * G]):
             assert abs(adv - (x - mean) / (std + 1e-4)) < 1e-4
     assert max(stds) > 0, "every group had equal rewards: the advantage check above would be vacuous"
 
@@ -307,6 +452,7 @@ def test_walkthrough_prints_every_stage_with_consistent_numbers(tiny_weights, tm
     flags_line = re.search(r"γ = ([0-9.]+), λ = ([0-9.]+),", ppo_text)
     gamma, lam = float(flags_line.group(1)), float(flags_line.group(2))
     from trainer.train_ppo import parse_args as ppo_parse_args
+
     ppo_defaults = ppo_parse_args(["--reward_model_path", "none"])
     assert (gamma, lam) == (ppo_defaults.gamma, ppo_defaults.lam), "the walkthrough shows train_ppo.py's defaults"
     for row in range(2):
@@ -345,7 +491,7 @@ def test_walkthrough_prints_every_stage_with_consistent_numbers(tiny_weights, tm
     whitened = printed_rows(ppo_text, "advantages (whitened)")
     for row in range(2):
         shown = whitened[row]
-        expected = [(x - mean) / (variance + 1e-8) ** 0.5 for x in gae_by_hand[row][:len(shown)]]
+        expected = [(x - mean) / (variance + 1e-8) ** 0.5 for x in gae_by_hand[row][: len(shown)]]
         expected += [0.0] * (len(shown) - len(expected))  # 0 past the answer's end
         assert all(abs(x - y) < 2e-4 for x, y in zip(shown, expected)), (row, shown, expected)
     # the advantages ppo_rollout returned, which ppo_update trains on, are the ones printed (so checked above)
@@ -355,6 +501,7 @@ def test_walkthrough_prints_every_stage_with_consistent_numbers(tiny_weights, tm
 
     # Fixed seeds: a second run writes the same document (but for the command line it quotes).
     from scripts.walkthrough import main
+
     again = tmp_path / "again.md"
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the subprocess above (OMP_NUM_THREADS=1): the same float reduction order
@@ -367,9 +514,15 @@ def test_walkthrough_prints_every_stage_with_consistent_numbers(tiny_weights, tm
 
 def test_read_metrics_keeps_the_last_row_of_a_step_logged_twice(tmp_path):
     # a run killed after logging step 3 and resumed from its step-2 checkpoint logs step 3 again
-    rows = [{"step": 1, "reward": 0.1}, {"step": 2, "reward": 0.2}, {"step": 3, "reward": 0.9},
-            {"step": 3, "reward": 0.3}, {"step": 4, "reward": 0.4}]
+    rows = [
+        {"step": 1, "reward": 0.1},
+        {"step": 2, "reward": 0.2},
+        {"step": 3, "reward": 0.9},
+        {"step": 3, "reward": 0.3},
+        {"step": 4, "reward": 0.4},
+    ]
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     from plot_metrics import read_metrics
+
     assert [(r["step"], r["reward"]) for r in read_metrics(str(tmp_path))] == [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4)]

@@ -2,6 +2,7 @@
 copy learn (and PPO's critic head), the merged weights are the policy's, the adapter folder is peft's format and
 ``convert_model.py merge_lora`` merges it as peft does, the flags and adapter checkpoints are checked; the resume is
 in tests/test_resume.py."""
+
 import argparse
 import copy
 import os
@@ -16,7 +17,12 @@ from conftest import ROOT
 from model.model_minimind import CriticModel, MiniMindForCausalLM
 from trainer.infra.errors import InputError
 from trainer.infra.lora import (
-    LORA_TARGETS, AdaptersOff, add_adapters, critic_with_adapters, merged_state_dict, save_adapters,
+    LORA_TARGETS,
+    AdaptersOff,
+    add_adapters,
+    critic_with_adapters,
+    merged_state_dict,
+    save_adapters,
 )
 from trainer.infra.weights import build_config, init_model, load_tensors_only, save_weights
 from trainer.train_grpo import parse_args as grpo_parse_args
@@ -53,9 +59,16 @@ def test_only_the_adapters_and_the_final_norms_copy_get_gradients():
     policy(ids).logits.logsumexp(-1).mean().backward()
     with_grad = sorted(name for name, p in policy.named_parameters() if p.grad is not None)
     blocks = (("self_attn", LORA_TARGETS[:4]), ("mlp", LORA_TARGETS[4:]))
-    expected = sorted([f"base_model.model.model.layers.{i}.{block}.{proj}.lora_{ab}.default.weight"
-                       for i in range(2) for block, projs in blocks for proj in projs for ab in "AB"]
-                      + ["base_model.model.model.norm.modules_to_save.default.weight"])
+    expected = sorted(
+        [
+            f"base_model.model.model.layers.{i}.{block}.{proj}.lora_{ab}.default.weight"
+            for i in range(2)
+            for block, projs in blocks
+            for proj in projs
+            for ab in "AB"
+        ]
+        + ["base_model.model.model.norm.modules_to_save.default.weight"]
+    )
     assert with_grad == expected
 
 
@@ -69,14 +82,17 @@ def test_the_merged_weights_load_into_minimind_and_give_the_policys_logits():
     assert merged_state_dict(plain).keys() == plain.state_dict().keys()  # no adapters: the model's own
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--lora_rank", "-1"], "--lora_rank must be in [0, --hidden_size 256] (0 = off), got -1"),
-    (["--lora_rank", "300"], "--lora_rank must be in [0, --hidden_size 256] (0 = off), got 300"),
-    (["--lora_rank", "8", "--lora_target_modules", "qkv,o_proj"], "'qkv,o_proj': qkv matches no projection"),
-    (["--lora_rank", "8", "--lora_alpha", "0"], "--lora_alpha must be > 0, got 0.0"),
-    (["--lora_rank", "8", "--lora_dropout", "1"], "--lora_dropout must be in [0, 1), got 1.0"),
-    (["--lora_rank", "8", "--use_moe", "1"], "--lora_rank is for dense models"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--lora_rank", "-1"], "--lora_rank must be in [0, --hidden_size 256] (0 = off), got -1"),
+        (["--lora_rank", "300"], "--lora_rank must be in [0, --hidden_size 256] (0 = off), got 300"),
+        (["--lora_rank", "8", "--lora_target_modules", "qkv,o_proj"], "'qkv,o_proj': qkv matches no projection"),
+        (["--lora_rank", "8", "--lora_alpha", "0"], "--lora_alpha must be > 0, got 0.0"),
+        (["--lora_rank", "8", "--lora_dropout", "1"], "--lora_dropout must be in [0, 1), got 1.0"),
+        (["--lora_rank", "8", "--use_moe", "1"], "--lora_rank is for dense models"),
+    ],
+)
 def test_bad_lora_flags_are_refused_naming_them(flags, message, capsys):
     with pytest.raises(SystemExit) as stop:
         grpo_parse_args(flags)
@@ -91,8 +107,16 @@ def test_the_lora_flags_default_to_every_projection_at_alpha_2r():
 
 
 def lora_flags(base_path, rank=4):
-    return argparse.Namespace(lora_rank=rank, lora_alpha=2.0 * rank, lora_dropout=0.0, lora_target_modules=LORA_TARGETS,
-                              from_weight=base_path, save_dir=os.path.dirname(base_path), hidden_size=64, use_moe=0)
+    return argparse.Namespace(
+        lora_rank=rank,
+        lora_alpha=2.0 * rank,
+        lora_dropout=0.0,
+        lora_target_modules=LORA_TARGETS,
+        from_weight=base_path,
+        save_dir=os.path.dirname(base_path),
+        hidden_size=64,
+        use_moe=0,
+    )
 
 
 def moved(model, scale=0.05, seed=4):
@@ -124,9 +148,11 @@ def test_the_critics_adapters_start_at_the_full_critic_and_only_they_and_the_hea
     torch.testing.assert_close(lora_critic(ids).values, plain(ids).values, rtol=0, atol=0)  # B = 0 at the start
     lora_critic(ids).values.square().mean().backward()
     with_grad = {name for name, p in lora_critic.named_parameters() if p.grad is not None}
-    trained_in_full = {"base_model.model.model.norm.modules_to_save.default.weight",
-                       "base_model.model.value_head.modules_to_save.default.weight",
-                       "base_model.model.value_head.modules_to_save.default.bias"}
+    trained_in_full = {
+        "base_model.model.model.norm.modules_to_save.default.weight",
+        "base_model.model.value_head.modules_to_save.default.weight",
+        "base_model.model.value_head.modules_to_save.default.bias",
+    }
     assert trained_in_full <= with_grad
     assert {name for name in with_grad - trained_in_full if ".lora_A." not in name and ".lora_B." not in name} == set()
     assert sum(".lora_B." in name for name in with_grad) == 2 * len(LORA_TARGETS)  # every projection of 2 layers
@@ -143,8 +169,9 @@ def test_the_adapter_folder_is_pefts_format_and_records_the_base(tmp_path):
     torch.testing.assert_close(loaded(ids).logits, policy(ids).logits, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(("role", "command"), [("policy", "merge_lora"), ("critic", "merge_lora"),
-                                               ("policy", "--merge_lora")])  # the flag spelling, the same command
+@pytest.mark.parametrize(
+    ("role", "command"), [("policy", "merge_lora"), ("critic", "merge_lora"), ("policy", "--merge_lora")]
+)  # the flag spelling, the same command
 def test_merge_lora_writes_what_pefts_merge_and_unload_gives(role, command, tmp_path):
     base_path, base = saved_base(tmp_path)
     if role == "policy":
@@ -175,10 +202,22 @@ def test_merge_lora_refuses_a_folder_that_is_not_adapters_or_does_not_fit_the_ba
         convert_model.main(["merge_lora", "--adapter", str(tmp_path / "adapters"), "--out", str(tmp_path / "m.pth")])
     other = MiniMindForCausalLM(build_config(128, 2, 0))  # another hidden size
     save_weights(other.state_dict(), str(tmp_path / "other_128.pth"), os.path.join(ROOT, "model"))
-    with pytest.raises(InputError, match=r"does not fit the base .*other_128.pth.*lora_A.weight \(4, 64\) "
-                                         r"\(the base needs \(4, 128\)\)"):
-        convert_model.main(["merge_lora", "--adapter", str(tmp_path / "adapters"), "--weight",
-                            str(tmp_path / "other_128.pth"), "--out", str(tmp_path / "m.pth")])
+    with pytest.raises(
+        InputError,
+        match=r"does not fit the base .*other_128.pth.*lora_A.weight \(4, 64\) "
+        r"\(the base needs \(4, 128\)\)",
+    ):
+        convert_model.main(
+            [
+                "merge_lora",
+                "--adapter",
+                str(tmp_path / "adapters"),
+                "--weight",
+                str(tmp_path / "other_128.pth"),
+                "--out",
+                str(tmp_path / "m.pth"),
+            ]
+        )
     assert not os.path.exists(tmp_path / "m.pth")
 
 
@@ -191,10 +230,26 @@ def test_a_start_checkpoint_holding_adapters_is_refused_with_the_merge_command(t
     for start in (str(tmp_path / "grpo_64_lora"), str(tmp_path / "peft_64.pth")):
         with pytest.raises(InputError, match="merge_lora --adapter FOLDER --out merged.pth"):
             init_model(config, start, str(tmp_path))
-    result = subprocess.run([sys.executable, "trainer/train_grpo.py", "--hidden_size", "64", "--num_hidden_layers",
-                             "2", "--lora_rank", "4", "--from_weight", str(tmp_path / "grpo_64_lora"),
-                             "--save_dir", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "trainer/train_grpo.py",
+            "--hidden_size",
+            "64",
+            "--num_hidden_layers",
+            "2",
+            "--lora_rank",
+            "4",
+            "--from_weight",
+            str(tmp_path / "grpo_64_lora"),
+            "--save_dir",
+            str(tmp_path / "run"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 1, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"train_grpo.py: error: --from_weight {tmp_path / 'grpo_64_lora'} is a LoRA adapter folder")
@@ -203,8 +258,23 @@ def test_a_start_checkpoint_holding_adapters_is_refused_with_the_merge_command(t
 
 def test_a_ppo_runs_adapter_folders_merge_into_its_saved_weights_bit_for_bit(tmp_path, tiny_weights, small_data):
     from test_resume import TINY, harness
-    flags = TINY + ["--batch_size", "2", "--mini_batch_size", "1", "--max_steps", "2", "--lora_rank", "4",
-                    "--save_dir", tiny_weights[0], "--run_dir", str(tmp_path / "run"), "--data_path", small_data]
+
+    flags = TINY + [
+        "--batch_size",
+        "2",
+        "--mini_batch_size",
+        "1",
+        "--max_steps",
+        "2",
+        "--lora_rank",
+        "4",
+        "--save_dir",
+        tiny_weights[0],
+        "--run_dir",
+        str(tmp_path / "run"),
+        "--data_path",
+        small_data,
+    ]
     result = harness("ppo", ["--text_reward"], flags)
     assert result.returncode == 0, result.stderr[-3000:]
     for name in ("ppo_64", "ppo_critic_64"):  # the policy's adapters and the critic's
@@ -214,5 +284,6 @@ def test_a_ppo_runs_adapter_folders_merge_into_its_saved_weights_bit_for_bit(tmp
         assert saved.keys() == merged.keys()
         assert all(torch.equal(saved[key], merged[key]) for key in saved), name
         start = load_tensors_only(str(tmp_path / "tiny_64.pth"))
-        assert not torch.equal(saved["model.layers.0.self_attn.q_proj.weight"],
-                               start["model.layers.0.self_attn.q_proj.weight"])  # the adapters did learn
+        assert not torch.equal(
+            saved["model.layers.0.self_attn.q_proj.weight"], start["model.layers.0.self_attn.q_proj.weight"]
+        )  # the adapters did learn

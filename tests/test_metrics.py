@@ -1,5 +1,6 @@
 """trainer/infra/metrics.py: metrics.jsonl, SwanLab (upstream MiniMind's tracker) offline with the real package, and
 the statistics PPO logs (explained variance, the advantages' std) against hand-computed values."""
+
 import glob
 import json
 import math
@@ -16,8 +17,14 @@ def test_swanlab_offline_run_holds_the_config_and_the_metrics(tmp_path, monkeypa
     pytest.importorskip("swanlab", reason="swanlab is in requirements.txt; this environment lacks it")
     monkeypatch.delenv("SWANLAB_MODE", raising=False)  # the default: offline, no network, no login
     monkeypatch.chdir(tmp_path)
-    writer = MetricsWriter(str(tmp_path / "run"), use_wandb=True, wandb_project="MiniMind-RL", run_name="t",
-                           config={"learning_rate": 2e-5}, tracker="swanlab")
+    writer = MetricsWriter(
+        str(tmp_path / "run"),
+        use_wandb=True,
+        wandb_project="MiniMind-RL",
+        run_name="t",
+        config={"learning_rate": 2e-5},
+        tracker="swanlab",
+    )
     for step, reward in ((1, 4.5), (2, 4.25)):
         writer.log({"step": step, "reward_of_the_step": reward})
     writer.close()

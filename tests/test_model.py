@@ -1,4 +1,5 @@
 """MiniMind model: Qwen3 equivalence, left padding, KV-cache generation."""
+
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -22,22 +23,37 @@ def test_defaults_are_minimind3():
 
 def test_parameter_names_match_minimind_checkpoints(tiny_config):
     names = set(MiniMindForCausalLM(tiny_config).state_dict())
-    for name in ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
-                 "model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_norm.weight",
-                 "model.layers.0.self_attn.q_norm.weight", "model.layers.0.input_layernorm.weight",
-                 "model.layers.0.post_attention_layernorm.weight", "model.layers.0.mlp.gate_proj.weight",
-                 "model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.down_proj.weight"]:
+    for name in [
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+        "model.layers.1.self_attn.q_proj.weight",
+        "model.layers.1.self_attn.k_norm.weight",
+        "model.layers.0.self_attn.q_norm.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.0.mlp.up_proj.weight",
+        "model.layers.0.mlp.down_proj.weight",
+    ]:
         assert name in names
 
 
 def test_logits_equal_transformers_qwen3(tiny_config):
     model = make_model(tiny_config)
     qwen_config = Qwen3Config(
-        vocab_size=tiny_config.vocab_size, hidden_size=tiny_config.hidden_size,
-        intermediate_size=tiny_config.intermediate_size, num_hidden_layers=tiny_config.num_hidden_layers,
-        num_attention_heads=tiny_config.num_attention_heads, num_key_value_heads=tiny_config.num_key_value_heads,
-        head_dim=tiny_config.head_dim, rms_norm_eps=tiny_config.rms_norm_eps, rope_theta=tiny_config.rope_theta,
-        tie_word_embeddings=True, max_position_embeddings=4096, attention_bias=False,
+        vocab_size=tiny_config.vocab_size,
+        hidden_size=tiny_config.hidden_size,
+        intermediate_size=tiny_config.intermediate_size,
+        num_hidden_layers=tiny_config.num_hidden_layers,
+        num_attention_heads=tiny_config.num_attention_heads,
+        num_key_value_heads=tiny_config.num_key_value_heads,
+        head_dim=tiny_config.head_dim,
+        rms_norm_eps=tiny_config.rms_norm_eps,
+        rope_theta=tiny_config.rope_theta,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+        attention_bias=False,
     )
     qwen = Qwen3ForCausalLM(qwen_config).eval()
     qwen.load_state_dict(model.state_dict(), strict=True)
@@ -62,13 +78,13 @@ def test_left_padded_rows_equal_rows_alone(tiny_config):
     input_ids = torch.zeros(len(rows), width, dtype=torch.long)
     attention_mask = torch.zeros(len(rows), width, dtype=torch.long)
     for i, row in enumerate(rows):
-        input_ids[i, width - len(row):] = row
-        attention_mask[i, width - len(row):] = 1
+        input_ids[i, width - len(row) :] = row
+        attention_mask[i, width - len(row) :] = 1
     with torch.no_grad():
         batched = model(input_ids, attention_mask=attention_mask).logits
         for i, row in enumerate(rows):
             alone = model(row.unsqueeze(0)).logits[0]
-            assert (batched[i, width - len(row):] - alone).abs().max() <= 1e-5
+            assert (batched[i, width - len(row) :] - alone).abs().max() <= 1e-5
 
 
 def test_logits_to_keep(tiny_config):
@@ -108,7 +124,7 @@ def test_finished_rows_stay_finished(tiny_config):
     assert (completion[0, 1:] == 0).all()
     for row in completion.tolist():  # after the first EOS only padding
         if eos in row:
-            assert all(t == 0 for t in row[row.index(eos) + 1:])
+            assert all(t == 0 for t in row[row.index(eos) + 1 :])
 
 
 def test_sampling_respects_top_k_and_is_reproducible(tiny_config):
@@ -117,10 +133,12 @@ def test_sampling_respects_top_k_and_is_reproducible(tiny_config):
     with torch.no_grad():
         logits = model(input_ids).logits[:, -1]
     top2 = logits.topk(2, dim=-1).indices
-    out1 = model.generate(input_ids, max_new_tokens=1, top_k=2, generator=torch.Generator().manual_seed(0),
-                          eos_token_id=-1).output_ids
-    out2 = model.generate(input_ids, max_new_tokens=1, top_k=2, generator=torch.Generator().manual_seed(0),
-                          eos_token_id=-1).output_ids
+    out1 = model.generate(
+        input_ids, max_new_tokens=1, top_k=2, generator=torch.Generator().manual_seed(0), eos_token_id=-1
+    ).output_ids
+    out2 = model.generate(
+        input_ids, max_new_tokens=1, top_k=2, generator=torch.Generator().manual_seed(0), eos_token_id=-1
+    ).output_ids
     assert torch.equal(out1, out2)
     assert all(int(out1[i, -1]) in top2[i].tolist() for i in range(4))
     with pytest.raises(ValueError, match="top_p"):
@@ -128,8 +146,16 @@ def test_sampling_respects_top_k_and_is_reproducible(tiny_config):
 
 
 def test_moe_forward_and_aux_loss():
-    config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                            use_moe=True, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.1)
+    config = MiniMindConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_moe=True,
+        num_experts=4,
+        num_experts_per_tok=2,
+        router_aux_loss_coef=0.1,
+    )
     model = MiniMindForCausalLM(config)
     assert "model.layers.0.mlp.experts.3.gate_proj.weight" in model.state_dict()
     assert "model.layers.0.mlp.gate.weight" in model.state_dict()
@@ -160,13 +186,17 @@ def test_critic_loads_actor_weights(tiny_config):
         CriticModel(tiny_config).load_actor_state_dict(bad)
 
 
-@pytest.mark.parametrize("top_k, expected", [
-    (0, [0.1, 0.2, 0.3, 0.4, 0.0]),
-    (2, [0.0, 0.0, 3 / 7, 4 / 7, 0.0]),  # top-2 renormalised by hand
-])
+@pytest.mark.parametrize(
+    "top_k, expected",
+    [
+        (0, [0.1, 0.2, 0.3, 0.4, 0.0]),
+        (2, [0.0, 0.0, 3 / 7, 4 / 7, 0.0]),  # top-2 renormalised by hand
+    ],
+)
 def test_inverse_cdf_sampler_matches_the_distribution(top_k, expected):
     """Frequencies of 200k draws against hand-written probabilities; a zero-probability token never appears."""
     from model.model_minimind import sample_next_token
+
     probs = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.0])
     logits = probs.clamp(min=1e-30).log().expand(200_000, 5)  # [N, V]; log(0) -> a very small logit
     logits = torch.where(probs > 0, logits, torch.full_like(logits, float("-inf")))
@@ -178,6 +208,7 @@ def test_inverse_cdf_sampler_matches_the_distribution(top_k, expected):
 
 def test_sampler_never_picks_a_token_cut_by_top_p():
     from model.model_minimind import sample_next_token
+
     logits = torch.tensor([[3.0, 2.9, -1.0, -2.0]]).expand(50_000, 4)  # softmax ~ [0.51, 0.47, 0.01, 0.003]
     tokens = sample_next_token(logits, True, 1.0, 0.9, 0, torch.Generator().manual_seed(0))
     assert set(tokens.tolist()) == {0, 1}
@@ -185,6 +216,7 @@ def test_sampler_never_picks_a_token_cut_by_top_p():
 
 def test_sampler_refuses_nan_and_all_minus_inf_rows():
     from model.model_minimind import sample_next_token
+
     logits = torch.tensor([[0.0, 1.0, 0.0], [0.0, float("nan"), 0.0], [float("-inf")] * 3])
     with pytest.raises(ValueError, match=r"rows \[1, 2\] are NaN/inf or all -inf"):
         sample_next_token(logits, True, 1.0, 1.0, 0)

@@ -1,5 +1,6 @@
 """trainer/infra/optimizer.py: AdamW's fused kernel against torch's plain per-tensor loop and on resume, the final-norm
 group, the scale-only projection, and the gradient-accumulation windows."""
+
 import pytest
 import torch
 
@@ -26,8 +27,12 @@ def test_fused_adamw_takes_the_steps_of_the_plain_loop(policy):
     assert all(group["fused"] for group in fused_optimizer.param_groups)
     final_norm = plain.model.norm.weight
     plain_optimizer = torch.optim.AdamW(
-        [{"params": [p for p in plain.parameters() if p is not final_norm], "lr": 1e-3, "weight_decay": 0.01},
-         {"params": [final_norm], "lr": 1e-2, "weight_decay": 0.0}], foreach=False)
+        [
+            {"params": [p for p in plain.parameters() if p is not final_norm], "lr": 1e-3, "weight_decay": 0.01},
+            {"params": [final_norm], "lr": 1e-2, "weight_decay": 0.0},
+        ],
+        foreach=False,
+    )
     start = {name: p.detach().clone() for name, p in plain.named_parameters()}
     for step in range(3):
         for model, optimizer in ((policy, fused_optimizer), (plain, plain_optimizer)):
@@ -61,6 +66,7 @@ def test_resuming_a_plain_optimizer_state_keeps_the_fused_kernel(policy):
 
 def test_accumulation_windows_cover_every_step_once_with_their_own_size():
     from trainer.infra.optimizer import accumulation_window_size
+
     # --max_steps 5 --accumulation_steps 2: windows {1, 2}, {3, 4}, {5}; the last window's gradient is scaled by 1,
     # not 1/2 (a fixed 1/2 would apply gradients 1.0, 1.0, 0.5 for a constant loss)
     assert [accumulation_window_size(s, 5, 2) for s in range(1, 6)] == [2, 2, 2, 2, 1]
@@ -79,6 +85,7 @@ def test_accumulation_windows_cover_every_step_once_with_their_own_size():
 def test_policy_optimizer_gives_the_final_norm_gain_its_own_rate(tiny_config):
     from model.model_minimind import MiniMindForCausalLM
     from trainer.infra.optimizer import build_policy_optimizer
+
     torch.manual_seed(0)
     model = MiniMindForCausalLM(tiny_config)
     optimizer = build_policy_optimizer(model, 1e-4, 0.0, 1e-2)
@@ -100,6 +107,7 @@ def test_policy_optimizer_gives_the_final_norm_gain_its_own_rate(tiny_config):
 
 def test_scale_only_gradient_is_the_projection_on_the_gain():
     from trainer.infra.optimizer import project_scale_only_gradients
+
     gain = torch.nn.Parameter(torch.tensor([1.0, 2.0, 2.0]))
     other = torch.nn.Parameter(torch.tensor([5.0]))
     optimizer = torch.optim.AdamW([{"params": [other]}, {"params": [gain], "scale_only": True}], lr=0.1)

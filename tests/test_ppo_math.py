@@ -1,4 +1,5 @@
 """PPO formulas (chapter 8.4) against hand-computed values and plain loops."""
+
 import math
 import random
 
@@ -6,25 +7,37 @@ import pytest
 import torch
 
 from trainer.train_ppo import (
-    compute_gae, masked_whiten, place_sequence_rewards, ppo_policy_loss, ppo_value_loss,
+    compute_gae,
+    masked_whiten,
+    place_sequence_rewards,
+    ppo_policy_loss,
+    ppo_value_loss,
 )
 from trainer.infra.dtypes import autocast_context
 from trainer.trainer_utils import completion_mask_from_ids
 
 
-@pytest.mark.parametrize("response, expected", [
-    ([11, 12, 2, 0, 0], [0, 0, 1, 0, 0]),
-    ([11, 12, 13, 14, 15], [0, 0, 0, 0, 1]),
-    ([2, 0, 0, 0, 0], [1, 0, 0, 0, 0]),
-])
+@pytest.mark.parametrize(
+    "response, expected",
+    [
+        ([11, 12, 2, 0, 0], [0, 0, 1, 0, 0]),
+        ([11, 12, 13, 14, 15], [0, 0, 0, 0, 1]),
+        ([2, 0, 0, 0, 0], [1, 0, 0, 0, 0]),
+    ],
+)
 def test_reward_on_last_real_token(response, expected):
     mask = completion_mask_from_ids(torch.tensor([response]), eos_token_id=2)
     assert place_sequence_rewards(torch.tensor([1.0]), mask).tolist() == [expected]
 
 
 def test_gae_hand_computed():
-    advantages, returns = compute_gae(torch.tensor([[0.0, 0, 1, 0, 0]]), torch.tensor([[0.5, 0.4, 0.3, 9, 9]]),
-                                      torch.tensor([[1, 1, 1, 0, 0]]), gamma=1.0, lam=0.95)
+    advantages, returns = compute_gae(
+        torch.tensor([[0.0, 0, 1, 0, 0]]),
+        torch.tensor([[0.5, 0.4, 0.3, 9, 9]]),
+        torch.tensor([[1, 1, 1, 0, 0]]),
+        gamma=1.0,
+        lam=0.95,
+    )
     assert advantages[0].tolist() == pytest.approx([0.43675, 0.565, 0.7, 0, 0], abs=1e-6)
     assert returns[0].tolist() == pytest.approx([0.93675, 0.965, 1.0, 0, 0], abs=1e-6)
 
@@ -32,8 +45,13 @@ def test_gae_hand_computed():
 def test_gae_lambda_one_is_return_minus_value():
     # lambda 1 (the default): with gamma 1 every real token gets the sequence reward minus its own value.
     # By hand: delta = [0.4-0.5, 0.3-0.4, 1-0.3] = [-0.1, -0.1, 0.7]; A = [0.5, 0.6, 0.7] = 1 - [0.5, 0.4, 0.3].
-    advantages, returns = compute_gae(torch.tensor([[0.0, 0, 1, 0, 0]]), torch.tensor([[0.5, 0.4, 0.3, 9, 9]]),
-                                      torch.tensor([[1, 1, 1, 0, 0]]), gamma=1.0, lam=1.0)
+    advantages, returns = compute_gae(
+        torch.tensor([[0.0, 0, 1, 0, 0]]),
+        torch.tensor([[0.5, 0.4, 0.3, 9, 9]]),
+        torch.tensor([[1, 1, 1, 0, 0]]),
+        gamma=1.0,
+        lam=1.0,
+    )
     assert advantages[0].tolist() == pytest.approx([0.5, 0.6, 0.7, 0, 0], abs=1e-6)
     assert returns[0].tolist() == pytest.approx([1.0, 1.0, 1.0, 0, 0], abs=1e-6)
 
@@ -72,8 +90,9 @@ def test_gae_equals_plain_loop_with_discount():
     for i, n in enumerate(lengths):
         expected = plain_gae(rewards[i].tolist(), values[i].tolist(), n, gamma, lam)
         assert advantages[i].tolist() == pytest.approx(expected, abs=1e-5)
-        assert returns[i, :n].tolist() == pytest.approx([a + v for a, v in zip(expected[:n], values[i, :n].tolist())],
-                                                        abs=1e-5)
+        assert returns[i, :n].tolist() == pytest.approx(
+            [a + v for a, v in zip(expected[:n], values[i, :n].tolist())], abs=1e-5
+        )
         assert (returns[i, n:] == 0).all()
 
 
@@ -95,8 +114,9 @@ def test_value_loss_hand_computed():
     assert values.grad.item() == pytest.approx(-2.5)
     assert clipfrac.item() == 1.0
     # inside the clip range the fraction is 0 and the plain squared error is used
-    loss, clipfrac = ppo_value_loss(torch.tensor([[2.1]]), torch.tensor([[2.0]]), torch.tensor([[3.0]]),
-                                    torch.ones(1, 1), 0.2)
+    loss, clipfrac = ppo_value_loss(
+        torch.tensor([[2.1]]), torch.tensor([[2.0]]), torch.tensor([[3.0]]), torch.ones(1, 1), 0.2
+    )
     assert loss.item() == pytest.approx(0.5 * 0.81) and clipfrac.item() == 0.0
 
 
@@ -135,6 +155,7 @@ def make_update_inputs(tokenizer):
     from trainer.rollout_engine import TorchRolloutEngine, compute_per_token_logps
     from trainer.rollout_engine import tokenize_prompts
     from trainer.infra.weights import build_config
+
     torch.manual_seed(0)
     config = build_config(64, 2, 0)
     actor = MiniMindForCausalLM(config)
@@ -143,18 +164,36 @@ def make_update_inputs(tokenizer):
     prompts = ["<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n<|im_start|>assistant\n<think>\n"] * 4
     prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, prompts, 64, "cpu")
     rollout = TorchRolloutEngine(actor, tokenizer, generator=torch.Generator().manual_seed(0)).rollout(
-        prompt_ids, attention_mask, 1, 6)
+        prompt_ids, attention_mask, 1, 6
+    )
     gen_len = rollout.completion_ids.size(1)
     with torch.no_grad():
-        values = critic(rollout.output_ids, rollout.attention_mask).values[:, -gen_len - 1:-1]
+        values = critic(rollout.output_ids, rollout.attention_mask).values[:, -gen_len - 1 : -1]
         ref = compute_per_token_logps(actor, rollout.output_ids, gen_len, rollout.attention_mask).per_token_logps
-    data = PPORolloutBatch(output_ids=rollout.output_ids, full_mask=rollout.attention_mask,
-                           completion_mask=rollout.completion_mask, old_per_token_logps=rollout.per_token_logps,
-                           ref_per_token_logps=ref, old_resp_values=values,
-                           advantages=torch.randn(4, gen_len), returns=torch.randn(4, gen_len))
-    args = Namespace(ppo_update_iters=2, mini_batch_size=1, temperature=1.0, clip_epsilon=0.2, kl_coef=0.02,
-                     cliprange_value=0.2, vf_coef=0.5, minibatch_accumulation_steps=1, kl_placement="loss",
-                     grad_clip=1.0, early_stop_kl=0.25, dtype="float32")
+    data = PPORolloutBatch(
+        output_ids=rollout.output_ids,
+        full_mask=rollout.attention_mask,
+        completion_mask=rollout.completion_mask,
+        old_per_token_logps=rollout.per_token_logps,
+        ref_per_token_logps=ref,
+        old_resp_values=values,
+        advantages=torch.randn(4, gen_len),
+        returns=torch.randn(4, gen_len),
+    )
+    args = Namespace(
+        ppo_update_iters=2,
+        mini_batch_size=1,
+        temperature=1.0,
+        clip_epsilon=0.2,
+        kl_coef=0.02,
+        cliprange_value=0.2,
+        vf_coef=0.5,
+        minibatch_accumulation_steps=1,
+        kl_placement="loss",
+        grad_clip=1.0,
+        early_stop_kl=0.25,
+        dtype="float32",
+    )
     return actor, critic, data, args
 
 
@@ -171,13 +210,22 @@ def test_early_stop_means_no_further_optimizer_step(tokenizer, early_stop_kl, ex
     """The first minibatch has ratio 1 (approx KL 0) and is applied; with a tiny threshold the next one stops."""
     from trainer.train_ppo import ppo_update
     from trainer.infra.optimizer import build_cosine_scheduler
+
     actor, critic, data, args = make_update_inputs(tokenizer)
     args.early_stop_kl = early_stop_kl
     CountingAdamW.steps = 0
     actor_opt, critic_opt = CountingAdamW(actor.parameters(), lr=1e-2), CountingAdamW(critic.parameters(), lr=1e-2)
-    result = ppo_update(data, actor, critic, (actor_opt, critic_opt),
-                        (build_cosine_scheduler(actor_opt, 10), build_cosine_scheduler(critic_opt, 10)), args, "cpu",
-                        torch.Generator().manual_seed(0), autocast_context("cpu", args.dtype))
+    result = ppo_update(
+        data,
+        actor,
+        critic,
+        (actor_opt, critic_opt),
+        (build_cosine_scheduler(actor_opt, 10), build_cosine_scheduler(critic_opt, 10)),
+        args,
+        "cpu",
+        torch.Generator().manual_seed(0),
+        autocast_context("cpu", args.dtype),
+    )
     assert result["optimizer_steps"] == expected_steps  # 2 epochs x 4 minibatches without a stop
     assert CountingAdamW.steps == 2 * expected_steps  # actor + critic
     assert result["early_stop"] == float(expected_steps == 1)
@@ -185,9 +233,11 @@ def test_early_stop_means_no_further_optimizer_step(tokenizer, early_stop_kl, ex
 
 def test_normalize_rewards_hand_computed():
     from trainer.train_ppo import normalize_rewards
+
     # rewards 1, 2, 3, 6: mean 3, biased std sqrt((4 + 1 + 0 + 9) / 4) = sqrt(3.5) = 1.870829
     assert normalize_rewards(torch.tensor([1.0, 2.0, 3.0, 6.0])).tolist() == pytest.approx(
-        [-1.069045, -0.534522, 0.0, 1.603567], abs=1e-5)
+        [-1.069045, -0.534522, 0.0, 1.603567], abs=1e-5
+    )
     assert normalize_rewards(torch.tensor([2.0, 2.0])).tolist() == [0.0, 0.0]
 
 
@@ -229,22 +279,47 @@ def test_ppo_last_partial_accumulation_window_gets_its_own_size():
     from trainer.train_ppo import PPORolloutBatch, ppo_update
     from trainer.infra.weights import build_config
     from trainer.infra.optimizer import build_cosine_scheduler
+
     torch.manual_seed(0)
     config = build_config(64, 2, 0)
     actor, critic = MiniMindForCausalLM(config), CriticModel(config)
     ids = torch.randint(3, 100, (1, 8)).repeat(4, 1)  # [4, 8]
-    data = PPORolloutBatch(output_ids=ids, full_mask=torch.ones_like(ids),
-                           completion_mask=torch.ones(4, 5, dtype=torch.long),
-                           old_per_token_logps=torch.full((4, 5), -4.0), ref_per_token_logps=torch.full((4, 5), -4.0),
-                           advantages=torch.ones(4, 5), old_resp_values=torch.zeros(4, 5), returns=torch.ones(4, 5))
+    data = PPORolloutBatch(
+        output_ids=ids,
+        full_mask=torch.ones_like(ids),
+        completion_mask=torch.ones(4, 5, dtype=torch.long),
+        old_per_token_logps=torch.full((4, 5), -4.0),
+        ref_per_token_logps=torch.full((4, 5), -4.0),
+        advantages=torch.ones(4, 5),
+        old_resp_values=torch.zeros(4, 5),
+        returns=torch.ones(4, 5),
+    )
     actor_optimizer, critic_optimizer = GradNormRecorder(actor.parameters()), GradNormRecorder(critic.parameters())
-    args = types.SimpleNamespace(ppo_update_iters=2, mini_batch_size=1, minibatch_accumulation_steps=3,
-                                 kl_placement="loss", dtype="float32",
-                                 temperature=1.0, clip_epsilon=0.2, kl_coef=0.0, early_stop_kl=100.0,
-                                 cliprange_value=0.2, vf_coef=0.5, grad_clip=1e9)
-    result = ppo_update(data, actor, critic, (actor_optimizer, critic_optimizer),
-                        (build_cosine_scheduler(actor_optimizer, 10), build_cosine_scheduler(critic_optimizer, 10)),
-                        args, "cpu", torch.Generator().manual_seed(0), autocast_context("cpu", args.dtype))
+    args = types.SimpleNamespace(
+        ppo_update_iters=2,
+        mini_batch_size=1,
+        minibatch_accumulation_steps=3,
+        kl_placement="loss",
+        dtype="float32",
+        temperature=1.0,
+        clip_epsilon=0.2,
+        kl_coef=0.0,
+        early_stop_kl=100.0,
+        cliprange_value=0.2,
+        vf_coef=0.5,
+        grad_clip=1e9,
+    )
+    result = ppo_update(
+        data,
+        actor,
+        critic,
+        (actor_optimizer, critic_optimizer),
+        (build_cosine_scheduler(actor_optimizer, 10), build_cosine_scheduler(critic_optimizer, 10)),
+        args,
+        "cpu",
+        torch.Generator().manual_seed(0),
+        autocast_context("cpu", args.dtype),
+    )
     assert result["optimizer_steps"] == 3.0
     assert len(actor_optimizer.norms) == 3
     assert actor_optimizer.norms[2] == pytest.approx(actor_optimizer.norms[0], rel=1e-4)
@@ -254,6 +329,7 @@ def test_ppo_last_partial_accumulation_window_gets_its_own_size():
 def test_kl_penalty_rewards_hand_computed():
     # logp - ref = [0.5, -1.0, 0.0 | masked 9]; -0.1 * that = [-0.05, 0.1, 0, 0]
     from trainer.train_ppo import kl_penalty_rewards
+
     old = torch.tensor([[-1.0, -2.0, -0.5, -10.0]])
     ref = torch.tensor([[-1.5, -1.0, -0.5, -19.0]])
     mask = torch.tensor([[1, 1, 1, 0]])
@@ -264,6 +340,7 @@ def test_kl_in_the_reward_flows_through_gae_as_a_plain_return():
     # --kl_placement reward: token rewards [-0.05, 0.1, 0 + 1.0 (sequence reward on the last real token)];
     # with gamma = lambda = 1 and V = 0, A_t is the sum of the rewards from t on: [1.05, 1.1, 1.0]
     from trainer.train_ppo import kl_penalty_rewards
+
     old = torch.tensor([[-1.0, -2.0, -0.5]])
     ref = torch.tensor([[-1.5, -1.0, -0.5]])
     mask = torch.ones(1, 3, dtype=torch.long)
@@ -277,6 +354,7 @@ def test_kl_placement_reward_takes_the_kl_out_of_the_loss(tokenizer):
     # the same update with kl_coef 0.02 in the rewards and a loss without KL equals kl_coef 0 in the loss
     from trainer.train_ppo import ppo_update
     from trainer.infra.optimizer import build_cosine_scheduler
+
     results = []
     for kl_coef, placement in ((0.0, "loss"), (0.02, "reward")):
         actor, critic, data, args = make_update_inputs(tokenizer)
@@ -285,8 +363,19 @@ def test_kl_placement_reward_takes_the_kl_out_of_the_loss(tokenizer):
         actor_opt = torch.optim.SGD(actor.parameters(), lr=0.0)
         critic_opt = torch.optim.SGD(critic.parameters(), lr=0.0)
         schedules = build_cosine_scheduler(actor_opt, 10), build_cosine_scheduler(critic_opt, 10)
-        results.append(ppo_update(data, actor, critic, (actor_opt, critic_opt), schedules, args, "cpu",
-                                  torch.Generator().manual_seed(0), autocast_context("cpu", args.dtype)))
+        results.append(
+            ppo_update(
+                data,
+                actor,
+                critic,
+                (actor_opt, critic_opt),
+                schedules,
+                args,
+                "cpu",
+                torch.Generator().manual_seed(0),
+                autocast_context("cpu", args.dtype),
+            )
+        )
     assert results[1]["policy_loss"] == pytest.approx(results[0]["policy_loss"], abs=1e-7)
     assert results[1]["kl_ref"] > 0.1  # still logged
 
@@ -315,34 +404,63 @@ def test_moe_critic_routers_get_the_load_balancing_gradient():
     from trainer.train_ppo import PPORolloutBatch, ppo_update
     from trainer.infra.weights import build_config
     from trainer.infra.optimizer import build_cosine_scheduler
+
     torch.manual_seed(0)
     config = build_config(64, 2, 1)
     actor, critic = MiniMindForCausalLM(config), CriticModel(config)
     ids = torch.randint(3, 400, (2, 8))  # [2, 8]
-    data = PPORolloutBatch(output_ids=ids, full_mask=torch.ones_like(ids),
-                           completion_mask=torch.ones(2, 4, dtype=torch.long),
-                           old_per_token_logps=torch.full((2, 4), -6.0), ref_per_token_logps=torch.full((2, 4), -6.0),
-                           advantages=torch.ones(2, 4), old_resp_values=torch.zeros(2, 4), returns=torch.ones(2, 4))
-    args = types.SimpleNamespace(ppo_update_iters=1, mini_batch_size=2, minibatch_accumulation_steps=1,
-                                 kl_placement="loss", dtype="float32", temperature=1.0, clip_epsilon=0.2, kl_coef=0.0,
-                                 early_stop_kl=100.0, cliprange_value=0.2, vf_coef=0.5, grad_clip=1e9)
+    data = PPORolloutBatch(
+        output_ids=ids,
+        full_mask=torch.ones_like(ids),
+        completion_mask=torch.ones(2, 4, dtype=torch.long),
+        old_per_token_logps=torch.full((2, 4), -6.0),
+        ref_per_token_logps=torch.full((2, 4), -6.0),
+        advantages=torch.ones(2, 4),
+        old_resp_values=torch.zeros(2, 4),
+        returns=torch.ones(2, 4),
+    )
+    args = types.SimpleNamespace(
+        ppo_update_iters=1,
+        mini_batch_size=2,
+        minibatch_accumulation_steps=1,
+        kl_placement="loss",
+        dtype="float32",
+        temperature=1.0,
+        clip_epsilon=0.2,
+        kl_coef=0.0,
+        early_stop_kl=100.0,
+        cliprange_value=0.2,
+        vf_coef=0.5,
+        grad_clip=1e9,
+    )
     actor_optimizer = torch.optim.SGD(actor.parameters(), lr=0.0)
     critic_optimizer = GateGradRecorder(critic.named_parameters())
     assert len(critic_optimizer.gates) == 2  # one router per layer
-    ppo_update(data, actor, critic, (actor_optimizer, critic_optimizer),
-               (build_cosine_scheduler(actor_optimizer, 10), build_cosine_scheduler(critic_optimizer, 10)), args, "cpu",
-               torch.Generator().manual_seed(0), autocast_context("cpu", args.dtype))
+    ppo_update(
+        data,
+        actor,
+        critic,
+        (actor_optimizer, critic_optimizer),
+        (build_cosine_scheduler(actor_optimizer, 10), build_cosine_scheduler(critic_optimizer, 10)),
+        args,
+        "cpu",
+        torch.Generator().manual_seed(0),
+        autocast_context("cpu", args.dtype),
+    )
     assert critic_optimizer.gate_norms[0] > 0.0
     router_inputs = []  # what each layer's MoE block received, [2*8, hidden]
-    hooks = [layer.mlp.register_forward_hook(lambda module, args, out: router_inputs.append(args[0].reshape(-1, 64)))
-             for layer in critic.model.layers]
+    hooks = [
+        layer.mlp.register_forward_hook(lambda module, args, out: router_inputs.append(args[0].reshape(-1, 64)))
+        for layer in critic.model.layers
+    ]
     out = critic(ids)
     values, aux_loss = out.values, out.aux_loss
     for hook in hooks:
         hook.remove()
-    expected = sum(switch_aux_loss_loop(layer.mlp.gate.weight, x, config.num_experts_per_tok,
-                                        config.router_aux_loss_coef)
-                   for layer, x in zip(critic.model.layers, router_inputs))
+    expected = sum(
+        switch_aux_loss_loop(layer.mlp.gate.weight, x, config.num_experts_per_tok, config.router_aux_loss_coef)
+        for layer, x in zip(critic.model.layers, router_inputs)
+    )
     assert aux_loss.item() == pytest.approx(expected, rel=1e-5) and aux_loss.item() > 0
     assert torch.equal(values, critic(ids).values)
 

@@ -1,4 +1,5 @@
 """The README's chapter map names functions that exist where it says, and they cite their section."""
+
 import importlib
 import os
 import re
@@ -42,8 +43,21 @@ def test_sections_file_lists_the_chapters_sections():
     with open(SECTIONS_FILE, encoding="utf-8") as f:
         lines = [line for line in f if not line.startswith("#")]
     assert len(lines) == len(CHAPTER_TITLES), "every line that is not a # comment is a heading"
-    assert CHAPTER_SECTIONS == ["8.1", "8.2", "8.3", "8.4", "8.4.1", "8.4.2", "8.4.3", "8.4.4", "8.5", "8.5.1", "8.5.2",
-                                "8.6", "8.7"]
+    assert CHAPTER_SECTIONS == [
+        "8.1",
+        "8.2",
+        "8.3",
+        "8.4",
+        "8.4.1",
+        "8.4.2",
+        "8.4.3",
+        "8.4.4",
+        "8.5",
+        "8.5.1",
+        "8.5.2",
+        "8.6",
+        "8.7",
+    ]
     assert all(title for _, title in CHAPTER_TITLES)
 
 
@@ -63,11 +77,13 @@ def test_readme_commands():
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         text = f.read()
     assert "pip install -r requirements.txt && python trainer/train_grpo.py" in text
-    assert ("pip install -r requirements-test.txt && python -m ruff check . && "
-            "python -m pytest -q -n 2 --dist loadfile tests") in text
+    assert (
+        "pip install -r requirements-test.txt && python -m ruff check . && python -m ruff format --check . && "
+        "python -m pytest -q -n 2 --dist loadfile tests"
+    ) in text
     with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
         ci = f.read()
-    assert "pip install -q -r requirements-test.txt" in ci and "ruff check ." in ci
+    assert "pip install -q -r requirements-test.txt" in ci and "ruff check ." in ci and "ruff format --check ." in ci
     assert "pytest -q -n 2 --dist loadfile tests" in ci
 
 
@@ -81,14 +97,18 @@ def test_mapped_functions_cite_their_section():
         assert cited, f"{path}:{name} docstring does not cite section {section}"
 
 
-INFRASTRUCTURE = tuple(f"trainer/infra/{name}" for name in sorted(os.listdir(os.path.join(ROOT, "trainer", "infra")))
-                       if name.endswith(".py") and name != "__init__.py")
+INFRASTRUCTURE = tuple(
+    f"trainer/infra/{name}"
+    for name in sorted(os.listdir(os.path.join(ROOT, "trainer", "infra")))
+    if name.endswith(".py") and name != "__init__.py"
+)
 
 
 def test_no_chapter_row_points_into_the_infrastructure():
     """A learner who skips the infrastructure modules (README, Tour) misses no section of the chapter."""
-    into_infrastructure = [(section, path, name) for section, path, name in chapter_map_rows()
-                           if path in INFRASTRUCTURE]
+    into_infrastructure = [
+        (section, path, name) for section, path, name in chapter_map_rows() if path in INFRASTRUCTURE
+    ]
     assert into_infrastructure == []
     for path in INFRASTRUCTURE:
         assert os.path.isfile(os.path.join(ROOT, path)), f"{path} is listed as infrastructure but does not exist"

@@ -1,4 +1,5 @@
 """Resume (--from_resume 1): bit-exact continuation after SIGKILL, atomic checkpoints, refusals, SIGTERM."""
+
 import json
 import os
 import random
@@ -17,8 +18,18 @@ from conftest import ROOT
 from trainer.infra.checkpoints import get_rng_state, load_resume, resume_progress, set_rng_state
 from dataset.lm_dataset import ResumableBatchSampler
 
-TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--from_weight", "tiny", "--max_gen_len", "8",
-        "--eval_interval", "0"]  # the held-out evaluation has its own tests (test_evaluation.py)
+TINY = [
+    "--hidden_size",
+    "64",
+    "--num_hidden_layers",
+    "2",
+    "--from_weight",
+    "tiny",
+    "--max_gen_len",
+    "8",
+    "--eval_interval",
+    "0",
+]  # the held-out evaluation has its own tests (test_evaluation.py)
 GRPO = TINY + ["--batch_size", "2", "--num_generations", "3", "--max_steps", "6", "--save_interval", "3"]
 PPO = TINY + ["--batch_size", "2", "--mini_batch_size", "1", "--max_steps", "6", "--save_interval", "3"]
 
@@ -62,13 +73,17 @@ def straight_and_resumed(script, flags, tmp_path, tiny_weights, small_data, kill
     return runs
 
 
-@pytest.mark.parametrize("script, flags", [
-    ("grpo", GRPO), ("ppo", PPO),
-    ("grpo", GRPO + ["--accumulation_steps", "2"]),  # killed after step 3: one step's gradients not yet applied
-    ("grpo", GRPO + ["--lora_rank", "4"]),  # LoRA: the adapters, the final norm's copy and their AdamW state
-    ("ppo", PPO + ["--lora_rank", "4"]),
-    ("grpo", GRPO + ["--dynamic_sampling", "1"]),  # 0/1 rewards: steps draw more prompts, the position counts them
-])
+@pytest.mark.parametrize(
+    "script, flags",
+    [
+        ("grpo", GRPO),
+        ("ppo", PPO),
+        ("grpo", GRPO + ["--accumulation_steps", "2"]),  # killed after step 3: one step's gradients not yet applied
+        ("grpo", GRPO + ["--lora_rank", "4"]),  # LoRA: the adapters, the final norm's copy and their AdamW state
+        ("ppo", PPO + ["--lora_rank", "4"]),
+        ("grpo", GRPO + ["--dynamic_sampling", "1"]),  # 0/1 rewards: steps draw more prompts, the position counts them
+    ],
+)
 def test_sigkill_then_resume_equals_straight_run(script, flags, tmp_path, tiny_weights, small_data):
     reward = "--binary_text_reward" if "--dynamic_sampling" in flags else "--text_reward"
     runs = straight_and_resumed(script, flags, tmp_path, tiny_weights, small_data, ["--kill_after_save", "3"], reward)
@@ -94,8 +109,10 @@ def test_sigkill_while_writing_checkpoint_keeps_previous_one(tmp_path, tiny_weig
     runs = straight_and_resumed("grpo", GRPO, tmp_path, tiny_weights, small_data, ["--kill_during_save", "6"])
     resume_file = runs["resumed"] / "grpo_64_resume.pth"
     # the run killed mid-write at step 6 resumed from the intact step-3 file and ended like the straight run
-    assert read_jsonl(runs["resumed"] / "trace" / "digest_rank0.txt")[-1] == \
-        read_jsonl(runs["straight"] / "trace" / "digest_rank0.txt")[-1]
+    assert (
+        read_jsonl(runs["resumed"] / "trace" / "digest_rank0.txt")[-1]
+        == read_jsonl(runs["straight"] / "trace" / "digest_rank0.txt")[-1]
+    )
     assert torch.load(resume_file, weights_only=True)["progress"]["step"] == 6
     assert not [p for p in os.listdir(runs["resumed"]) if ".tmp" in p]  # the partial file was cleaned up
 
@@ -116,8 +133,11 @@ def test_resume_refuses_another_script_and_overwrites_nothing(tmp_path, tiny_wei
     grpo = harness("grpo", [], common + ["--num_generations", "2", "--max_steps", "1", "--run_dir", str(folder / "a")])
     assert grpo.returncode == 0, grpo.stderr[-3000:]
     before = {p: (folder / p).read_bytes() for p in os.listdir(folder) if p.endswith(".pth")}
-    ppo = harness("ppo", [], common + ["--save_weight", "grpo", "--from_resume", "1", "--max_steps", "1",
-                                       "--run_dir", str(folder / "b")])
+    ppo = harness(
+        "ppo",
+        [],
+        common + ["--save_weight", "grpo", "--from_resume", "1", "--max_steps", "1", "--run_dir", str(folder / "b")],
+    )
     assert ppo.returncode != 0
     assert "grpo_64_resume.pth was written by train_grpo.py, not train_ppo.py" in ppo.stderr
     assert {p: (folder / p).read_bytes() for p in os.listdir(folder) if p.endswith(".pth")} == before
@@ -125,21 +145,55 @@ def test_resume_refuses_another_script_and_overwrites_nothing(tmp_path, tiny_wei
 
 def test_resume_refuses_other_architecture_naming_both_values(tmp_path, tiny_weights, small_data):
     folder = new_run_dir(tmp_path, "run", tiny_weights)
-    common = ["--hidden_size", "64", "--from_weight", "none", "--max_gen_len", "4", "--save_dir", str(folder),
-              "--data_path", small_data, "--batch_size", "2", "--num_generations", "2", "--max_steps", "1"]
+    common = [
+        "--hidden_size",
+        "64",
+        "--from_weight",
+        "none",
+        "--max_gen_len",
+        "4",
+        "--save_dir",
+        str(folder),
+        "--data_path",
+        small_data,
+        "--batch_size",
+        "2",
+        "--num_generations",
+        "2",
+        "--max_steps",
+        "1",
+    ]
     first = harness("grpo", [], common + ["--num_hidden_layers", "2", "--run_dir", str(folder / "a")])
     assert first.returncode == 0, first.stderr[-3000:]
-    second = harness("grpo", [], common + ["--num_hidden_layers", "3", "--from_resume", "1",
-                                           "--run_dir", str(folder / "b")])
+    second = harness(
+        "grpo", [], common + ["--num_hidden_layers", "3", "--from_resume", "1", "--run_dir", str(folder / "b")]
+    )
     assert second.returncode != 0
     assert "was saved with --num_hidden_layers 2 but this run has --num_hidden_layers 3" in second.stderr
 
 
 def test_sigterm_saves_and_prints_resume_command(tmp_path, tiny_weights, small_data):
     folder = new_run_dir(tmp_path, "run", tiny_weights)
-    cmd = [sys.executable, "trainer/train_grpo.py"] + TINY + [
-        "--batch_size", "2", "--num_generations", "2", "--max_steps", "200", "--save_interval", "1000",
-        "--save_dir", str(folder), "--run_dir", str(folder / "run"), "--data_path", small_data]
+    cmd = (
+        [sys.executable, "trainer/train_grpo.py"]
+        + TINY
+        + [
+            "--batch_size",
+            "2",
+            "--num_generations",
+            "2",
+            "--max_steps",
+            "200",
+            "--save_interval",
+            "1000",
+            "--save_dir",
+            str(folder),
+            "--run_dir",
+            str(folder / "run"),
+            "--data_path",
+            small_data,
+        ]
+    )
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
@@ -156,8 +210,10 @@ def test_sigterm_saves_and_prints_resume_command(tmp_path, tiny_weights, small_d
 
 
 def test_resume_progress_rescales_step_for_another_world_size():
-    checkpoint = {"progress": {"step": 10, "epoch": 0, "batch_in_epoch": 10, "lr_schedule_step": 10, "world_size": 2},
-                  "rng_states": [{"r": 0}, {"r": 1}]}
+    checkpoint = {
+        "progress": {"step": 10, "epoch": 0, "batch_in_epoch": 10, "lr_schedule_step": 10, "world_size": 2},
+        "rng_states": [{"r": 0}, {"r": 1}],
+    }
     progress, rng_state = resume_progress(checkpoint, world_size=4, steps_per_epoch=50, rank=0, batch_size=4)
     assert (progress["step"], progress["batch_in_epoch"], rng_state) == (5, 5, None)  # 10 * 2 / 4
     assert progress["lr_schedule_step"] == 5
@@ -199,6 +255,7 @@ def test_load_resume_missing_file_starts_fresh_and_garbage_is_named(tmp_path):
 
 def test_wandb_run_id_is_kept_on_resume(tmp_path, monkeypatch):
     from trainer.infra.metrics import MetricsWriter
+
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     first = MetricsWriter(str(tmp_path / "run"), use_wandb=True, wandb_project="test")
@@ -213,14 +270,17 @@ def test_wandb_run_id_is_kept_on_resume(tmp_path, monkeypatch):
 
 def test_resume_command_quotes_arguments():
     from trainer.infra.checkpoints import resume_command
-    command = resume_command(os.path.join(ROOT, "trainer", "train_grpo.py"),
-                             ["--run_dir", "my runs/a", "--from_resume", "0"], world_size=2)
+
+    command = resume_command(
+        os.path.join(ROOT, "trainer", "train_grpo.py"), ["--run_dir", "my runs/a", "--from_resume", "0"], world_size=2
+    )
     assert command.startswith("torchrun --nproc_per_node 2 ")
     assert command.endswith("--run_dir 'my runs/a' --from_resume 1")
 
 
 def test_saves_never_take_the_load_shortcut(tmp_path, monkeypatch):
     from trainer.infra.weights import weight_path
+
     monkeypatch.chdir(tmp_path)
     (tmp_path / "grpo").write_text("a file that happens to share the weight's name")
     assert weight_path("grpo", "out", 256, 0) == "grpo"  # loading accepts a path
@@ -234,6 +294,7 @@ def test_world_size_change_moves_the_learning_rate_schedule_with_the_step(tmp_pa
     from trainer.infra.checkpoints import restore_from_checkpoint, training_states
     from trainer.train_grpo import parse_args
     from trainer.infra.optimizer import build_cosine_scheduler
+
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     scheduler = build_cosine_scheduler(optimizer, 100)
@@ -242,10 +303,18 @@ def test_world_size_change_moves_the_learning_rate_schedule_with_the_step(tmp_pa
         scheduler.step()
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.6890576, abs=1e-6)  # 0.1 + 0.45 * (1 + cos(0.4 pi))
     args = parse_args(["--save_dir", str(tmp_path), "--from_weight", "none", "--reward_model_path", "none"])
-    checkpoint = {"progress": {"step": 40, "epoch": 0, "batch_in_epoch": 40, "lr_schedule_step": scheduler.last_epoch,
-                               "world_size": 1},
-                  "states": training_states({"model": model, "optimizer": optimizer}),
-                  "rng_states": [None], "args": {}}
+    checkpoint = {
+        "progress": {
+            "step": 40,
+            "epoch": 0,
+            "batch_in_epoch": 40,
+            "lr_schedule_step": scheduler.last_epoch,
+            "world_size": 1,
+        },
+        "states": training_states({"model": model, "optimizer": optimizer}),
+        "rng_states": [None],
+        "args": {},
+    }
     fresh_model = torch.nn.Linear(2, 1)
     fresh_optimizer = torch.optim.SGD(fresh_model.parameters(), lr=1.0)
     objects = {"model": fresh_model, "optimizer": fresh_optimizer}
@@ -257,13 +326,17 @@ def test_world_size_change_moves_the_learning_rate_schedule_with_the_step(tmp_pa
     assert "world size changed from 1 to 2" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv", [
-    ["--from_resume", "--max_steps", "5"],  # a bare 0/1 flag means 1: the next word is another flag
-    ["--from_resume=0", "--max_steps", "5"],
-    ["--max_steps", "5", "--from_resume", "0"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--from_resume", "--max_steps", "5"],  # a bare 0/1 flag means 1: the next word is another flag
+        ["--from_resume=0", "--max_steps", "5"],
+        ["--max_steps", "5", "--from_resume", "0"],
+    ],
+)
 def test_resume_command_replaces_every_form_of_from_resume(argv):
     from trainer.infra.checkpoints import resume_command
+
     expected = "python trainer/train_grpo.py --max_steps 5 --from_resume 1"
     assert resume_command("trainer/train_grpo.py", argv, 1) == expected
 
@@ -273,6 +346,7 @@ def test_sglang_engine_resumes_from_a_torch_engine_state():
     import types
 
     from trainer.rollout_engine import SGLangRolloutEngine
+
     engine = types.SimpleNamespace(num_update_calls=0, client=types.SimpleNamespace(weight_pushes=1))
     SGLangRolloutEngine.load_resume_state(engine, {})
     assert (engine.num_update_calls, engine.client.weight_pushes) == (0, 1)
@@ -283,9 +357,13 @@ def test_a_resume_file_whose_model_state_does_not_fit_is_refused_naming_it():
     from trainer.infra.checkpoints import load_training_states
     from trainer.infra.errors import InputError
     from trainer.infra.weights import build_config
+
     critic = CriticModel(build_config(64, 2, 0))
     saved = dict(critic.state_dict())
     del saved["value_head.bias"]  # e.g. a critic of another layout
-    with pytest.raises(InputError, match=r"ppo_64_resume.pth: its 'critic' does not fit this run's \(Missing "
-                                         r"key\(s\) in state_dict: \"value_head.bias\"\.\); it was written by another"):
+    with pytest.raises(
+        InputError,
+        match=r"ppo_64_resume.pth: its 'critic' does not fit this run's \(Missing "
+        r"key\(s\) in state_dict: \"value_head.bias\"\.\); it was written by another",
+    ):
         load_training_states({"critic": critic}, {"critic": saved}, "ppo_64_resume.pth")

@@ -1,4 +1,5 @@
 """The external reward model (chapter 8.3) and trainer/train_reward.py, with tiny models built here."""
+
 import gzip
 import json
 import math
@@ -21,7 +22,7 @@ from trainer.train_reward import bradley_terry_loss, build_reward_model, pairwis
 HH_PATH = os.path.join(FIXTURES, "hh-rlhf", "harmless-base-test-first-100.jsonl")
 
 # ----------------------------------------------------------------------------- tiny reward models written to tmp
-TOY_CONFIG_CODE = '''
+TOY_CONFIG_CODE = """
 from transformers import PretrainedConfig
 
 
@@ -31,7 +32,7 @@ class ToyRewardConfig(PretrainedConfig):
     def __init__(self, offset=0.0, **kwargs):
         self.offset = offset
         super().__init__(**kwargs)
-'''
+"""
 
 TOY_MODEL_CODE = '''
 import re
@@ -71,9 +72,15 @@ def remote_code_reward_model(tmp_path):
     folder.mkdir()
     (folder / "configuration_toy_reward.py").write_text(TOY_CONFIG_CODE)
     (folder / "modeling_toy_reward.py").write_text(TOY_MODEL_CODE)
-    config = {"model_type": "toy_reward", "architectures": ["ToyRewardModel"], "offset": 0.0,
-              "auto_map": {"AutoConfig": "configuration_toy_reward.ToyRewardConfig",
-                           "AutoModel": "modeling_toy_reward.ToyRewardModel"}}
+    config = {
+        "model_type": "toy_reward",
+        "architectures": ["ToyRewardModel"],
+        "offset": 0.0,
+        "auto_map": {
+            "AutoConfig": "configuration_toy_reward.ToyRewardConfig",
+            "AutoModel": "modeling_toy_reward.ToyRewardModel",
+        },
+    }
     (folder / "config.json").write_text(json.dumps(config))
     save_file({"scale": torch.ones(1)}, str(folder / "model.safetensors"))
     AutoTokenizer.from_pretrained(os.path.join(ROOT, "model")).save_pretrained(str(folder))
@@ -84,9 +91,19 @@ def remote_code_reward_model(tmp_path):
 def classifier_reward_model(tmp_path):
     """A random ``Qwen3ForSequenceClassification`` with one label and the project tokenizer, saved to a folder."""
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=6400, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_labels=1, pad_token_id=0,
-                         initializer_range=0.2, tie_word_embeddings=False)
+    config = Qwen3Config(
+        vocab_size=6400,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_labels=1,
+        pad_token_id=0,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+    )
     model = Qwen3ForSequenceClassification(config).eval()
     model.score.weight.data *= 2  # some scores of the test conversations beyond [-3, 3], some inside
     folder = str(tmp_path / "classifier_reward")
@@ -97,8 +114,12 @@ def classifier_reward_model(tmp_path):
 
 MESSAGES = [
     [{"role": "user", "content": "What is 2 + 3?"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-     {"role": "assistant", "content": "<think>\nhm\n</think>\n\nHello!"}, {"role": "user", "content": "1 + 1.5?"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "<think>\nhm\n</think>\n\nHello!"},
+        {"role": "user", "content": "1 + 1.5?"},
+    ],
     [{"role": "user", "content": "Subtract."}],
     [{"role": "user", "content": "A long question about apples and pears, " * 3}],
     [],
@@ -107,12 +128,19 @@ RESPONSES = ["add the ones\n</think>\n\nThe answer is 5.", "It is 2.5", "t</thin
 # what the reward model must see: history folded into one user turn, the final answer after </think>
 EXPECTED_CONVERSATIONS = [
     [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "The answer is 5."}],
-    [{"role": "user", "content": "system: Be brief.\nuser: Hi\nassistant: <think>\nhm\n</think>\n\nHello!\n"
-                                 "以上是对话历史。我的新问题是：\n1 + 1.5?"},
-     {"role": "assistant", "content": "It is 2.5"}],
+    [
+        {
+            "role": "user",
+            "content": "system: Be brief.\nuser: Hi\nassistant: <think>\nhm\n</think>\n\nHello!\n"
+            "以上是对话历史。我的新问题是：\n1 + 1.5?",
+        },
+        {"role": "assistant", "content": "It is 2.5"},
+    ],
     [{"role": "user", "content": "Subtract."}, {"role": "assistant", "content": "-12.5"}],
-    [{"role": "user", "content": "A long question about apples and pears, " * 3},
-     {"role": "assistant", "content": "7 apples"}],
+    [
+        {"role": "user", "content": "A long question about apples and pears, " * 3},
+        {"role": "assistant", "content": "7 apples"},
+    ],
     [{"role": "user", "content": ""}, {"role": "assistant", "content": "9"}],
 ]
 
@@ -121,8 +149,11 @@ EXPECTED_CONVERSATIONS = [
 def test_reward_model_text_is_upstream_minimind_for_two_turns():
     # upstream LMForRewardModel.get_score: "\n".join(f"{role}: {content}") of the history, then
     # f"{history_text}\n以上是对话历史。我的新问题是：\n{last_query}"
-    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
-                {"role": "user", "content": "What is 1+1?"}]
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "What is 1+1?"},
+    ]
     assert reward_model_messages(messages, "The answer is 2.") == [
         {"role": "user", "content": "user: Hi\nassistant: Hello!\n以上是对话历史。我的新问题是：\nWhat is 1+1?"},
         {"role": "assistant", "content": "The answer is 2."},
@@ -137,19 +168,26 @@ def test_reward_model_messages_hand_written():
 @pytest.mark.parametrize("tokenizer_path", [os.path.join(ROOT, "model"), MINIMIND_TOKENIZER])
 def test_messages_rebuilt_from_minimind_multi_turn_prompt(tokenizer_path):
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                {"role": "assistant", "content": "<think>\nhm\n</think>\n\nHello!"},
-                {"role": "user", "content": "What is 1+1?"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "<think>\nhm\n</think>\n\nHello!"},
+        {"role": "user", "content": "What is 1+1?"},
+    ]
     for open_thinking in (True, False):
-        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                               open_thinking=open_thinking)
+        prompt = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, open_thinking=open_thinking
+        )
         rebuilt = prompt_to_messages(prompt)
         assert [m["role"] for m in rebuilt] == ["system", "user", "assistant", "user"]
         assert rebuilt[0]["content"] == "Be brief." and rebuilt[3]["content"] == "What is 1+1?"
         assert rebuilt[2]["content"].endswith("</think>\n\nHello!")  # the template may keep or empty the thinking
         assert reward_model_messages(rebuilt, "<think>\n1+1=2\n</think>\n\nThe answer is 2.") == [
-            {"role": "user", "content": f"system: Be brief.\nuser: Hi\nassistant: {rebuilt[2]['content']}\n"
-                                        "以上是对话历史。我的新问题是：\nWhat is 1+1?"},
+            {
+                "role": "user",
+                "content": f"system: Be brief.\nuser: Hi\nassistant: {rebuilt[2]['content']}\n"
+                "以上是对话历史。我的新问题是：\nWhat is 1+1?",
+            },
             {"role": "assistant", "content": "The answer is 2."},
         ]
 
@@ -164,6 +202,7 @@ def test_remote_code_refused_without_flag(remote_code_reward_model):
 
 def test_remote_code_refused_at_start_of_the_scripts(remote_code_reward_model, capsys):
     from trainer.train_grpo import parse_args
+
     with pytest.raises(SystemExit) as exit_info:
         parse_args(["--reward_model_path", remote_code_reward_model])
     assert exit_info.value.code == 2
@@ -181,6 +220,7 @@ def test_missing_reward_model_fails_at_start(tmp_path):
 
 def test_folder_without_config_fails_at_start(tmp_path, capsys):
     from trainer.train_ppo import parse_args
+
     with pytest.raises(SystemExit) as exit_info:
         parse_args(["--reward_model_path", str(tmp_path)])
     assert exit_info.value.code == 2
@@ -199,16 +239,19 @@ def test_remote_code_scores_final_answers_and_clips(remote_code_reward_model):
 
 def test_calculate_rewards_adds_reward_model_scores(remote_code_reward_model):
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 1 + 1?"}], tokenize=False,
-                                           add_generation_prompt=True, open_thinking=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 1 + 1?"}], tokenize=False, add_generation_prompt=True, open_thinking=True
+    )
     reward_model = LMForRewardModel(remote_code_reward_model, trust_remote_code=True)
     responses = ["t" * 25 + "</think>The answer is 2.", "short 1"]
     parts = calculate_rewards([prompt, prompt], responses, ["2", "2"], reward_model, answer_reward_weight=2.0)
     assert parts["reward_model_scores"].tolist() == [2.0, 1.0]
     assert parts["rule_rewards"].tolist() == pytest.approx([1.75, -0.5])  # as in test_trainer_utils.py
     assert parts["rewards"].tolist() == pytest.approx([1.75 + 2.0 + 2.0, -0.5 + 1.0])
-    assert reward_model.model.conversations[0] == [{"role": "user", "content": "What is 1 + 1?"},
-                                                   {"role": "assistant", "content": "The answer is 2."}]
+    assert reward_model.model.conversations[0] == [
+        {"role": "user", "content": "What is 1 + 1?"},
+        {"role": "assistant", "content": "The answer is 2."},
+    ]
 
 
 # ----------------------------------------------------------------------------- kind (a): sequence classification
@@ -243,8 +286,17 @@ def test_classifier_dtype_and_device(classifier_reward_model):
 
 
 def test_classifier_with_several_labels_is_refused(tmp_path):
-    config = Qwen3Config(vocab_size=6400, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_labels=2, pad_token_id=0)
+    config = Qwen3Config(
+        vocab_size=6400,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_labels=2,
+        pad_token_id=0,
+    )
     folder = str(tmp_path / "two_labels")
     Qwen3ForSequenceClassification(config).save_pretrained(folder)
     AutoTokenizer.from_pretrained(os.path.join(ROOT, "model")).save_pretrained(folder)
@@ -268,6 +320,7 @@ def test_reward_model_backbone_equals_minimind(tiny_weights):
     """The Qwen3 classifier built from MiniMind weights gives score . h_last of MiniMind's own backbone."""
     from model.model_minimind import MiniMindForCausalLM
     from trainer.infra.weights import build_config, load_weights
+
     save_dir, name = tiny_weights
     lm_config = build_config(64, 2, 0)
     minimind = MiniMindForCausalLM(lm_config).eval()
@@ -289,10 +342,15 @@ def test_reward_model_backbone_equals_minimind(tiny_weights):
 
 def test_read_preference_pairs_both_formats_and_errors(tmp_path):
     assert parse_hh_transcript("\n\nHuman: Hi there\n\nAssistant: Hello.\n\nHuman: Bye\n\nAssistant: Bye!") == [
-        {"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello."},
-        {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye!"}]
-    good_messages = {"chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
-                     "rejected": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "b"}]}
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Bye"},
+        {"role": "assistant", "content": "Bye!"},
+    ]
+    good_messages = {
+        "chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+        "rejected": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "b"}],
+    }
     good_hh = {"chosen": "\n\nHuman: q\n\nAssistant: a", "rejected": "\n\nHuman: q\n\nAssistant: b"}
     path = tmp_path / "pairs.jsonl"
     path.write_text(json.dumps(good_messages) + "\n\n" + json.dumps(good_hh) + "\n")
@@ -301,8 +359,10 @@ def test_read_preference_pairs_both_formats_and_errors(tmp_path):
     bad_rows = [
         ('{"chosen": [], "rejected": []}', "'chosen': expected a non-empty list"),
         ('{"chosen": "\\n\\nHuman: q\\n\\nAssistant: a"}', "expected an object with 'chosen' and 'rejected'"),
-        ('{"chosen": "\\n\\nHuman: q\\n\\nAssistant: a", "rejected": "\\n\\nHuman: q"}',
-         "'rejected': an HH-RLHF transcript ends with"),
+        (
+            '{"chosen": "\\n\\nHuman: q\\n\\nAssistant: a", "rejected": "\\n\\nHuman: q"}',
+            "'rejected': an HH-RLHF transcript ends with",
+        ),
         ('{"chosen": [{"role": "user", "content": "q"}], "rejected": "x"}', "must be the assistant's, not 'user'"),
         ("{not json", "invalid JSON"),
     ]
@@ -320,10 +380,32 @@ def test_train_reward_smoke_saves_a_plain_transformers_folder(tiny_weights, tmp_
         eval_path.write_text("".join(f.readlines()[:24]))
     out = tmp_path / "rm"
     run_dir = tmp_path / "run"
-    result = run_script(["trainer/train_reward.py", "--save_dir", save_dir, "--from_weight", name, "--max_steps", "3",
-                         "--batch_size", "4", "--learning_rate", "1e-3", "--eval_interval", "2",
-                         "--eval_path", str(eval_path), "--save_path", str(out), "--run_dir", str(run_dir),
-                         "--save_dtype", "float32"] + TINY)
+    result = run_script(
+        [
+            "trainer/train_reward.py",
+            "--save_dir",
+            save_dir,
+            "--from_weight",
+            name,
+            "--max_steps",
+            "3",
+            "--batch_size",
+            "4",
+            "--learning_rate",
+            "1e-3",
+            "--eval_interval",
+            "2",
+            "--eval_path",
+            str(eval_path),
+            "--save_path",
+            str(out),
+            "--run_dir",
+            str(run_dir),
+            "--save_dtype",
+            "float32",
+        ]
+        + TINY
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step 3/3" in result.stdout and "eval_acc" in result.stdout
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -339,8 +421,9 @@ def test_train_reward_smoke_saves_a_plain_transformers_folder(tiny_weights, tmp_
     reward_model = LMForRewardModel(str(out), batch_size=5)
     pairs = read_preference_pairs(str(eval_path))
     chosen = reward_model.get_scores([p["chosen"][:-1] for p in pairs], [p["chosen"][-1]["content"] for p in pairs])
-    rejected = reward_model.get_scores([p["rejected"][:-1] for p in pairs],
-                                       [p["rejected"][-1]["content"] for p in pairs])
+    rejected = reward_model.get_scores(
+        [p["rejected"][:-1] for p in pairs], [p["rejected"][-1]["content"] for p in pairs]
+    )
     assert all(abs(s) < 3 for s in chosen + rejected)  # nothing clipped, so the comparison is exact
     margins = [c - r for c, r in zip(chosen, rejected)]
     assert sum(margins) / len(margins) == pytest.approx(rows[2]["eval_margin"], abs=1e-4)
@@ -350,8 +433,21 @@ def test_train_reward_smoke_saves_a_plain_transformers_folder(tiny_weights, tmp_
 def test_train_reward_bad_pair_names_file_and_line(tmp_path):
     path = tmp_path / "pairs.jsonl"
     path.write_text('{"chosen": "\\n\\nHuman: q\\n\\nAssistant: a", "rejected": "oops"}\n')
-    result = run_script(["trainer/train_reward.py", "--data_path", str(path), "--eval_path", "", "--from_weight",
-                         "none", "--save_path", str(tmp_path / "rm")] + TINY, timeout=120)
+    result = run_script(
+        [
+            "trainer/train_reward.py",
+            "--data_path",
+            str(path),
+            "--eval_path",
+            "",
+            "--from_weight",
+            "none",
+            "--save_path",
+            str(tmp_path / "rm"),
+        ]
+        + TINY,
+        timeout=120,
+    )
     assert result.returncode != 0
     assert f"{path}:1: 'rejected': an HH-RLHF transcript starts with" in result.stderr
 
@@ -364,10 +460,36 @@ def test_train_reward_on_hh_rlhf(tmp_path):
     with open(HH_PATH, "rb") as f:
         data_path.write_bytes(gzip.compress(f.read()))
     run_dir = tmp_path / "run"
-    result = run_script(["trainer/train_reward.py", "--data_path", str(data_path), "--eval_path", "",
-                         "--eval_ratio", "0.5", "--from_weight", "none", "--max_steps", "100", "--epochs", "20",
-                         "--batch_size", "8", "--max_seq_len", "64", "--learning_rate", "1e-3", "--eval_interval", "50",
-                         "--save_path", str(tmp_path / "rm"), "--run_dir", str(run_dir)] + TINY)
+    result = run_script(
+        [
+            "trainer/train_reward.py",
+            "--data_path",
+            str(data_path),
+            "--eval_path",
+            "",
+            "--eval_ratio",
+            "0.5",
+            "--from_weight",
+            "none",
+            "--max_steps",
+            "100",
+            "--epochs",
+            "20",
+            "--batch_size",
+            "8",
+            "--max_seq_len",
+            "64",
+            "--learning_rate",
+            "1e-3",
+            "--eval_interval",
+            "50",
+            "--save_path",
+            str(tmp_path / "rm"),
+            "--run_dir",
+            str(run_dir),
+        ]
+        + TINY
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "50 training / 50 held-out pairs" in result.stdout
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -1,31 +1,33 @@
 """Rollout engine (chapter 8.2): log-probs, masks and the one temperature convention."""
+
 import pytest
 import torch
 
 from trainer.rollout_engine import TorchRolloutEngine, compute_per_token_logps, create_rollout_engine, tokenize_prompts
 from trainer.speed.selective_log_softmax import selective_log_softmax
 
-PROMPTS = ["<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n<think>\n",
-           "<|im_start|>user\n5 加 7 是多少？<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"]
+PROMPTS = [
+    "<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n<think>\n",
+    "<|im_start|>user\n5 加 7 是多少？<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
+]
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_rollout_logps_equal_plain_per_row_forward(policy, tokenizer, temperature):
     engine = TorchRolloutEngine(policy, tokenizer, generator=torch.Generator().manual_seed(1))
     prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, PROMPTS, 256, "cpu")
-    result = engine.rollout(prompt_ids, attention_mask, num_generations=3, max_new_tokens=12,
-                            temperature=temperature)
+    result = engine.rollout(prompt_ids, attention_mask, num_generations=3, max_new_tokens=12, temperature=temperature)
     n, r = result.completion_ids.shape
     assert n == 6 and result.per_token_logps.shape == (6, r)
-    assert torch.equal(result.output_ids[0, :prompt_ids.size(1)], result.output_ids[2, :prompt_ids.size(1)])
-    assert torch.equal(result.output_ids[3, :prompt_ids.size(1)], prompt_ids[1])  # P0,P0,P0,P1,P1,P1
+    assert torch.equal(result.output_ids[0, : prompt_ids.size(1)], result.output_ids[2, : prompt_ids.size(1)])
+    assert torch.equal(result.output_ids[3, : prompt_ids.size(1)], prompt_ids[1])  # P0,P0,P0,P1,P1,P1
     assert torch.equal(result.prompt_mask, attention_mask.repeat_interleave(3, dim=0))  # [6, P]
     for i in range(n):  # each row alone, unpadded, scored by a plain log_softmax
         prompt = prompt_ids[i // 3][attention_mask[i // 3].bool()]
         completion = result.completion_ids[i][result.completion_mask[i].bool()]
         sequence = torch.cat([prompt, completion]).unsqueeze(0)
         with torch.no_grad():
-            logits = policy(sequence).logits[0, len(prompt) - 1:-1] / temperature
+            logits = policy(sequence).logits[0, len(prompt) - 1 : -1] / temperature
         expected = torch.log_softmax(logits, dim=-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
         got = result.per_token_logps[i][: len(completion)]
         assert (got - expected).abs().max() <= 1e-5
@@ -42,8 +44,9 @@ def test_sampler_logps_equal_recomputed_logps_with_eos_and_padding(policy, token
     engine = TorchRolloutEngine(policy, tokenizer, generator=torch.Generator().manual_seed(5))
     sampler = engine.rollout(prompt_ids, attention_mask, 4, 24, temperature=0.9)
     with torch.no_grad():
-        recomputed = compute_per_token_logps(policy, sampler.output_ids, sampler.completion_ids.size(1),
-                                             sampler.attention_mask, temperature=0.9).per_token_logps  # [N, R]
+        recomputed = compute_per_token_logps(
+            policy, sampler.output_ids, sampler.completion_ids.size(1), sampler.attention_mask, temperature=0.9
+        ).per_token_logps  # [N, R]
     mask = sampler.completion_mask.bool()
     assert 0 < (~mask).sum() and mask.all(dim=1).sum() < mask.size(0) - 2  # rows of several lengths
     assert (sampler.per_token_logps - recomputed)[mask].abs().max() <= 1e-5
@@ -56,8 +59,9 @@ def test_ratio_is_one_before_any_update(policy, tokenizer):
     result = engine.rollout(prompt_ids, attention_mask, 4, 16, temperature=0.8)
     assert not result.per_token_logps.requires_grad
     policy.train()
-    forward = compute_per_token_logps(policy, result.output_ids, result.completion_ids.size(1),
-                                      result.attention_mask, temperature=0.8)
+    forward = compute_per_token_logps(
+        policy, result.output_ids, result.completion_ids.size(1), result.attention_mask, temperature=0.8
+    )
     per_token_logps = forward.per_token_logps  # [N, R]
     assert per_token_logps.requires_grad and forward.entropies is None  # entropies only when asked for
     ratio = torch.exp(per_token_logps - result.per_token_logps)
@@ -81,9 +85,11 @@ def test_unknown_engine():
 def test_bf16_autocast_logps_are_fp32_and_near_the_fp32_ones(policy, tokenizer):
     """--dtype bfloat16: matrix products in bf16, log-softmax in fp32; gradients land on the fp32 weights."""
     from trainer.infra.dtypes import autocast_context
+
     prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, PROMPTS, 256, "cpu")
     result = TorchRolloutEngine(policy, tokenizer, generator=torch.Generator().manual_seed(3)).rollout(
-        prompt_ids, attention_mask, 2, 8)
+        prompt_ids, attention_mask, 2, 8
+    )
     args = (policy, result.output_ids, result.completion_ids.size(1), result.attention_mask)
     fp32_logps = compute_per_token_logps(*args).per_token_logps  # [N, R]
     with autocast_context("cpu", "bfloat16"):
@@ -119,8 +125,9 @@ def test_selective_log_softmax_gradient_equals_autograd_of_the_plain_formula(tem
     plain = torch.log_softmax(logits / temperature, dim=-1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
     (plain * weights).sum().backward()
     assert (ours - logits.grad).abs().max() <= 1e-6
-    assert torch.autograd.gradcheck(lambda x: selective_log_softmax(x, index, temperature), (logits.detach()
-                                                                                            .requires_grad_(),))
+    assert torch.autograd.gradcheck(
+        lambda x: selective_log_softmax(x, index, temperature), (logits.detach().requires_grad_(),)
+    )
 
 
 def test_selective_log_softmax_saves_no_copy_of_the_logits():

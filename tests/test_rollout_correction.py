@@ -2,6 +2,7 @@
 code for ``vllm_importance_sampling_*`` run on the same tensors, the corrected losses against TRL's
 ``GRPOTrainer._compute_loss`` and a plain loop for PPO, the flags that cannot act; the runs against the stand-in
 server are in tests/test_sglang.py, the real server's in tests/test_sglang_server.py."""
+
 import collections
 import inspect
 import math
@@ -37,20 +38,41 @@ def trl_weights_and_metrics(old, sampling, completion_mask, mode, cap):
     (``_generate_and_score_completions``, no tool mask, one process)."""
     trl = require_trl()
     from trl.trainer.utils import nanmax, nanmin
+
     method = trl.GRPOTrainer._generate_and_score_completions
     trainer = types.SimpleNamespace(
-        use_vllm=True, vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=mode,
-        vllm_importance_sampling_clip_max=cap, vllm_importance_sampling_clip_min=None,
-        _metrics={"train": collections.defaultdict(list)}, accelerator=types.SimpleNamespace(gather=lambda x: x))
-    scope = {"torch": torch, "math": math, "nanmin": nanmin, "nanmax": nanmax, "self": trainer, "mode": "train",
-             "device": old.device, "completion_mask": completion_mask, "tool_mask": None,
-             "old_per_token_logps": old, "sampling_per_token_logps": sampling}
-    weights_block = trl_block(method, "per_token_logps_diff = (old_per_token_logps - sampling_per_token_logps)",
-                              "# Compute the per-token log probabilities for the reference model", lines_before=1)
+        use_vllm=True,
+        vllm_importance_sampling_correction=True,
+        vllm_importance_sampling_mode=mode,
+        vllm_importance_sampling_clip_max=cap,
+        vllm_importance_sampling_clip_min=None,
+        _metrics={"train": collections.defaultdict(list)},
+        accelerator=types.SimpleNamespace(gather=lambda x: x),
+    )
+    scope = {
+        "torch": torch,
+        "math": math,
+        "nanmin": nanmin,
+        "nanmax": nanmax,
+        "self": trainer,
+        "mode": "train",
+        "device": old.device,
+        "completion_mask": completion_mask,
+        "tool_mask": None,
+        "old_per_token_logps": old,
+        "sampling_per_token_logps": sampling,
+    }
+    weights_block = trl_block(
+        method,
+        "per_token_logps_diff = (old_per_token_logps - sampling_per_token_logps)",
+        "# Compute the per-token log probabilities for the reference model",
+        lines_before=1,
+    )
     assert weights_block.startswith("mask = completion_mask if tool_mask is None"), weights_block[:200]
     exec(weights_block, scope)  # the weights
-    exec(trl_block(method, "delta = torch.abs(old_per_token_logps - sampling_per_token_logps)", "output = {"),
-         scope)  # their metrics
+    exec(
+        trl_block(method, "delta = torch.abs(old_per_token_logps - sampling_per_token_logps)", "output = {"), scope
+    )  # their metrics
     metrics = {key: values[0] for key, values in trainer._metrics["train"].items()}
     return scope["vllm_importance_sampling_ratio"], metrics
 
@@ -87,14 +109,18 @@ def test_weights_corrected_share_and_kl_by_hand():
     old = torch.tensor([[math.log(0.8), math.log(0.5)], [math.log(0.25), math.log(0.5)]])  # [2, 2]
     sampling = torch.tensor([[math.log(0.2), math.log(0.5)], [math.log(0.5), math.log(0.25)]])
     mask = torch.ones(2, 2, dtype=torch.long)
-    torch.testing.assert_close(rollout_correction_weights(old, sampling, mask, "token_truncate", 3.0),
-                               torch.tensor([[3.0, 1.0], [0.5, 2.0]]))
-    torch.testing.assert_close(rollout_correction_weights(old, sampling, mask, "token_mask", 3.0),
-                               torch.tensor([[0.0, 1.0], [0.5, 2.0]]))
-    torch.testing.assert_close(rollout_correction_weights(old, sampling, mask, "sequence_truncate", 3.0),
-                               torch.tensor([[3.0], [1.0]]))  # exp(ln 4) = 4 -> 3; exp(-ln 2 + ln 2) = 1
-    torch.testing.assert_close(rollout_correction_weights(old, sampling, mask, "sequence_mask", 3.0),
-                               torch.tensor([[0.0], [1.0]]))
+    torch.testing.assert_close(
+        rollout_correction_weights(old, sampling, mask, "token_truncate", 3.0), torch.tensor([[3.0, 1.0], [0.5, 2.0]])
+    )
+    torch.testing.assert_close(
+        rollout_correction_weights(old, sampling, mask, "token_mask", 3.0), torch.tensor([[0.0, 1.0], [0.5, 2.0]])
+    )
+    torch.testing.assert_close(
+        rollout_correction_weights(old, sampling, mask, "sequence_truncate", 3.0), torch.tensor([[3.0], [1.0]])
+    )  # exp(ln 4) = 4 -> 3; exp(-ln 2 + ln 2) = 1
+    torch.testing.assert_close(
+        rollout_correction_weights(old, sampling, mask, "sequence_mask", 3.0), torch.tensor([[0.0], [1.0]])
+    )
     assert rollout_correction_weights(old, sampling, mask, "none", 3.0) is None
     metrics = rollout_mismatch_metrics(old, sampling, mask, "token_mask", 3.0)
     assert metrics["sampling/corrected_share"] == pytest.approx(0.25)  # one token of four
@@ -107,8 +133,9 @@ def test_weights_corrected_share_and_kl_by_hand():
 
 
 CORRECTED = FAMILY + [("cispo", 0.2, 5.0, {"full_rows": True})]  # TRL sums cispo's tokens: equal only on full rows
-MEMBER_MODES = [(*member, mode) for member in CORRECTED for mode in MODES
-                if member[0] != "vespo" or mode.startswith("token")]  # TRL's VESPO takes token-level weights only
+MEMBER_MODES = [
+    (*member, mode) for member in CORRECTED for mode in MODES if member[0] != "vespo" or mode.startswith("token")
+]  # TRL's VESPO takes token-level weights only
 
 
 @pytest.mark.parametrize("loss_type, epsilon, epsilon_high, extra, mode", MEMBER_MODES)
@@ -119,11 +146,23 @@ def test_each_member_with_the_correction_equals_trls_loss_and_gradient(loss_type
     _, sampling, _ = mismatched_logps(seed=1, rows=4, length=6, spread=0.6)
     sampling = torch.nan_to_num(sampling, nan=-1.0)
     weights = rollout_correction_weights(old, sampling, mask, mode, 3.0)
-    expected_loss, expected_grad, _ = trl_loss(per_token_logps, old, ref, advantages, mask, loss_type, epsilon,
-                                               epsilon_high, 0.1, importance_sampling_ratio=weights, **extra)
+    expected_loss, expected_grad, _ = trl_loss(
+        per_token_logps,
+        old,
+        ref,
+        advantages,
+        mask,
+        loss_type,
+        epsilon,
+        epsilon_high,
+        0.1,
+        importance_sampling_ratio=weights,
+        **extra,
+    )
     logps = per_token_logps.detach().clone().requires_grad_(True)
-    loss, _, _ = family_loss(logps, old, ref, advantages, mask,
-                             config_of(loss_type, epsilon, epsilon_high, 0.1, **extra), None, weights)
+    loss, _, _ = family_loss(
+        logps, old, ref, advantages, mask, config_of(loss_type, epsilon, epsilon_high, 0.1, **extra), None, weights
+    )
     loss.backward()
     torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(logps.grad, expected_grad, rtol=1e-5, atol=1e-7)
@@ -165,14 +204,19 @@ def test_ppo_surrogate_is_weighted_token_by_token_and_its_kl_is_not(mode):
 
 
 @pytest.mark.parametrize("parse_args", [grpo_parse_args, ppo_parse_args, agent_parse_args])
-@pytest.mark.parametrize("flags, message", [
-    (["--rollout_correction", "token_mask"], "the torch engine samples with the trainer's own"),
-    (["--rollout_correction", "sequence_truncate", "--rollout_engine", "sglang"],
-     "needs the server's log-probs: with --sglang_logprobs recompute"),
-    (["--rollout_correction_cap", "0"], "--rollout_correction_cap must be a finite number > 0, got 0.0"),
-    (["--rollout_correction_cap", "inf"], "--rollout_correction_cap must be a finite number > 0, got inf"),
-    (["--rollout_correction", "tis"], "argument --rollout_correction: invalid choice: 'tis'"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--rollout_correction", "token_mask"], "the torch engine samples with the trainer's own"),
+        (
+            ["--rollout_correction", "sequence_truncate", "--rollout_engine", "sglang"],
+            "needs the server's log-probs: with --sglang_logprobs recompute",
+        ),
+        (["--rollout_correction_cap", "0"], "--rollout_correction_cap must be a finite number > 0, got 0.0"),
+        (["--rollout_correction_cap", "inf"], "--rollout_correction_cap must be a finite number > 0, got inf"),
+        (["--rollout_correction", "tis"], "argument --rollout_correction: invalid choice: 'tis'"),
+    ],
+)
 def test_a_correction_that_cannot_act_is_refused(parse_args, flags, message, capsys):
     with pytest.raises(SystemExit) as stop:
         parse_args(flags)

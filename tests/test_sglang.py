@@ -1,4 +1,5 @@
 """--rollout_engine sglang against a stand-in SGLang server (tests/support/sglang_standin.py), no GPU needed."""
+
 import json
 import os
 import socket
@@ -18,8 +19,10 @@ from trainer.rollout_engine import tokenize_prompts
 from trainer.train_ppo import main as ppo_main
 from trainer.infra.weights import build_config
 
-PROMPTS = ["<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n<think>\n",
-           "<|im_start|>user\n5 加 7 是多少？<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"]
+PROMPTS = [
+    "<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n<think>\n",
+    "<|im_start|>user\n5 加 7 是多少？<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
+]
 FAST = dict(backoff_s=0.01, health_retries=2, max_retries=2)
 
 
@@ -38,8 +41,9 @@ def start_standin(tmp_path, tokenizer):
     servers = []
 
     def start(model, **options):
-        folder = save_qwen3_folder(model.state_dict(), model.config, str(tmp_path / f"launch{len(servers)}"),
-                                   tokenizer=tokenizer)
+        folder = save_qwen3_folder(
+            model.state_dict(), model.config, str(tmp_path / f"launch{len(servers)}"), tokenizer=tokenizer
+        )
         server = SGLangStandin(folder, **options).start()
         servers.append(server)
         return server
@@ -53,7 +57,7 @@ def plain_logps(model, prompt, completion, temperature):
     """log softmax(logits / T) of each completion token, one unpadded row, plain forward (no project code)."""
     sequence = torch.tensor([list(prompt) + list(completion)])
     with torch.no_grad():
-        logits = model(sequence).logits[0, len(prompt) - 1:-1].float() / temperature
+        logits = model(sequence).logits[0, len(prompt) - 1 : -1].float() / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1)
 
 
@@ -66,8 +70,9 @@ def free_port():
 def test_batched_request_group_order_and_result(start_standin, tokenizer, tmp_path):
     policy = make_policy(0)
     server = start_standin(policy)
-    engine = create_rollout_engine("sglang", policy, tokenizer, url=server.url, shared_path=str(tmp_path / "shared"),
-                                   top_k=50, **FAST)
+    engine = create_rollout_engine(
+        "sglang", policy, tokenizer, url=server.url, shared_path=str(tmp_path / "shared"), top_k=50, **FAST
+    )
     prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, PROMPTS, 256, "cpu")
     result = engine.rollout(prompt_ids, attention_mask, num_generations=3, max_new_tokens=10, temperature=0.7)
 
@@ -76,20 +81,30 @@ def test_batched_request_group_order_and_result(start_standin, tokenizer, tmp_pa
     own_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
     assert payload["input_ids"] == [own_ids[0]] * 3 + [own_ids[1]] * 3  # unpadded, P0,P0,P0,P1,P1,P1
     assert payload["sampling_params"] == {
-        "temperature": 0.7, "top_p": 1.0, "top_k": 50, "min_p": 0.0, "max_new_tokens": 10, "min_new_tokens": 0,
-        "stop_token_ids": [tokenizer.eos_token_id], "ignore_eos": False, "skip_special_tokens": False,
-        "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+        "temperature": 0.7,
+        "top_p": 1.0,
+        "top_k": 50,
+        "min_p": 0.0,
+        "max_new_tokens": 10,
+        "min_new_tokens": 0,
+        "stop_token_ids": [tokenizer.eos_token_id],
+        "ignore_eos": False,
+        "skip_special_tokens": False,
+        "repetition_penalty": 1.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+    }
 
     n, r = result.completion_ids.shape
     assert n == 6 and result.output_ids.shape == (6, prompt_ids.size(1) + r)
     assert result.prompt_mask.sum(dim=1).tolist() == [len(own_ids[0])] * 3 + [len(own_ids[1])] * 3
     for i in range(n):
-        assert torch.equal(result.output_ids[i, :prompt_ids.size(1)], prompt_ids[i // 3])
+        assert torch.equal(result.output_ids[i, : prompt_ids.size(1)], prompt_ids[i // 3])
         completion = result.completion_ids[i][result.completion_mask[i].bool()].tolist()
         first_eos = completion.index(tokenizer.eos_token_id) if tokenizer.eos_token_id in completion else None
         assert first_eos in (None, len(completion) - 1)  # the mask runs through the first EOS
         expected = plain_logps(policy, own_ids[i // 3], completion, 0.7)
-        assert (result.per_token_logps[i, :len(completion)] - expected).abs().max() <= 1e-4
+        assert (result.per_token_logps[i, : len(completion)] - expected).abs().max() <= 1e-4
         text_ids = [t for t in completion if t != tokenizer.eos_token_id]
         assert result.completions[i] == tokenizer.decode(text_ids)
     assert result.metrics["logprob_gap"] < 1e-3  # the server holds the trainer's weights (pushed at start-up)
@@ -101,9 +116,14 @@ def test_server_logps_match_after_each_sync_and_differ_before(start_standin, tok
     prompt = tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"]
 
     def server_vs_trainer_gap():
-        answer = requests.post(server.url + "/generate", json={
-            "input_ids": prompt, "return_logprob": True,
-            "sampling_params": {"temperature": 0.8, "max_new_tokens": 12, "stop_token_ids": [2]}}).json()
+        answer = requests.post(
+            server.url + "/generate",
+            json={
+                "input_ids": prompt,
+                "return_logprob": True,
+                "sampling_params": {"temperature": 0.8, "max_new_tokens": 12, "stop_token_ids": [2]},
+            },
+        ).json()
         completion = answer["output_ids"]
         server_logps = torch.tensor([triple[0] for triple in answer["meta_info"]["output_token_logprobs"]])
         return (server_logps - plain_logps(trainer_policy, prompt, completion, 0.8)).abs().max().item()
@@ -117,8 +137,11 @@ def test_server_logps_match_after_each_sync_and_differ_before(start_standin, tok
     engine.update_policy(trainer_policy)
     assert server_vs_trainer_gap() < 1e-3
     assert server.loaded_paths[-1] == os.path.join(str(tmp_path / "shared"), "policy_v1")
-    assert server.requests[-2][1] == {"model_path": server.loaded_paths[-1], "flush_cache": True,
-                                      "weight_version": engine.client.server_weight_version}
+    assert server.requests[-2][1] == {
+        "model_path": server.loaded_paths[-1],
+        "flush_cache": True,
+        "weight_version": engine.client.server_weight_version,
+    }
     assert engine.client.server_weight_version == f"{engine.client.version_label}-v1"
 
 
@@ -154,15 +177,23 @@ def test_sync_cadence_survives_a_resume(start_standin, tokenizer, tmp_path):
 
 @pytest.mark.parametrize("temperature, refused", [(0.5, True), (1.0, False)])
 @pytest.mark.parametrize("rollout_correction", [False, True])
-def test_server_mode_refuses_other_logprob_convention_at_first_batch(start_standin, tokenizer, tmp_path,
-                                                                     temperature, refused, rollout_correction):
+def test_server_mode_refuses_other_logprob_convention_at_first_batch(
+    start_standin, tokenizer, tmp_path, temperature, refused, rollout_correction
+):
     """A server started with SGLANG_RETURN_ORIGINAL_LOGPROB=1 returns log softmax(logits), not the trainer's
     log softmax(logits / T): server mode stops at the first batch unless T = 1, where both are the same; with
     ``--rollout_correction`` too, and then the gap is measured on every batch."""
     policy = make_policy(0)
     server = start_standin(policy, return_original_logprob=True)
-    engine = SGLangRolloutEngine(policy, tokenizer, server.url, str(tmp_path / "shared"), logprobs_mode="server",
-                                 rollout_correction=rollout_correction, **FAST)
+    engine = SGLangRolloutEngine(
+        policy,
+        tokenizer,
+        server.url,
+        str(tmp_path / "shared"),
+        logprobs_mode="server",
+        rollout_correction=rollout_correction,
+        **FAST,
+    )
     prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, PROMPTS, 256, "cpu")
     if refused:
         with pytest.raises(RuntimeError, match="SGLANG_RETURN_ORIGINAL_LOGPROB"):
@@ -177,8 +208,9 @@ def test_server_mode_refuses_other_logprob_convention_at_first_batch(start_stand
 def test_server_mode_uses_the_servers_logps(start_standin, tokenizer, tmp_path):
     policy = make_policy(0)
     server = start_standin(policy)
-    engine = SGLangRolloutEngine(policy, tokenizer, server.url, str(tmp_path / "shared"), logprobs_mode="server",
-                                 **FAST)
+    engine = SGLangRolloutEngine(
+        policy, tokenizer, server.url, str(tmp_path / "shared"), logprobs_mode="server", **FAST
+    )
     prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, PROMPTS[:1], 256, "cpu")
     result = engine.rollout(prompt_ids, attention_mask, 2, 8, temperature=0.6)
     answers = server.requests[-1]
@@ -187,13 +219,16 @@ def test_server_mode_uses_the_servers_logps(start_standin, tokenizer, tmp_path):
         completion = result.completion_ids[i][result.completion_mask[i].bool()].tolist()
         prompt = prompt_ids[0][attention_mask[0].bool()].tolist()
         expected = plain_logps(policy, prompt, completion, 0.6)
-        assert (result.per_token_logps[i, :len(completion)] - expected).abs().max() <= 1e-4
+        assert (result.per_token_logps[i, : len(completion)] - expected).abs().max() <= 1e-4
 
 
-@pytest.mark.parametrize("fault, message", [
-    ({"stray_prompt_tokens": 2}, "stray prompt tokens"),
-    ({"abort": True}, "aborted"),
-])
+@pytest.mark.parametrize(
+    "fault, message",
+    [
+        ({"stray_prompt_tokens": 2}, "stray prompt tokens"),
+        ({"abort": True}, "aborted"),
+    ],
+)
 def test_inconsistent_or_aborted_answers_are_refused(start_standin, tokenizer, tmp_path, fault, message):
     policy = make_policy(0)
     server = start_standin(policy)
@@ -204,11 +239,14 @@ def test_inconsistent_or_aborted_answers_are_refused(start_standin, tokenizer, t
         engine.rollout(prompt_ids, attention_mask, 2, 6)
 
 
-@pytest.mark.parametrize("row, value, message", [
-    (1, None, r"prompt rows \[1\] have no token"),
-    (0, 6400, r"outside the vocabulary \[0, 6400\) as \(row, id\): \[\(0, 6400\)\]"),
-    (1, -1, r"outside the vocabulary \[0, 6400\) as \(row, id\): \[\(1, -1\)\]"),
-])
+@pytest.mark.parametrize(
+    "row, value, message",
+    [
+        (1, None, r"prompt rows \[1\] have no token"),
+        (0, 6400, r"outside the vocabulary \[0, 6400\) as \(row, id\): \[\(0, 6400\)\]"),
+        (1, -1, r"outside the vocabulary \[0, 6400\) as \(row, id\): \[\(1, -1\)\]"),
+    ],
+)
 def test_prompts_that_crash_a_server_are_never_sent(start_standin, tokenizer, tmp_path, row, value, message):
     """An empty prompt or an id outside the vocabulary stops a real SGLang server: refused before the request."""
     policy = make_policy(0)
@@ -234,8 +272,9 @@ def test_answers_from_other_weights_stop_the_rollout(start_standin, tokenizer, t
     prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, PROMPTS[:1], 256, "cpu")
     assert engine.rollout(prompt_ids, attention_mask, 2, 4).completion_ids.size(0) == 2
     other = save_qwen3_folder(make_policy(7).state_dict(), policy.config, str(tmp_path / "other"), tokenizer=tokenizer)
-    answer = requests.post(server.url + "/update_weights_from_disk", json={"model_path": other,
-                                                                           "weight_version": "default"})
+    answer = requests.post(
+        server.url + "/update_weights_from_disk", json={"model_path": other, "weight_version": "default"}
+    )
     assert answer.json()["success"] is True
     with pytest.raises(RuntimeError, match=r"came from weights 'default', but the trainer synced '[0-9a-f]{8}-v0'"):
         engine.rollout(prompt_ids, attention_mask, 2, 4)
@@ -267,8 +306,9 @@ def test_failed_weight_update_raises_with_the_servers_message(start_standin, tok
 def test_network_errors_are_retried_then_fail(start_standin, tokenizer, tmp_path):
     policy = make_policy(0)
     server = start_standin(policy)
-    engine = SGLangRolloutEngine(policy, tokenizer, server.url, str(tmp_path / "shared"), resume_hint="RESUME-HINT",
-                                 **FAST)
+    engine = SGLangRolloutEngine(
+        policy, tokenizer, server.url, str(tmp_path / "shared"), resume_hint="RESUME-HINT", **FAST
+    )
     prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, PROMPTS[:1], 256, "cpu")
     server.faults["unavailable"] = 2  # two 503 answers, then the request goes through
     assert engine.rollout(prompt_ids, attention_mask, 2, 4).completion_ids.size(0) == 2
@@ -281,16 +321,40 @@ ARCH = ["--hidden_size", "64", "--num_hidden_layers", "2"]
 TINY = ARCH + ["--eval_interval", "0"]  # the training scripts' held-out evaluation is tested in test_evaluation.py
 
 
-@pytest.mark.parametrize("script, lora", [("grpo", []), ("ppo", []),
-                                          ("grpo", ["--lora_rank", "4"])])  # LoRA: the merged weights are synced
+@pytest.mark.parametrize(
+    "script, lora", [("grpo", []), ("ppo", []), ("grpo", ["--lora_rank", "4"])]
+)  # LoRA: the merged weights are synced
 def test_two_steps_with_rollout_engine_sglang(script, lora, start_standin, tokenizer, tiny_weights, tmp_path):
     save_dir, name = tiny_weights
     server = start_standin(make_policy(5))  # launched on other weights: the engine pushes the policy at start-up
     run_dir = tmp_path / "run"
     shared = tmp_path / "shared"
-    argv = ["--max_steps", "2", "--save_dir", save_dir, "--from_weight", name, "--batch_size", "2",
-            "--max_gen_len", "8", "--run_dir", str(run_dir), "--rollout_engine", "sglang",
-            "--sglang_url", server.url, "--sglang_shared_path", str(shared), "--temperature", "0.8"] + TINY + lora
+    argv = (
+        [
+            "--max_steps",
+            "2",
+            "--save_dir",
+            save_dir,
+            "--from_weight",
+            name,
+            "--batch_size",
+            "2",
+            "--max_gen_len",
+            "8",
+            "--run_dir",
+            str(run_dir),
+            "--rollout_engine",
+            "sglang",
+            "--sglang_url",
+            server.url,
+            "--sglang_shared_path",
+            str(shared),
+            "--temperature",
+            "0.8",
+        ]
+        + TINY
+        + lora
+    )
     if script == "grpo":
         grpo_main(argv + ["--num_generations", "3"])
         expected_rows = 6
@@ -310,11 +374,30 @@ def test_two_steps_with_rollout_engine_sglang(script, lora, start_standin, token
 def test_check_sglang_script_against_the_standin(start_standin, tiny_weights, tmp_path):
     """scripts/check_sglang.py (meant for a GPU + SGLang machine) runs its comparison and GRPO steps end to end."""
     from scripts.check_sglang import main as check_main
+
     save_dir, name = tiny_weights
     server = start_standin(make_policy(3))
-    summary = check_main(["--sglang_url", server.url, "--save_dir", save_dir, "--from_weight", name,
-                          "--work_dir", str(tmp_path / "check"), "--num_prompts", "2", "--num_generations", "2",
-                          "--max_gen_len", "6", "--grpo_steps", "2"] + ARCH)
+    summary = check_main(
+        [
+            "--sglang_url",
+            server.url,
+            "--save_dir",
+            save_dir,
+            "--from_weight",
+            name,
+            "--work_dir",
+            str(tmp_path / "check"),
+            "--num_prompts",
+            "2",
+            "--num_generations",
+            "2",
+            "--max_gen_len",
+            "6",
+            "--grpo_steps",
+            "2",
+        ]
+        + ARCH
+    )
     assert summary["sglang_tokens_per_s"] > 0 and summary["torch_tokens_per_s"] > 0
     assert summary["sglang_logprob_gap"] < 1e-3 and len(summary["grpo_logprob_gap"]) == 2
     assert max(summary["grpo_logprob_gap"]) < 1e-3
@@ -338,6 +421,7 @@ def test_check_sglang_launches_and_stops_the_server(server_device, tiny_weights,
     exported folder, and stops it at the end."""
     from conftest import ROOT
     from scripts.check_sglang import main as check_main
+
     fake = tmp_path / "fake" / "sglang"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("")
@@ -346,10 +430,35 @@ def test_check_sglang_launches_and_stops_the_server(server_device, tiny_weights,
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "fake"), tests_dir, ROOT]))
     save_dir, name = tiny_weights
     port = free_port()
-    summary = check_main(["--port", str(port), "--server_args", "", "--launch_timeout", "300", "--save_dir", save_dir,
-                          "--server_device", server_device, "--sglang_python", sys.executable,
-                          "--from_weight", name, "--work_dir", str(tmp_path / "check"), "--num_prompts", "1",
-                          "--num_generations", "2", "--max_gen_len", "4", "--grpo_steps", "1"] + ARCH)
+    summary = check_main(
+        [
+            "--port",
+            str(port),
+            "--server_args",
+            "",
+            "--launch_timeout",
+            "300",
+            "--save_dir",
+            save_dir,
+            "--server_device",
+            server_device,
+            "--sglang_python",
+            sys.executable,
+            "--from_weight",
+            name,
+            "--work_dir",
+            str(tmp_path / "check"),
+            "--num_prompts",
+            "1",
+            "--num_generations",
+            "2",
+            "--max_gen_len",
+            "4",
+            "--grpo_steps",
+            "1",
+        ]
+        + ARCH
+    )
     assert summary["sglang_logprob_gap"] < 1e-3
     assert os.path.isfile(tmp_path / "check" / "launch" / "config.json")
     with pytest.raises(requests.ConnectionError):
@@ -361,6 +470,7 @@ def push_on_two_ranks(rank, init_file, url, shared_path, bad_folder, out_dir):
     import torch.distributed as dist
     from transformers import AutoTokenizer
     from conftest import ROOT
+
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
     policy = make_policy(1)
@@ -379,8 +489,9 @@ def push_on_two_ranks(rank, init_file, url, shared_path, bad_folder, out_dir):
 def test_two_ranks_rank0_syncs_and_every_rank_learns_a_failure(start_standin, tmp_path):
     server = start_standin(make_policy(0))
     shared, bad = str(tmp_path / "shared"), str(tmp_path / "missing")
-    torch.multiprocessing.spawn(push_on_two_ranks, args=(str(tmp_path / "init"), server.url, shared, bad,
-                                                         str(tmp_path)), nprocs=2)
+    torch.multiprocessing.spawn(
+        push_on_two_ranks, args=(str(tmp_path / "init"), server.url, shared, bad, str(tmp_path)), nprocs=2
+    )
     updates = [payload["model_path"] for path, payload in server.requests if path == "/update_weights_from_disk"]
     # rank 0 alone talks to /update_weights_from_disk
     assert updates == [os.path.join(shared, "policy_v0"), os.path.join(shared, "policy_v1"), bad]
@@ -390,12 +501,15 @@ def test_two_ranks_rank0_syncs_and_every_rank_learns_a_failure(start_standin, tm
     assert rank1.startswith("syncing the policy to SGLang failed on rank 0") and "no config.json" in rank1
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--sglang_sync_interval", "0"], "--sglang_sync_interval must be >= 1"),
-    (["--sglang_url", "127.0.0.1:30000"], "--sglang_url must start with http://"),
-    (["--rollout_engine", "sglang", "--use_moe", "1"], "needs a dense model"),
-    (["--sglang_logprobs", "both"], "invalid choice: 'both'"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--sglang_sync_interval", "0"], "--sglang_sync_interval must be >= 1"),
+        (["--sglang_url", "127.0.0.1:30000"], "--sglang_url must start with http://"),
+        (["--rollout_engine", "sglang", "--use_moe", "1"], "needs a dense model"),
+        (["--sglang_logprobs", "both"], "invalid choice: 'both'"),
+    ],
+)
 def test_bad_sglang_flags_fail_at_start(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         grpo_main(flags)
@@ -405,8 +519,12 @@ def test_bad_sglang_flags_fail_at_start(flags, message, capsys):
 
 def answer(output_ids, triples, finish_reason, completion_tokens=None):
     """An SGLang /generate answer element as documented (io_struct.py / tokenizer_manager.py)."""
-    meta_info = {"finish_reason": finish_reason, "output_token_logprobs": triples, "prompt_tokens": 5,
-                 "completion_tokens": len(output_ids) if completion_tokens is None else completion_tokens}
+    meta_info = {
+        "finish_reason": finish_reason,
+        "output_token_logprobs": triples,
+        "prompt_tokens": 5,
+        "completion_tokens": len(output_ids) if completion_tokens is None else completion_tokens,
+    }
     return {"text": "", "output_ids": output_ids, "meta_info": meta_info}
 
 
@@ -417,16 +535,21 @@ def test_parse_a_well_formed_answer():
     assert parse_sglang_output(cut, 0, max_new_tokens=2, eos_token_id=2) == ([7, 9], [-0.5, -1.0])
 
 
-@pytest.mark.parametrize("bad, message", [
-    (answer([7, 9], [[-0.5, 7, None], [None, 9, None]], {"type": "length", "length": 2}),
-     r"log-probs missing at completion positions \[1\]"),
-    (answer([7, 9], [[-0.5, 7, None], [-1.0, 9, None]], {"type": "length", "length": 2}, 3), "completion_tokens 3"),
-    (answer([7, 9], [[-0.5, 7, None]], {"type": "length", "length": 2}), "differ from the token ids"),
-    (answer([7, 9], [[-0.5, 7, None], [-1.0, 9, None]], {"type": "stop", "matched": 2}), "do not end with it"),
-    (answer([], [], {"type": "abort", "message": "Abort before prefill"}), "aborted.*Abort before prefill"),
-    (answer([7, 9, 8], [[-0.5, 7, None], [-1.0, 9, None], [-1.0, 8, None]], {"type": "length"}), "3 tokens for"),
-    ({"text": "hi", "meta_info": {}}, "expected a dict with output_ids and meta_info"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (
+            answer([7, 9], [[-0.5, 7, None], [None, 9, None]], {"type": "length", "length": 2}),
+            r"log-probs missing at completion positions \[1\]",
+        ),
+        (answer([7, 9], [[-0.5, 7, None], [-1.0, 9, None]], {"type": "length", "length": 2}, 3), "completion_tokens 3"),
+        (answer([7, 9], [[-0.5, 7, None]], {"type": "length", "length": 2}), "differ from the token ids"),
+        (answer([7, 9], [[-0.5, 7, None], [-1.0, 9, None]], {"type": "stop", "matched": 2}), "do not end with it"),
+        (answer([], [], {"type": "abort", "message": "Abort before prefill"}), "aborted.*Abort before prefill"),
+        (answer([7, 9, 8], [[-0.5, 7, None], [-1.0, 9, None], [-1.0, 8, None]], {"type": "length"}), "3 tokens for"),
+        ({"text": "hi", "meta_info": {}}, "expected a dict with output_ids and meta_info"),
+    ],
+)
 def test_parse_refuses_bad_answers(bad, message):
     with pytest.raises(RuntimeError, match=message):
         parse_sglang_output(bad, 3, max_new_tokens=2, eos_token_id=2)
@@ -450,8 +573,16 @@ def test_the_engine_keeps_the_trainers_old_log_probs_and_the_servers_beside_them
     the server's in ``sampling_per_token_logps``; the server here holds other weights, so the two differ."""
     trainer_policy = make_policy(0)
     server = start_standin(make_policy(1))
-    engine = SGLangRolloutEngine(trainer_policy, tokenizer, server.url, str(tmp_path / "shared"),
-                                 logprobs_mode="server", rollout_correction=True, logprob_tolerance=10.0, **FAST)
+    engine = SGLangRolloutEngine(
+        trainer_policy,
+        tokenizer,
+        server.url,
+        str(tmp_path / "shared"),
+        logprobs_mode="server",
+        rollout_correction=True,
+        logprob_tolerance=10.0,
+        **FAST,
+    )
     trainer_policy.load_state_dict(make_policy(2).state_dict())  # the trainer moves on; the server keeps the push
     prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, PROMPTS[:1], 256, "cpu")
     prompt = prompt_ids[0][attention_mask[0].bool()].tolist()
@@ -473,10 +604,36 @@ def corrected_run(script, server, tiny_weights, tmp_path, correction, grpo_flags
     returns the rows of metrics.jsonl."""
     save_dir, name = tiny_weights
     run_dir = tmp_path / "run"
-    argv = ["--max_steps", "2", "--save_dir", save_dir, "--from_weight", name, "--batch_size", "2",
-            "--max_gen_len", "8", "--run_dir", str(run_dir), "--rollout_engine", "sglang", "--sglang_url", server.url,
-            "--sglang_shared_path", str(tmp_path / "shared"), "--temperature", "0.8", "--sglang_logprobs", "server",
-            "--eval_interval", "0"] + correction + TINY
+    argv = (
+        [
+            "--max_steps",
+            "2",
+            "--save_dir",
+            save_dir,
+            "--from_weight",
+            name,
+            "--batch_size",
+            "2",
+            "--max_gen_len",
+            "8",
+            "--run_dir",
+            str(run_dir),
+            "--rollout_engine",
+            "sglang",
+            "--sglang_url",
+            server.url,
+            "--sglang_shared_path",
+            str(tmp_path / "shared"),
+            "--temperature",
+            "0.8",
+            "--sglang_logprobs",
+            "server",
+            "--eval_interval",
+            "0",
+        ]
+        + correction
+        + TINY
+    )
     if script == "grpo":
         grpo_main(argv + ["--num_generations", "3", *grpo_flags])
     else:
@@ -488,8 +645,9 @@ def corrected_run(script, server, tiny_weights, tmp_path, correction, grpo_flags
 
 @pytest.mark.parametrize("script", ["grpo", "ppo"])
 def test_two_corrected_steps_log_the_mismatch(script, start_standin, tiny_weights, tmp_path):
-    rows = corrected_run(script, start_standin(make_policy(5)), tiny_weights, tmp_path,
-                         ["--rollout_correction", "token_truncate"])
+    rows = corrected_run(
+        script, start_standin(make_policy(5)), tiny_weights, tmp_path, ["--rollout_correction", "token_truncate"]
+    )
     for row in rows:  # the stand-in scores with the trainer's own code on the synced weights: weights near 1
         assert row["sampling/sampling_logp_difference/mean"] == pytest.approx(row["logprob_gap"], abs=1e-7)
         assert row["sampling/importance_sampling_ratio/max"] <= 3.0
@@ -501,7 +659,13 @@ def test_two_corrected_steps_log_the_mismatch(script, start_standin, tiny_weight
 def test_weights_masked_at_a_tiny_cap_leave_no_policy_loss(script, start_standin, tiny_weights, tmp_path):
     """The weights reach the loss: with every weight above the cap, token_mask zeroes each token's policy term, so
     without a KL term the policy loss is 0 at every step (GRPO: the objective times 0; PPO: advantages times 0)."""
-    rows = corrected_run(script, start_standin(make_policy(5)), tiny_weights, tmp_path,
-                         ["--rollout_correction", "token_mask", "--rollout_correction_cap", "1e-30"],
-                         grpo_flags=["--beta", "0"], ppo_flags=["--kl_coef", "0"])
+    rows = corrected_run(
+        script,
+        start_standin(make_policy(5)),
+        tiny_weights,
+        tmp_path,
+        ["--rollout_correction", "token_mask", "--rollout_correction_cap", "1e-30"],
+        grpo_flags=["--beta", "0"],
+        ppo_flags=["--kl_coef", "0"],
+    )
     assert all(row["sampling/corrected_share"] == 1.0 and row["policy_loss"] == 0.0 for row in rows)

@@ -10,6 +10,7 @@ is tested against the stand-in in tests/test_sglang.py.
 Every expected value is computed here, by the project's torch code (``compute_per_token_logps``) on the same
 weights, or by a second request to the same server.
 """
+
 import copy
 import json
 import os
@@ -37,9 +38,11 @@ from trainer.infra.weights import build_config, init_model
 
 SGLANG_URL = os.environ.get("SGLANG_URL", "").rstrip("/")
 SGLANG_PYTHON = os.environ.get("SGLANG_PYTHON", "")
-NO_SERVER = ("needs a real SGLang server. To run: bash scripts/setup_sglang_env.sh (builds the 3 GB server venv, "
-             "prints its python), then SGLANG_PYTHON=<that python> python -m pytest -q tests/test_sglang_server.py; "
-             "or bash .ci/run, which also starts a server and sets SGLANG_URL (docs/sglang.md)")
+NO_SERVER = (
+    "needs a real SGLang server. To run: bash scripts/setup_sglang_env.sh (builds the 3 GB server venv, "
+    "prints its python), then SGLANG_PYTHON=<that python> python -m pytest -q tests/test_sglang_server.py; "
+    "or bash .ci/run, which also starts a server and sets SGLANG_URL (docs/sglang.md)"
+)
 pytestmark = pytest.mark.skipif(not (SGLANG_URL or SGLANG_PYTHON), reason=NO_SERVER)
 
 HIDDEN, LAYERS = 256, 4  # the bundled policy out/full_sft_256.pth
@@ -73,6 +76,7 @@ def server_url(tmp_path_factory):
 def prompts():
     """The first four prompts of the bundled validation split, chat-formatted as the training scripts do."""
     from dataset.lm_dataset import RLAIFDataset
+
     _, tokenizer = load_policy()
     dataset = RLAIFDataset(os.path.join(ROOT, "dataset", "rlaif_val.jsonl"), tokenizer, seed=0)
     return [dataset[i]["prompt"] for i in range(4)]
@@ -85,10 +89,12 @@ def server_vs_trainer(engine, model, prompt_ids, attention_mask, temperature, ma
     result = engine.rollout(prompt_ids, attention_mask, 2, max_new_tokens, temperature)
     gen_len = result.completion_ids.size(1)
     with torch.no_grad():
-        ours = compute_per_token_logps(model, result.output_ids, gen_len, result.attention_mask,
-                                       temperature).per_token_logps  # [N, R] float32
-        exact = compute_per_token_logps(copy.deepcopy(model).double(), result.output_ids, gen_len,
-                                        result.attention_mask, temperature).per_token_logps  # [N, R] float64
+        ours = compute_per_token_logps(
+            model, result.output_ids, gen_len, result.attention_mask, temperature
+        ).per_token_logps  # [N, R] float32
+        exact = compute_per_token_logps(
+            copy.deepcopy(model).double(), result.output_ids, gen_len, result.attention_mask, temperature
+        ).per_token_logps  # [N, R] float64
     mask = result.completion_mask.bool()
     assert mask.sum() > 0
     server_error = (result.per_token_logps.double() - exact)[mask].abs().max().item()
@@ -99,8 +105,15 @@ def server_vs_trainer(engine, model, prompt_ids, attention_mask, temperature, ma
 def test_server_logps_are_float32_exact_at_t1_and_t07_before_and_after_updates(server_url, prompts, tmp_path):
     model, tokenizer = load_policy()
     frozen = copy.deepcopy(model)
-    engine = SGLangRolloutEngine(model, tokenizer, server_url, str(tmp_path / "shared"), logprobs_mode="server",
-                                 logprob_tolerance=TOLERANCE, **ENGINE)
+    engine = SGLangRolloutEngine(
+        model,
+        tokenizer,
+        server_url,
+        str(tmp_path / "shared"),
+        logprobs_mode="server",
+        logprob_tolerance=TOLERANCE,
+        **ENGINE,
+    )
     prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, prompts, 256, "cpu")
     for temperature in (1.0, 0.7):
         server_error, trainer_error, _ = server_vs_trainer(engine, model, prompt_ids, attention_mask, temperature)
@@ -110,8 +123,9 @@ def test_server_logps_are_float32_exact_at_t1_and_t07_before_and_after_updates(s
     for update in range(3):
         result = engine.rollout(prompt_ids, attention_mask, 2, 16, 1.0)
         model.train()
-        logps = compute_per_token_logps(model, result.output_ids, result.completion_ids.size(1),
-                                        result.attention_mask).per_token_logps  # [N, R]
+        logps = compute_per_token_logps(
+            model, result.output_ids, result.completion_ids.size(1), result.attention_mask
+        ).per_token_logps  # [N, R]
         loss = -(logps * result.completion_mask).sum() / result.completion_mask.sum()
         optimizer.zero_grad()
         loss.backward()
@@ -119,12 +133,14 @@ def test_server_logps_are_float32_exact_at_t1_and_t07_before_and_after_updates(s
         model.eval()
         engine.update_policy(model)
         for temperature in (1.0, 0.7):
-            server_error, trainer_error, result = server_vs_trainer(engine, model, prompt_ids, attention_mask,
-                                                                    temperature)
+            server_error, trainer_error, result = server_vs_trainer(
+                engine, model, prompt_ids, attention_mask, temperature
+            )
             assert server_error <= TOLERANCE + trainer_error, (update, temperature, server_error, trainer_error)
     with torch.no_grad():  # the updates took effect: the server's numbers are no longer the starting policy's
-        old = compute_per_token_logps(frozen, result.output_ids, result.completion_ids.size(1),
-                                      result.attention_mask, 0.7).per_token_logps
+        old = compute_per_token_logps(
+            frozen, result.output_ids, result.completion_ids.size(1), result.attention_mask, 0.7
+        ).per_token_logps
     assert (result.per_token_logps - old)[result.completion_mask.bool()].abs().max().item() > 100 * TOLERANCE
 
 
@@ -136,11 +152,17 @@ def test_a_server_holding_other_weights_is_caught_by_weight_version(server_url, 
 
     # a restarted server labels its answers "default" (its --weight-version) again
     synced_folder = os.path.join(engine.shared_path, f"policy_v{engine.client.weight_pushes - 1}")
-    reload = requests.post(server_url + "/update_weights_from_disk",
-                           json={"model_path": synced_folder, "weight_version": "default"}, timeout=120)
+    reload = requests.post(
+        server_url + "/update_weights_from_disk",
+        json={"model_path": synced_folder, "weight_version": "default"},
+        timeout=120,
+    )
     assert reload.json()["success"] is True
-    with pytest.raises(RuntimeError, match=rf"came from weights 'default', but the trainer synced "
-                                           rf"'{engine.client.server_weight_version}'"):
+    with pytest.raises(
+        RuntimeError,
+        match=rf"came from weights 'default', but the trainer synced "
+        rf"'{engine.client.server_weight_version}'",
+    ):
         engine.rollout(prompt_ids, attention_mask, 2, 8)
 
     # a second trainer on the same server loads its own weights
@@ -152,8 +174,9 @@ def test_a_server_holding_other_weights_is_caught_by_weight_version(server_url, 
         engine.rollout(prompt_ids, attention_mask, 2, 8)
 
 
-def test_requests_that_would_crash_the_server_are_refused_and_it_keeps_serving(server_url, prompts, tmp_path,
-                                                                                monkeypatch):
+def test_requests_that_would_crash_the_server_are_refused_and_it_keeps_serving(
+    server_url, prompts, tmp_path, monkeypatch
+):
     model, tokenizer = load_policy()
     engine = SGLangRolloutEngine(model, tokenizer, server_url, str(tmp_path / "shared"), **ENGINE)
     prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, prompts[:2], 256, "cpu")
@@ -168,8 +191,9 @@ def test_requests_that_would_crash_the_server_are_refused_and_it_keeps_serving(s
 
     # a sampling parameter the server does not know: an HTTP error that names the keys sent, not a crash
     known = rollout_module.sglang_sampling_params
-    monkeypatch.setattr(rollout_module, "sglang_sampling_params",
-                        lambda *args: dict(known(*args), not_a_sampling_param=1))
+    monkeypatch.setattr(
+        rollout_module, "sglang_sampling_params", lambda *args: dict(known(*args), not_a_sampling_param=1)
+    )
     with pytest.raises(RuntimeError, match=r"answered HTTP [45]\d\d.*'not_a_sampling_param'"):
         engine.rollout(prompt_ids, attention_mask, 2, 8)
     monkeypatch.setattr(rollout_module, "sglang_sampling_params", known)
@@ -181,8 +205,9 @@ def test_requests_that_would_crash_the_server_are_refused_and_it_keeps_serving(s
 def generate(url, ids, **params):
     """One raw /generate request for one prompt, greedy unless told; returns the answer dict."""
     sampling = dict({"temperature": 0.0, "max_new_tokens": 16, "skip_special_tokens": False}, **params)
-    answer = requests.post(url + "/generate", json={"input_ids": ids, "sampling_params": sampling,
-                                                    "return_logprob": True}, timeout=120)
+    answer = requests.post(
+        url + "/generate", json={"input_ids": ids, "sampling_params": sampling, "return_logprob": True}, timeout=120
+    )
     assert answer.status_code == 200, answer.text
     return answer.json()
 
@@ -196,7 +221,7 @@ def test_the_servers_answer_format_that_the_engine_relies_on(server_url, prompts
     stop = free[4]
     stopped = generate(server_url, ids, max_new_tokens=12, stop_token_ids=[stop])
     first = free.index(stop)
-    assert stopped["output_ids"] == free[:first + 1]  # output_ids end with the stop token ...
+    assert stopped["output_ids"] == free[: first + 1]  # output_ids end with the stop token ...
     assert stopped["text"] == tokenizer.decode(free[:first])  # ... the text leaves it out
     assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert stopped["meta_info"]["weight_version"] == engine.client.server_weight_version
@@ -205,8 +230,11 @@ def test_the_servers_answer_format_that_the_engine_relies_on(server_url, prompts
     assert nothing["output_ids"] == [] and nothing["meta_info"]["completion_tokens"] == 0
 
     # a failed update answers 400 and leaves the server on the weights it had
-    failed = requests.post(server_url + "/update_weights_from_disk",
-                           json={"model_path": str(tmp_path / "missing"), "weight_version": "never"}, timeout=120)
+    failed = requests.post(
+        server_url + "/update_weights_from_disk",
+        json={"model_path": str(tmp_path / "missing"), "weight_version": "never"},
+        timeout=120,
+    )
     assert failed.status_code == 400 and failed.json()["success"] is False
     with pytest.raises(RuntimeError, match=r"update_weights_from_disk failed .*HTTP 400"):
         engine.push_weights(model, folder=str(tmp_path / "missing"))
@@ -217,10 +245,34 @@ def test_the_servers_answer_format_that_the_engine_relies_on(server_url, prompts
 @pytest.mark.parametrize("script", ["grpo", "ppo"])
 def test_three_training_steps_against_the_server(script, server_url, tmp_path):
     run_dir = tmp_path / "run"
-    argv = ["--max_steps", "3", "--save_dir", str(tmp_path), "--from_weight", BUNDLED, "--batch_size", "2",
-            "--max_gen_len", "16", "--run_dir", str(run_dir), "--rollout_engine", "sglang", "--sglang_url",
-            server_url, "--sglang_shared_path", str(tmp_path / "shared"), "--temperature", "0.8",
-            "--eval_interval", "0", "--hidden_size", str(HIDDEN), "--num_hidden_layers", str(LAYERS)]
+    argv = [
+        "--max_steps",
+        "3",
+        "--save_dir",
+        str(tmp_path),
+        "--from_weight",
+        BUNDLED,
+        "--batch_size",
+        "2",
+        "--max_gen_len",
+        "16",
+        "--run_dir",
+        str(run_dir),
+        "--rollout_engine",
+        "sglang",
+        "--sglang_url",
+        server_url,
+        "--sglang_shared_path",
+        str(tmp_path / "shared"),
+        "--temperature",
+        "0.8",
+        "--eval_interval",
+        "0",
+        "--hidden_size",
+        str(HIDDEN),
+        "--num_hidden_layers",
+        str(LAYERS),
+    ]
     if script == "grpo":
         grpo_main(argv + ["--num_generations", "2"])
     else:
@@ -237,8 +289,16 @@ def test_the_correction_weighs_the_servers_samples_of_bfloat16_weights(server_ur
     trainer's forward of its float32 weights, the server's equal a forward of the bfloat16-rounded weights, and the
     correction's weights are exp of the difference of those two forwards, truncated at the cap."""
     model, tokenizer = load_policy()
-    engine = SGLangRolloutEngine(model, tokenizer, server_url, str(tmp_path / "shared"), logprobs_mode="server",
-                                 rollout_correction=True, export_dtype=torch.bfloat16, **ENGINE)
+    engine = SGLangRolloutEngine(
+        model,
+        tokenizer,
+        server_url,
+        str(tmp_path / "shared"),
+        logprobs_mode="server",
+        rollout_correction=True,
+        export_dtype=torch.bfloat16,
+        **ENGINE,
+    )
     prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, prompts, 256, "cpu")
     result = engine.rollout(prompt_ids, attention_mask, 2, 32, 1.0)
     rounded = copy.deepcopy(model)
@@ -254,28 +314,65 @@ def test_the_correction_weighs_the_servers_samples_of_bfloat16_weights(server_ur
     assert server_error <= TOLERANCE
     assert (served - trainer)[mask].abs().mean().item() > 10 * server_error  # a mismatch to correct
     cap = 1 + 0.5 * (torch.exp(trainer - served)[mask].max().item() - 1)  # half-way to the largest weight
-    weights = rollout_correction_weights(result.per_token_logps, result.sampling_per_token_logps,
-                                         result.completion_mask, "token_truncate", cap)
+    weights = rollout_correction_weights(
+        result.per_token_logps, result.sampling_per_token_logps, result.completion_mask, "token_truncate", cap
+    )
     expected = torch.exp(trainer - served).clamp(max=cap)  # [N, R]
     assert (weights - expected)[mask].abs().max().item() <= 1e-3
     assert (weights[mask] == cap).any() and (weights[mask] < 1).any()
 
 
-@pytest.mark.parametrize("script, mode", [("grpo", "token_truncate"), ("ppo", "sequence_mask"),
-                                          ("agent", "token_mask")])
+@pytest.mark.parametrize(
+    "script, mode", [("grpo", "token_truncate"), ("ppo", "sequence_mask"), ("agent", "token_mask")]
+)
 def test_corrected_training_steps_against_the_server(script, mode, server_url, tmp_path):
     run_dir = tmp_path / "run"
-    argv = ["--max_steps", "2", "--save_dir", str(tmp_path), "--batch_size", "2", "--run_dir", str(run_dir),
-            "--rollout_engine", "sglang", "--sglang_url", server_url, "--sglang_shared_path", str(tmp_path / "shared"),
-            "--eval_interval", "0", "--hidden_size", str(HIDDEN), "--num_hidden_layers", str(LAYERS),
-            "--sglang_logprobs", "server", "--sglang_export_dtype", "bfloat16", "--rollout_correction", mode]
+    argv = [
+        "--max_steps",
+        "2",
+        "--save_dir",
+        str(tmp_path),
+        "--batch_size",
+        "2",
+        "--run_dir",
+        str(run_dir),
+        "--rollout_engine",
+        "sglang",
+        "--sglang_url",
+        server_url,
+        "--sglang_shared_path",
+        str(tmp_path / "shared"),
+        "--eval_interval",
+        "0",
+        "--hidden_size",
+        str(HIDDEN),
+        "--num_hidden_layers",
+        str(LAYERS),
+        "--sglang_logprobs",
+        "server",
+        "--sglang_export_dtype",
+        "bfloat16",
+        "--rollout_correction",
+        mode,
+    ]
     if script == "grpo":
         grpo_main(argv + ["--from_weight", BUNDLED, "--num_generations", "2", "--max_gen_len", "16"])
     elif script == "ppo":
         ppo_main(argv + ["--from_weight", BUNDLED, "--mini_batch_size", "1", "--max_gen_len", "16"])
     else:
-        agent_main(argv + ["--from_weight", AGENT_SFT, "--num_generations", "2", "--max_gen_len", "48",
-                           "--reward_model_path", "none"])
+        agent_main(
+            argv
+            + [
+                "--from_weight",
+                AGENT_SFT,
+                "--num_generations",
+                "2",
+                "--max_gen_len",
+                "48",
+                "--reward_model_path",
+                "none",
+            ]
+        )
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2]
     for row in rows:  # bfloat16 weights on the server, float32 in the trainer: a real mismatch, measured
@@ -291,12 +388,46 @@ def test_the_agents_weights_reach_its_loss(server_url, tmp_path):
     """Every weight above a tiny cap, token_mask zeroes each token's policy term: with --beta 0 the agent's policy
     loss is 0 at every step (tests/test_sglang.py checks GRPO and PPO the same way against the stand-in)."""
     run_dir = tmp_path / "run"
-    agent_main(["--max_steps", "2", "--save_dir", str(tmp_path), "--from_weight", AGENT_SFT, "--batch_size", "2",
-                "--num_generations", "2", "--max_gen_len", "48", "--run_dir", str(run_dir), "--rollout_engine",
-                "sglang", "--sglang_url", server_url, "--sglang_shared_path", str(tmp_path / "shared"),
-                "--eval_interval", "0", "--hidden_size", str(HIDDEN), "--num_hidden_layers", str(LAYERS),
-                "--reward_model_path", "none", "--sglang_logprobs", "server", "--rollout_correction", "token_mask",
-                "--rollout_correction_cap", "1e-30", "--beta", "0"])
+    agent_main(
+        [
+            "--max_steps",
+            "2",
+            "--save_dir",
+            str(tmp_path),
+            "--from_weight",
+            AGENT_SFT,
+            "--batch_size",
+            "2",
+            "--num_generations",
+            "2",
+            "--max_gen_len",
+            "48",
+            "--run_dir",
+            str(run_dir),
+            "--rollout_engine",
+            "sglang",
+            "--sglang_url",
+            server_url,
+            "--sglang_shared_path",
+            str(tmp_path / "shared"),
+            "--eval_interval",
+            "0",
+            "--hidden_size",
+            str(HIDDEN),
+            "--num_hidden_layers",
+            str(LAYERS),
+            "--reward_model_path",
+            "none",
+            "--sglang_logprobs",
+            "server",
+            "--rollout_correction",
+            "token_mask",
+            "--rollout_correction_cap",
+            "1e-30",
+            "--beta",
+            "0",
+        ]
+    )
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2]
     assert all(row["sampling/corrected_share"] == 1.0 and row["policy_loss"] == 0.0 for row in rows)
@@ -311,13 +442,23 @@ def test_agent_turns_generated_by_the_server_carry_the_trainers_log_probs_and_th
     template tokens included in that forward's context; between turns stand ``execute_call``'s replies (mask 0)."""
     model, tokenizer = init_model(build_config(HIDDEN, LAYERS, 0), AGENT_SFT)
     model.eval()
-    engine = SGLangRolloutEngine(model, tokenizer, server_url, str(tmp_path / "shared"), logprobs_mode="server",
-                                 **ENGINE)  # pushes the agent SFT weights to the server
+    engine = SGLangRolloutEngine(
+        model, tokenizer, server_url, str(tmp_path / "shared"), logprobs_mode="server", **ENGINE
+    )  # pushes the agent SFT weights to the server
     rows = [json.loads(line) for line in open(os.path.join(ROOT, "dataset", "agent_rl_val.jsonl"))][:8]
-    result = agent_rollout(model, tokenizer, [row["conversations"][:-1] for row in rows], 4, max_new_tokens=96,
-                           max_total_len=1024, temperature=1.0, server=engine)
-    exact = compute_per_token_logps(model, result.output_ids, result.completion_ids.size(1), result.attention_mask,
-                                    1.0).per_token_logps  # [N, R]
+    result = agent_rollout(
+        model,
+        tokenizer,
+        [row["conversations"][:-1] for row in rows],
+        4,
+        max_new_tokens=96,
+        max_total_len=1024,
+        temperature=1.0,
+        server=engine,
+    )
+    exact = compute_per_token_logps(
+        model, result.output_ids, result.completion_ids.size(1), result.attention_mask, 1.0
+    ).per_token_logps  # [N, R]
     mask = result.completion_mask.bool()  # [N, R]
     assert (result.old_per_token_logps - exact)[mask].abs().mean().item() <= TOLERANCE
     assert result.metrics["logprob_gap"] <= TOLERANCE
@@ -325,7 +466,7 @@ def test_agent_turns_generated_by_the_server_carry_the_trainers_log_probs_and_th
     multi_turn = (result.num_turns > 1).nonzero().flatten().tolist()
     assert multi_turn, "no conversation of 32 called the calculator"
     for n in multi_turn:
-        observation = result.completion_ids[n][~mask[n] & result.attention_mask[n, -mask.size(1):].bool()]
+        observation = result.completion_ids[n][~mask[n] & result.attention_mask[n, -mask.size(1) :].bool()]
         text = tokenizer.decode(observation)
         replies = [execute_call(call, allowed=["calculate_math"]) for call in parse_tool_calls(result.turn_texts[n][0])]
         assert replies and all(reply in text for reply in replies), (text, replies)
@@ -347,13 +488,43 @@ def test_each_row_of_a_turn_is_sent_its_own_budget(server_url, prompts, tmp_path
 @pytest.mark.parametrize("data", ["bundled", "upstream_rows"])
 def test_three_agent_training_steps_against_the_server(data, server_url, tmp_path):
     run_dir = tmp_path / "run"
-    argv = ["--max_steps", "3", "--save_dir", str(tmp_path), "--from_weight", AGENT_SFT, "--batch_size", "2",
-            "--num_generations", "2", "--max_gen_len", "48", "--run_dir", str(run_dir), "--rollout_engine", "sglang",
-            "--sglang_url", server_url, "--sglang_shared_path", str(tmp_path / "shared"), "--eval_interval", "0",
-            "--hidden_size", str(HIDDEN), "--num_hidden_layers", str(LAYERS), "--reward_model_path", "none"]
+    argv = [
+        "--max_steps",
+        "3",
+        "--save_dir",
+        str(tmp_path),
+        "--from_weight",
+        AGENT_SFT,
+        "--batch_size",
+        "2",
+        "--num_generations",
+        "2",
+        "--max_gen_len",
+        "48",
+        "--run_dir",
+        str(run_dir),
+        "--rollout_engine",
+        "sglang",
+        "--sglang_url",
+        server_url,
+        "--sglang_shared_path",
+        str(tmp_path / "shared"),
+        "--eval_interval",
+        "0",
+        "--hidden_size",
+        str(HIDDEN),
+        "--num_hidden_layers",
+        str(LAYERS),
+        "--reward_model_path",
+        "none",
+    ]
     if data == "upstream_rows":  # upstream MiniMind's agent_rl.jsonl format, six tools, with the bundled tokenizer
-        argv += ["--data_path", os.path.join(ROOT, "tests", "fixtures", "minimind-agent-format",
-                                             "agent_rl_format_example.jsonl"), "--batch_size", "1"]
+        argv += [
+            "--data_path",
+            os.path.join(ROOT, "tests", "fixtures", "minimind-agent-format", "agent_rl_format_example.jsonl"),
+            "--batch_size",
+            "1",
+        ]
     agent_main(argv)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3]
@@ -364,16 +535,42 @@ def test_three_agent_training_steps_against_the_server(data, server_url, tmp_pat
 
 def test_a_server_killed_mid_run_stops_the_run_with_a_clear_error(prompts, tmp_path):
     if not SGLANG_PYTHON:
-        pytest.skip("the server-killing test launches its own server: set SGLANG_PYTHON to the python that "
-                    "bash scripts/setup_sglang_env.sh prints (docs/sglang.md)")
+        pytest.skip(
+            "the server-killing test launches its own server: set SGLANG_PYTHON to the python that "
+            "bash scripts/setup_sglang_env.sh prints (docs/sglang.md)"
+        )
     model, tokenizer = load_policy()
     folder = save_qwen3_folder(model.state_dict(), model.config, str(tmp_path / "launch"), tokenizer=tokenizer)
     url, pid = launch_cpu_server(folder, str(tmp_path), SGLANG_PYTHON)
     run_dir, save_dir = tmp_path / "run", tmp_path / "save"
-    command = [sys.executable, os.path.join(ROOT, "trainer", "train_grpo.py"), "--max_steps", "500",
-               "--save_interval", "1", "--save_dir", str(save_dir), "--from_weight", BUNDLED, "--batch_size", "2",
-               "--num_generations", "2", "--max_gen_len", "16", "--run_dir", str(run_dir), "--eval_interval", "0",
-               "--rollout_engine", "sglang", "--sglang_url", url, "--sglang_shared_path", str(tmp_path / "shared")]
+    command = [
+        sys.executable,
+        os.path.join(ROOT, "trainer", "train_grpo.py"),
+        "--max_steps",
+        "500",
+        "--save_interval",
+        "1",
+        "--save_dir",
+        str(save_dir),
+        "--from_weight",
+        BUNDLED,
+        "--batch_size",
+        "2",
+        "--num_generations",
+        "2",
+        "--max_gen_len",
+        "16",
+        "--run_dir",
+        str(run_dir),
+        "--eval_interval",
+        "0",
+        "--rollout_engine",
+        "sglang",
+        "--sglang_url",
+        url,
+        "--sglang_shared_path",
+        str(tmp_path / "shared"),
+    ]
     trainer = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 300

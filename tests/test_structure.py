@@ -1,4 +1,5 @@
 """How the code is put together: scripts do not import scripts, flags mean one thing, booleans take 0/1."""
+
 import ast
 import glob
 import os
@@ -14,8 +15,11 @@ SCRIPT_DIRS = ("trainer", "scripts")
 def entry_scripts():
     """Files run as `python DIR/NAME.py`: the train_*.py of trainer/ and every .py under scripts/ (the SGLang
     server's package excepted)."""
-    paths = [os.path.join("trainer", n) for n in os.listdir(os.path.join(ROOT, "trainer"))
-             if n.startswith("train_") and n.endswith(".py")]
+    paths = [
+        os.path.join("trainer", n)
+        for n in os.listdir(os.path.join(ROOT, "trainer"))
+        if n.startswith("train_") and n.endswith(".py")
+    ]
     for folder, _, names in os.walk(os.path.join(ROOT, "scripts")):
         relative = os.path.relpath(folder, ROOT)
         if relative.startswith(os.path.join("scripts", "sglang_cpu")):
@@ -45,14 +49,21 @@ def test_no_script_imports_another_script():
     # scripts/walkthrough.py, scripts/bench/bench.py and scripts/bench/lora_memory.py exist to run the training
     # code's own step functions (lora_memory: the scripts' losses); scripts/bench/bench_process.py and
     # bench_levers.py take their workloads and machine checks from bench.py, scripts/bench/profile_run.py its tracer
-    allowed = {"scripts/walkthrough.py", "scripts/bench/bench.py", "scripts/bench/bench_process.py",
-               "scripts/bench/bench_levers.py", "scripts/bench/profile_run.py", "scripts/bench/lora_memory.py"}
+    allowed = {
+        "scripts/walkthrough.py",
+        "scripts/bench/bench.py",
+        "scripts/bench/bench_process.py",
+        "scripts/bench/bench_levers.py",
+        "scripts/bench/profile_run.py",
+        "scripts/bench/lora_memory.py",
+    }
     assert {p: n for p, n in offenders.items() if p not in allowed} == {}
 
 
 @pytest.mark.parametrize("script", ["grpo", "ppo"])
 def test_yes_no_flags_take_0_1_and_a_bare_flag_means_1(script):
     import importlib
+
     parse_args = importlib.import_module(f"trainer.train_{script}").parse_args
     defaults = parse_args([])
     assert (defaults.use_wandb, defaults.debug_mode, defaults.from_resume, defaults.use_moe) == (0, 0, 0, 0)
@@ -67,6 +78,7 @@ def test_yes_no_flags_take_0_1_and_a_bare_flag_means_1(script):
 def test_accumulation_flags_have_one_meaning_each():
     from trainer.train_grpo import parse_args as grpo_parse_args
     from trainer.train_ppo import parse_args as ppo_parse_args
+
     assert grpo_parse_args(["--accumulation_steps", "2"]).accumulation_steps == 2
     assert ppo_parse_args(["--minibatch_accumulation_steps", "3"]).minibatch_accumulation_steps == 3
     # upstream MiniMind's train_ppo.py counts its --accumulation_steps in minibatches: the same meaning, so the
@@ -76,6 +88,7 @@ def test_accumulation_flags_have_one_meaning_each():
 
 def test_dtype_auto_is_float32_on_the_cpu_and_explicit_names_stay():
     from trainer.infra.dtypes import autocast_context, resolve_train_dtype
+
     assert resolve_train_dtype("auto", "cpu") == "float32"
     assert resolve_train_dtype("bfloat16", "cpu") == "bfloat16"
     assert resolve_train_dtype("float32", "cuda:0") == "float32"
@@ -85,13 +98,17 @@ def test_dtype_auto_is_float32_on_the_cpu_and_explicit_names_stay():
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("device, message", [
-    ("mps", "the scripts run on cpu or cuda"),
-    ("tpu:0", "is not a device"),
-    ("gpu", "is not a device"),
-])
+@pytest.mark.parametrize(
+    "device, message",
+    [
+        ("mps", "the scripts run on cpu or cuda"),
+        ("tpu:0", "is not a device"),
+        ("gpu", "is not a device"),
+    ],
+)
 def test_bad_device_is_an_error_that_names_the_flag(device, message, capsys):
     from trainer.train_grpo import parse_args
+
     with pytest.raises(SystemExit):
         parse_args(["--device", device])
     err = capsys.readouterr().err
@@ -101,6 +118,7 @@ def test_bad_device_is_an_error_that_names_the_flag(device, message, capsys):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
 def test_cuda_device_without_a_gpu_is_refused(capsys):
     from trainer.train_ppo import parse_args
+
     with pytest.raises(SystemExit):
         parse_args(["--device", "cuda:1"])
     assert "this machine has no CUDA GPU" in capsys.readouterr().err
@@ -109,6 +127,7 @@ def test_cuda_device_without_a_gpu_is_refused(capsys):
 def test_reward_model_dtype_is_half_on_a_gpu_and_float32_on_the_cpu():
     # upstream MiniMind loads its reward model in half precision (3.6 GB instead of 7.2 GB for a 1.8B model)
     from trainer.infra.dtypes import reward_model_dtype
+
     assert reward_model_dtype("", "cpu") == torch.float32
     assert reward_model_dtype("", "cuda:1") == torch.float16  # upstream's LMForRewardModel default
     assert reward_model_dtype("bfloat16", "cpu") == torch.bfloat16  # --reward_dtype wins
@@ -116,6 +135,7 @@ def test_reward_model_dtype_is_half_on_a_gpu_and_float32_on_the_cpu():
 
 def test_device_flag_picks_the_device():
     from trainer.infra.distributed import init_distributed_mode
+
     assert init_distributed_mode("cpu") == (0, "cpu")
     assert init_distributed_mode("") == (0, "cuda:0" if torch.cuda.is_available() else "cpu")
 
@@ -124,6 +144,7 @@ def test_use_compile_wraps_the_same_parameters_and_0_leaves_the_module():
     # compiling is lazy (the first call compiles, ~1-3 min on a 2-core CPU), so this builds the wrapper only
     from trainer.infra.distributed import unwrap_model
     from trainer.infra.distributed import compile_for_training
+
     model = torch.nn.Linear(3, 2)
     assert compile_for_training(model, 0) is model
     compiled = compile_for_training(model, 1)
@@ -132,8 +153,9 @@ def test_use_compile_wraps_the_same_parameters_and_0_leaves_the_module():
 
 
 # ----------------------------------------------------------------------------- where the chapter's code lives
-INFRASTRUCTURE = sorted(n[:-3] for n in os.listdir(os.path.join(ROOT, "trainer", "infra"))
-                        if n.endswith(".py") and n != "__init__.py")
+INFRASTRUCTURE = sorted(
+    n[:-3] for n in os.listdir(os.path.join(ROOT, "trainer", "infra")) if n.endswith(".py") and n != "__init__.py"
+)
 
 
 def parse(path):
@@ -148,12 +170,14 @@ def test_an_update_step_clips_and_steps_only_when_every_value_is_finite():
     """The one update of the RL loops (``OptimizerStep.clip_and_step``) skips the step on a NaN gradient or a NaN
     checked value and applies it otherwise: the weights and the schedule move exactly when everything is finite."""
     from trainer.infra.optimizer import OptimizerStep, build_cosine_scheduler
+
     for bad in (None, "gradient", "loss"):
         model = torch.nn.Linear(2, 1)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
         scheduler = build_cosine_scheduler(optimizer, 10)
-        update = OptimizerStep([model], [optimizer], 1.0, "cpu", accumulation_steps=1, total_steps=10,
-                               schedulers=[scheduler])
+        update = OptimizerStep(
+            [model], [optimizer], 1.0, "cpu", accumulation_steps=1, total_steps=10, schedulers=[scheduler]
+        )
         before = model.weight.detach().clone()
         loss = model(torch.ones(1, 2)).sum()
         loss.backward()
@@ -204,8 +228,11 @@ def test_the_top_of_scripts_holds_the_user_tools_of_the_readme_tour():
     for folder in ("bench", "dev", "agent_copy_study"):
         described = open(os.path.join(ROOT, "scripts", folder, "README.md"), encoding="utf-8").read()
         files = [n for n in os.listdir(os.path.join(ROOT, "scripts", folder)) if n.endswith(".py")]
-        files += [f"results/{n}" for n in os.listdir(os.path.join(ROOT, "scripts", folder, "results"))
-                  ] if folder == "bench" else []
+        files += (
+            [f"results/{n}" for n in os.listdir(os.path.join(ROOT, "scripts", folder, "results"))]
+            if folder == "bench"
+            else []
+        )
         assert files and [n for n in files if f"`{n}`" not in described] == [], folder
         assert f"scripts/{folder}/" in readme, folder
 
@@ -230,8 +257,10 @@ def names_bound_in(function):
     return names
 
 
-@pytest.mark.parametrize("script, step_functions", [("train_grpo", {"grpo_rollout", "grpo_policy_loss"}),
-                                                    ("train_ppo", {"ppo_rollout", "ppo_update"})])
+@pytest.mark.parametrize(
+    "script, step_functions",
+    [("train_grpo", {"grpo_rollout", "grpo_policy_loss"}), ("train_ppo", {"ppo_rollout", "ppo_update"})],
+)
 def test_main_makes_every_object_its_step_uses(script, step_functions):
     """Each argument of the step functions called in main's loop is a plain name that main itself binds (or the
     script's own ``args``): a reader finds where every object of the step is made by reading main, never as an
@@ -252,10 +281,17 @@ def step_calls(script_path):
     every function of the script they call. Returns (called names, {imported name: module})."""
     tree = parse(script_path)
     functions = top_level_functions(tree)
-    imported = {alias.asname or alias.name: node.module for node in tree.body
-                if isinstance(node, ast.ImportFrom) and node.module for alias in node.names}
-    pending = [functions[name] for name in ("grpo_rollout", "grpo_policy_loss", "ppo_rollout", "ppo_update")
-               if name in functions]
+    imported = {
+        alias.asname or alias.name: node.module
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom) and node.module
+        for alias in node.names
+    }
+    pending = [
+        functions[name]
+        for name in ("grpo_rollout", "grpo_policy_loss", "ppo_rollout", "ppo_update")
+        if name in functions
+    ]
     seen, called = set(), set()
     while pending:
         for node in ast.walk(pending.pop()):
@@ -277,9 +313,16 @@ def test_the_rl_step_reaches_the_chapter_modules_only(script):
     called, imported = step_calls(f"trainer/{script}.py")
     modules = {imported[name.split(".")[0]] for name in called if name.split(".")[0] in imported}
     project_modules = {module for module in modules if module.split(".")[0] in ("trainer", "model", "dataset")}
-    assert project_modules <= {"trainer.rollout_engine", "trainer.trainer_utils", "model.model_minimind",
-                               "trainer.grpo_family", "trainer.advantage_estimators", "trainer.speed.shared_prefix",
-                               "trainer.infra.optimizer", "trainer.infra.distributed"}, project_modules
+    assert project_modules <= {
+        "trainer.rollout_engine",
+        "trainer.trainer_utils",
+        "model.model_minimind",
+        "trainer.grpo_family",
+        "trainer.advantage_estimators",
+        "trainer.speed.shared_prefix",
+        "trainer.infra.optimizer",
+        "trainer.infra.distributed",
+    }, project_modules
 
 
 def project_imports(path):
@@ -289,27 +332,36 @@ def project_imports(path):
 
 def test_dataset_imports_nothing_from_trainer():
     """The data layer sits below the training code: dataset/ imports model/ or dataset/ only."""
-    offenders = {path: sorted(n for n in project_imports(f"dataset/{path}") if n.startswith("trainer"))
-                 for path in os.listdir(os.path.join(ROOT, "dataset")) if path.endswith(".py")}
+    offenders = {
+        path: sorted(n for n in project_imports(f"dataset/{path}") if n.startswith("trainer"))
+        for path in os.listdir(os.path.join(ROOT, "dataset"))
+        if path.endswith(".py")
+    }
     assert {path: names for path, names in offenders.items() if names} == {}
 
 
 def test_the_project_import_graph_has_no_cycle():
     """No two modules of the project import each other, directly or through others, at their top or inside a
     function (an import hidden in a function is still an arrow of the graph)."""
-    files = [os.path.relpath(p, ROOT) for folder in ("model", "dataset", "trainer")
-             for p in glob.glob(os.path.join(ROOT, folder, "**", "*.py"), recursive=True)]
+    files = [
+        os.path.relpath(p, ROOT)
+        for folder in ("model", "dataset", "trainer")
+        for p in glob.glob(os.path.join(ROOT, folder, "**", "*.py"), recursive=True)
+    ]
     module_of = {path: path[:-3].replace(os.sep, ".").removesuffix(".__init__") for path in files}
     modules = set(module_of.values())
-    graph = {module_of[path]: {name if name in modules else name.rsplit(".", 1)[0] for name in project_imports(path)}
-             & modules - {module_of[path]} for path in files}
+    graph = {
+        module_of[path]: {name if name in modules else name.rsplit(".", 1)[0] for name in project_imports(path)}
+        & modules - {module_of[path]}
+        for path in files
+    }
     state, cycles = {}, []
 
     def visit(module, stack):
         state[module] = "open"
         for other in sorted(graph.get(module, ())):
             if state.get(other) == "open":
-                cycles.append(stack[stack.index(other):] + [other])
+                cycles.append(stack[stack.index(other) :] + [other])
             elif other not in state:
                 visit(other, stack + [other])
         state[module] = "done"
@@ -325,13 +377,20 @@ def test_the_three_rl_loops_call_one_update():
     PPO's loops call after their backward; what goes beyond the chapter (the token-sum window, the final norm's
     projection, the non-finite checks) enters through its arguments, not as lines of the scripts."""
     not_rl = {"train_full_sft.py", "train_reward.py", "train_tokenizer.py"}  # supervised trainers
-    callers = [os.path.relpath(path, ROOT) for path in glob.glob(os.path.join(ROOT, "trainer", "**", "*.py"),
-                                                                  recursive=True)
-               if os.path.basename(path) not in not_rl and "clip_grad_norm_" in open(path, encoding="utf-8").read()]
+    callers = [
+        os.path.relpath(path, ROOT)
+        for path in glob.glob(os.path.join(ROOT, "trainer", "**", "*.py"), recursive=True)
+        if os.path.basename(path) not in not_rl and "clip_grad_norm_" in open(path, encoding="utf-8").read()
+    ]
     assert callers == [os.path.join("trainer", "infra", "optimizer.py")]
     for script in ("train_grpo", "train_ppo", "train_agent"):
         source = open(os.path.join(ROOT, "trainer", f"{script}.py"), encoding="utf-8").read()
         assert "optimizer_step.clip_and_step(" in source, script
-        for name in ("scale_gradients", "project_scale_only_gradients", "nonfinite_parts", "window_num_items",
-                     "clip_grad_norm_"):
+        for name in (
+            "scale_gradients",
+            "project_scale_only_gradients",
+            "nonfinite_parts",
+            "window_num_items",
+            "clip_grad_norm_",
+        ):
             assert name not in source, (script, name)

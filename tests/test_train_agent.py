@@ -2,6 +2,7 @@
 is built; a 2-step run on upstream-format rows (upstream MiniMind's tokenizer, a tiny random MiniMind) whose loss
 trains the model's tokens only and whose metrics rows carry the rewards, tool use and the held-out evaluation;
 a run stopped by SIGTERM and resumed equal to an uninterrupted one."""
+
 import json
 import os
 import re
@@ -16,7 +17,13 @@ from test_agent_rollout import CALC_CALL, ScriptedPolicy, turn_ids
 from dataset.agent_dataset import AgentRLDataset, collate_agent_rows
 from trainer import train_agent
 from trainer.agent.rewards import (
-    agent_reward, call_count_reward, calculate_agent_rewards, final_answer_text, gt_found, gt_reward, tag_penalty,
+    agent_reward,
+    call_count_reward,
+    calculate_agent_rewards,
+    final_answer_text,
+    gt_found,
+    gt_reward,
+    tag_penalty,
 )
 from trainer.agent.rollout import agent_rollout, ended_with_eos, template_kwargs
 from trainer.agent.tools import conversation_tools, count_valid_calls, parse_tool_calls, tool_schemas
@@ -40,9 +47,14 @@ def upstream_row(question, tools, gt, answer="好的。"):
     """One line of upstream's agent_rl.jsonl: the system turn carries the schemas as a JSON string, then the user's
     question and a reference assistant turn (dropped from the prompt), and ``gt``."""
     schemas = json.dumps(tool_schemas(tools), ensure_ascii=False)
-    return {"conversations": [{"role": "system", "content": "你是一个有用的助手。", "tools": schemas},
-                              {"role": "user", "content": question}, {"role": "assistant", "content": answer}],
-            "gt": gt}
+    return {
+        "conversations": [
+            {"role": "system", "content": "你是一个有用的助手。", "tools": schemas},
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": answer},
+        ],
+        "gt": gt,
+    }
 
 
 def write_rows(path, rows):
@@ -54,6 +66,7 @@ def write_agent_files(tmp_path):
     """(save_dir with tiny_64.pth trained with upstream's tokenizer, training rows, held-out rows) under tmp_path."""
     from model.model_minimind import MiniMindForCausalLM
     from trainer.infra.weights import build_config, write_tokenizer_record
+
     torch.manual_seed(0)
     model = MiniMindForCausalLM(build_config(hidden_size=64, num_hidden_layers=2, use_moe=0))
     save_dir = tmp_path / "out"
@@ -71,10 +84,37 @@ def agent_files(tmp_path):
 
 
 def flags(save_dir, data, run_dir, *extra):
-    return ["--hidden_size", "64", "--num_hidden_layers", "2", "--from_weight", "tiny", "--tokenizer_path",
-            MINIMIND_TOKENIZER, "--reward_model_path", "none", "--max_gen_len", "8", "--max_total_len", "512",
-            "--batch_size", "2", "--num_generations", "2", "--max_turns", "2", "--save_dir", save_dir,
-            "--data_path", data, "--run_dir", run_dir, "--eval_interval", "0", *extra]
+    return [
+        "--hidden_size",
+        "64",
+        "--num_hidden_layers",
+        "2",
+        "--from_weight",
+        "tiny",
+        "--tokenizer_path",
+        MINIMIND_TOKENIZER,
+        "--reward_model_path",
+        "none",
+        "--max_gen_len",
+        "8",
+        "--max_total_len",
+        "512",
+        "--batch_size",
+        "2",
+        "--num_generations",
+        "2",
+        "--max_turns",
+        "2",
+        "--save_dir",
+        save_dir,
+        "--data_path",
+        data,
+        "--run_dir",
+        run_dir,
+        "--eval_interval",
+        "0",
+        *extra,
+    ]
 
 
 def read_jsonl(path):
@@ -163,6 +203,7 @@ def test_calculate_agent_rewards_scores_only_answers_without_a_call(policy):
     """Two conversations of a real rollout (scripted turns teacher-forced through a tiny policy): a direct answer,
     and a calculator call then the answer; the rewards read the rollout's own call counts."""
     from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(MINIMIND_TOKENIZER)
     scored = []
 
@@ -173,10 +214,19 @@ def test_calculate_agent_rewards_scores_only_answers_without_a_call(policy):
             return [1.0] * len(responses)
 
     messages = upstream_row(*QUESTIONS[0])["conversations"][:2]
-    script = [[turn_ids(tokenizer, "a direct answer of 216, no tool"), turn_ids(tokenizer, CALC_CALL)],
-              [turn_ids(tokenizer, "216")]]
-    rollout = agent_rollout(ScriptedPolicy(policy, script), tokenizer, [messages, messages], 1,
-                            max_new_tokens=64, max_total_len=1024, max_turns=2)
+    script = [
+        [turn_ids(tokenizer, "a direct answer of 216, no tool"), turn_ids(tokenizer, CALC_CALL)],
+        [turn_ids(tokenizer, "216")],
+    ]
+    rollout = agent_rollout(
+        ScriptedPolicy(policy, script),
+        tokenizer,
+        [messages, messages],
+        1,
+        max_new_tokens=64,
+        max_total_len=1024,
+        max_turns=2,
+    )
     assert rollout.turn_texts == [["a direct answer of 216, no tool"], [CALC_CALL, "216"]]
     assert rollout.num_tool_calls.tolist() == [0, 1] and rollout.num_valid_calls.tolist() == [0, 1]
     parts = calculate_agent_rewards([messages, messages], rollout, [["216"], ["216"]], RewardModel(), 2.5)
@@ -186,17 +236,50 @@ def test_calculate_agent_rewards_scores_only_answers_without_a_call(policy):
 
 
 # ----------------------------------------------------------------------------- bad input, named
-@pytest.mark.parametrize("row, message", [
-    ({"conversations": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}], "gt": ["1"]},
-     "no system turn with 'tools'"),
-    ({k: v for k, v in upstream_row(*QUESTIONS[0]).items() if k != "gt"}, "expected 'gt'"),
-    (dict(upstream_row(*QUESTIONS[0]), conversations=[
-        {"role": "system", "content": "s", "tools": json.dumps([{"type": "function", "function": {
-            "name": "launch_rocket", "parameters": {"type": "object", "properties": {}}}}])},
-        {"role": "user", "content": "q"}]), "unknown tools ['launch_rocket']"),
-    (dict(upstream_row(*QUESTIONS[0]), conversations=[{"role": "system", "content": "s", "tools": "[{'type': 1"},
-                                                      {"role": "user", "content": "q"}]), "tools are not JSON"),
-])
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        (
+            {"conversations": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}], "gt": ["1"]},
+            "no system turn with 'tools'",
+        ),
+        ({k: v for k, v in upstream_row(*QUESTIONS[0]).items() if k != "gt"}, "expected 'gt'"),
+        (
+            dict(
+                upstream_row(*QUESTIONS[0]),
+                conversations=[
+                    {
+                        "role": "system",
+                        "content": "s",
+                        "tools": json.dumps(
+                            [
+                                {
+                                    "type": "function",
+                                    "function": {
+                                        "name": "launch_rocket",
+                                        "parameters": {"type": "object", "properties": {}},
+                                    },
+                                }
+                            ]
+                        ),
+                    },
+                    {"role": "user", "content": "q"},
+                ],
+            ),
+            "unknown tools ['launch_rocket']",
+        ),
+        (
+            dict(
+                upstream_row(*QUESTIONS[0]),
+                conversations=[
+                    {"role": "system", "content": "s", "tools": "[{'type': 1"},
+                    {"role": "user", "content": "q"},
+                ],
+            ),
+            "tools are not JSON",
+        ),
+    ],
+)
 def test_bad_rows_are_named_by_file_and_line_before_any_model(agent_files, tmp_path, row, message, monkeypatch):
     save_dir, train, _ = agent_files
     rows = [upstream_row(*QUESTIONS[0]), row]
@@ -209,14 +292,16 @@ def test_bad_rows_are_named_by_file_and_line_before_any_model(agent_files, tmp_p
 # ----------------------------------------------------------------------------- runs
 def test_mask_segments_split_the_runs_of_a_mask(tmp_path):
     from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(MINIMIND_TOKENIZER)
     ids = tokenizer("ab cd", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     segments = mask_segments(tokenizer, ids, [0] * (len(ids) - 1) + [1])
     assert [m for m, _ in segments] == [0, 1] and segments[1][1] == "<|im_end|>"
 
 
-def test_two_steps_on_upstream_rows_train_the_models_tokens_only(agent_files, tmp_path, monkeypatch, capsys,
-                                                                  restore_signals):
+def test_two_steps_on_upstream_rows_train_the_models_tokens_only(
+    agent_files, tmp_path, monkeypatch, capsys, restore_signals
+):
     """Each conversation's first turn is a scripted calculator call (teacher-forced through the policy), the second
     sampled: the loss gets the rollout's mask, 1 on both turns and 0 on the tool reply between them."""
     save_dir, _, heldout = agent_files
@@ -227,8 +312,9 @@ def test_two_steps_on_upstream_rows_train_the_models_tokens_only(agent_files, tm
         if kwargs.get("generator") is not None:  # the held-out evaluation: the policy as it is
             return real_rollout(model, tokenizer, conversations, num_generations, **kwargs)
         script = [[turn_ids(tokenizer, CALC_CALL)] * (len(conversations) * num_generations)]
-        result = real_rollout(ScriptedPolicy(unwrap_model(model), script), tokenizer, conversations,
-                              num_generations, **kwargs)
+        result = real_rollout(
+            ScriptedPolicy(unwrap_model(model), script), tokenizer, conversations, num_generations, **kwargs
+        )
         seen["rollouts"].append(result)
         return result
 
@@ -239,22 +325,54 @@ def test_two_steps_on_upstream_rows_train_the_models_tokens_only(agent_files, tm
     monkeypatch.setattr(train_agent, "agent_rollout", scripted_rollout)
     monkeypatch.setattr(train_agent, "family_loss", recording_loss)
     run_dir = tmp_path / "run"
-    calculator_rows = write_rows(tmp_path / "calc.jsonl", [upstream_row(q, ["calculate_math"], gt)
-                                                           for q, _, gt in QUESTIONS[:4]])
-    train_agent.main(flags(save_dir, calculator_rows, str(run_dir), "--max_steps", "2", "--max_gen_len", "48",
-                           "--eval_interval", "2", "--eval_data_path", heldout, "--eval_num_prompts", "2",
-                           "--debug_mode", "1", "--debug_interval", "1"))
+    calculator_rows = write_rows(
+        tmp_path / "calc.jsonl", [upstream_row(q, ["calculate_math"], gt) for q, _, gt in QUESTIONS[:4]]
+    )
+    train_agent.main(
+        flags(
+            save_dir,
+            calculator_rows,
+            str(run_dir),
+            "--max_steps",
+            "2",
+            "--max_gen_len",
+            "48",
+            "--eval_interval",
+            "2",
+            "--eval_data_path",
+            heldout,
+            "--eval_num_prompts",
+            "2",
+            "--debug_mode",
+            "1",
+            "--debug_interval",
+            "1",
+        )
+    )
     assert len(seen["rollouts"]) == 2 and len(seen["masks"]) == 2
     for rollout, mask in zip(seen["rollouts"], seen["masks"]):
         assert torch.equal(mask, rollout.completion_mask)
-        real = rollout.attention_mask[:, -mask.size(1):]  # [N, R]
+        real = rollout.attention_mask[:, -mask.size(1) :]  # [N, R]
         assert ((real == 1) & (mask == 0)).any(dim=1).all()  # every conversation has a tool reply, not trained
         assert (rollout.num_turns == 2).all() and (rollout.num_valid_calls == 1).all()
         assert (rollout.old_per_token_logps[mask == 0] == 0).all()
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [row["step"] for row in rows] == [0, 1, 2]
-    for key in ("reward", "rule_reward", "reward_model_score", "call_reward", "answer_reward", "tag_penalty",
-                "accuracy", "tool_call_share", "valid_call_share", "turns", "policy_loss", "kl_ref", "entropy"):
+    for key in (
+        "reward",
+        "rule_reward",
+        "reward_model_score",
+        "call_reward",
+        "answer_reward",
+        "tag_penalty",
+        "accuracy",
+        "tool_call_share",
+        "valid_call_share",
+        "turns",
+        "policy_loss",
+        "kl_ref",
+        "entropy",
+    ):
         assert all(key in row for row in rows[1:]), key
     assert rows[1]["tool_call_share"] == 1.0 and rows[1]["valid_call_share"] == 1.0 and rows[1]["turns"] == 2.0
     assert rows[1]["call_reward"] == 0.5  # one valid call for one gt value in every conversation
@@ -262,9 +380,11 @@ def test_two_steps_on_upstream_rows_train_the_models_tokens_only(agent_files, tm
     # trained token (a tool reply wrongly trained would hold old log-prob 0 and a ratio far from 1)
     assert abs(rows[1]["ratio_min"] - 1) < 1e-4 and abs(rows[1]["ratio_max"] - 1) < 1e-4
     for row in (rows[0], rows[2]):  # the held-out evaluation before and after
-        assert {f"eval/{key}_{kind}" for key in ("accuracy", "tool_call_share", "answers_with_valid_call",
-                                                 "valid_call_share", "turns")
-                for kind in ("sampled", "greedy")} <= set(row)
+        assert {
+            f"eval/{key}_{kind}"
+            for key in ("accuracy", "tool_call_share", "answers_with_valid_call", "valid_call_share", "turns")
+            for kind in ("sampled", "greedy")
+        } <= set(row)
         for kind in ("sampled", "greedy"):  # an answer with a valid call is an answer with a call
             assert row[f"eval/answers_with_valid_call_{kind}"] <= row[f"eval/tool_call_share_{kind}"]
     out = capsys.readouterr().out
@@ -307,28 +427,40 @@ def test_a_resumed_run_equals_an_uninterrupted_one(lora, agent_files, tmp_path, 
             assert a[key] == b[key], (a["step"], key)
     weights = [torch.load(runs[n] / "agent_64.pth", weights_only=True) for n in ("straight", "resumed")]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
-    assert not all(torch.equal(weights[0][k], v.half()) for k, v in
-                   torch.load(os.path.join(save_dir, "tiny_64.pth"), weights_only=True).items())
+    assert not all(
+        torch.equal(weights[0][k], v.half())
+        for k, v in torch.load(os.path.join(save_dir, "tiny_64.pth"), weights_only=True).items()
+    )
 
 
 def test_ended_with_eos_reads_the_last_model_token_only():
     """--mask_truncated_completions: a conversation whose last model turn was cut (no EOS) leaves the loss; EOS in an
     observation (mask 0) or in an earlier turn does not count."""
     from types import SimpleNamespace
+
     eos = 2
-    completion_ids = torch.tensor([[5, eos, 7, 8, 9, eos, 0],    # turn, reply, turn ending in EOS
-                                   [5, eos, 7, eos, 9, 9, 0],    # turn, reply (EOS inside it), turn cut
-                                   [5, 6, 0, 0, 0, 0, 0]])       # one turn, cut
+    completion_ids = torch.tensor(
+        [
+            [5, eos, 7, 8, 9, eos, 0],  # turn, reply, turn ending in EOS
+            [5, eos, 7, eos, 9, 9, 0],  # turn, reply (EOS inside it), turn cut
+            [5, 6, 0, 0, 0, 0, 0],
+        ]
+    )  # one turn, cut
     completion_mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [1, 1, 0, 0, 1, 1, 0], [1, 1, 0, 0, 0, 0, 0]])
     rollout = SimpleNamespace(completion_ids=completion_ids, completion_mask=completion_mask)
     assert ended_with_eos(rollout, eos).tolist() == [True, False, False]
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--top_k", "5"], "--top_k 0"), (["--top_p", "0.9"], "--top_p 1.0"),
-    (["--thinking_ratio", "1.5"], "--thinking_ratio must be in [0, 1]"),
-    (["--max_total_len", "8"], "--max_total_len must be"), (["--max_turns", "0"], "--max_turns must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--top_k", "5"], "--top_k 0"),
+        (["--top_p", "0.9"], "--top_p 1.0"),
+        (["--thinking_ratio", "1.5"], "--thinking_ratio must be in [0, 1]"),
+        (["--max_total_len", "8"], "--max_total_len must be"),
+        (["--max_turns", "0"], "--max_turns must be >= 1"),
+    ],
+)
 def test_flags_the_agent_rollout_cannot_honour_are_refused(agent_files, tmp_path, extra, message, capsys):
     save_dir, train, _ = agent_files
     with pytest.raises(SystemExit):
@@ -341,6 +473,7 @@ def test_thinking_opens_per_prompt_as_the_chapters_dataset_draws_it(agent_files,
     seed and row, and the rollout renders every prompt with its own draw."""
     from transformers import AutoTokenizer
     from dataset.lm_dataset import RLAIFDataset
+
     _, train, _ = agent_files
     tokenizer = AutoTokenizer.from_pretrained(MINIMIND_TOKENIZER)
     rlaif = RLAIFDataset(train, tokenizer, thinking_ratio=0.5, seed=7)
@@ -349,11 +482,19 @@ def test_thinking_opens_per_prompt_as_the_chapters_dataset_draws_it(agent_files,
     assert 0 < sum(opened) < len(opened)  # both kinds among the rows
     batch = collate_agent_rows([agent[i] for i in range(len(agent))])
     assert batch["open_thinking"] == opened
-    result = agent_rollout(policy, tokenizer, batch["messages"], 1, max_new_tokens=2, max_total_len=512,
-                           chat_template_kwargs=template_kwargs(batch["open_thinking"]))
+    result = agent_rollout(
+        policy,
+        tokenizer,
+        batch["messages"],
+        1,
+        max_new_tokens=2,
+        max_total_len=512,
+        chat_template_kwargs=template_kwargs(batch["open_thinking"]),
+    )
     prompt_width = result.output_ids.size(1) - result.completion_ids.size(1)
-    prompts = [tokenizer.decode(result.output_ids[n, :prompt_width][result.prompt_mask[n].bool()])
-               for n in range(len(opened))]
+    prompts = [
+        tokenizer.decode(result.output_ids[n, :prompt_width][result.prompt_mask[n].bool()]) for n in range(len(opened))
+    ]
     assert [prompt.endswith("<think>\n") for prompt in prompts] == opened
 
 
@@ -367,8 +508,9 @@ def test_reinforce_pp_returns_carry_across_the_tool_reply(agent_files, tmp_path,
 
     def scripted_rollout(model, tokenizer, conversations, num_generations, **kwargs):
         script = [[turn_ids(tokenizer, CALC_CALL)] * (len(conversations) * num_generations)]
-        return real_rollout(ScriptedPolicy(unwrap_model(model), script), tokenizer, conversations, num_generations,
-                            **kwargs)
+        return real_rollout(
+            ScriptedPolicy(unwrap_model(model), script), tokenizer, conversations, num_generations, **kwargs
+        )
 
     def recording_rewards(*args):
         parts = text_rewards(*args)
@@ -382,11 +524,25 @@ def test_reinforce_pp_returns_carry_across_the_tool_reply(agent_files, tmp_path,
 
     monkeypatch.setattr(train_agent, "agent_rollout", scripted_rollout)
     monkeypatch.setattr(train_agent, "family_loss", recording_loss)
-    calculator_rows = write_rows(tmp_path / "calc.jsonl", [upstream_row(q, ["calculate_math"], gt)
-                                                           for q, _, gt in QUESTIONS[:4]])
-    train_agent.main(flags(save_dir, calculator_rows, str(tmp_path / "run"), "--max_steps", "1", "--max_gen_len", "48",
-                           "--advantage_estimator", "reinforce_pp", "--kl_placement", "loss"),
-                     reward_fn=recording_rewards)
+    calculator_rows = write_rows(
+        tmp_path / "calc.jsonl", [upstream_row(q, ["calculate_math"], gt) for q, _, gt in QUESTIONS[:4]]
+    )
+    train_agent.main(
+        flags(
+            save_dir,
+            calculator_rows,
+            str(tmp_path / "run"),
+            "--max_steps",
+            "1",
+            "--max_gen_len",
+            "48",
+            "--advantage_estimator",
+            "reinforce_pp",
+            "--kl_placement",
+            "loss",
+        ),
+        reward_fn=recording_rewards,
+    )
     advantages, mask, rewards = seen["advantages"][0], seen["masks"][0], seen["rewards"][0]
     assert advantages.shape == mask.shape  # [B*G, R]: one advantage per token
     tokens = [float(r) for r, row in zip(rewards, mask) for _ in range(int(row.sum()))]  # each model token's return

@@ -1,12 +1,21 @@
 """trainer_utils.py: the rewards of chapter 8.3 and the KL and masks of 8.6, against hand-computed values."""
+
 import math
 
 import pytest
 import torch
 
 from trainer.trainer_utils import (
-    answer_reward, calculate_rewards, completion_mask_from_ids, extract_final_number, k3_kl, masked_mean,
-    prompt_to_messages, rep_penalty, repetition_tokens, rule_reward,
+    answer_reward,
+    calculate_rewards,
+    completion_mask_from_ids,
+    extract_final_number,
+    k3_kl,
+    masked_mean,
+    prompt_to_messages,
+    rep_penalty,
+    repetition_tokens,
+    rule_reward,
 )
 
 
@@ -72,10 +81,10 @@ def test_answer_reward_and_number_extraction():
 
 
 def test_prompt_to_messages():
-    prompt = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi <|im_end|>\n"
-              "<|im_start|>assistant\n<think>\n")
-    assert prompt_to_messages(prompt) == [{"role": "system", "content": "Be brief."},
-                                          {"role": "user", "content": "Hi"}]
+    prompt = (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi <|im_end|>\n<|im_start|>assistant\n<think>\n"
+    )
+    assert prompt_to_messages(prompt) == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
 
 
 def test_calculate_rewards_sums_parts():
@@ -87,12 +96,15 @@ def test_calculate_rewards_sums_parts():
     assert parts["rewards"].dtype == torch.float32
 
 
-@pytest.mark.parametrize("ids, expected", [
-    ([7, 8, 2, 0, 0], [1, 1, 1, 0, 0]),
-    ([7, 2, 9, 2, 0], [1, 1, 0, 0, 0]),
-    ([7, 8, 9, 9, 9], [1, 1, 1, 1, 1]),
-    ([2, 0, 0, 0, 0], [1, 0, 0, 0, 0]),
-])
+@pytest.mark.parametrize(
+    "ids, expected",
+    [
+        ([7, 8, 2, 0, 0], [1, 1, 1, 0, 0]),
+        ([7, 2, 9, 2, 0], [1, 1, 0, 0, 0]),
+        ([7, 8, 9, 9, 9], [1, 1, 1, 1, 1]),
+        ([2, 0, 0, 0, 0], [1, 0, 0, 0, 0]),
+    ],
+)
 def test_completion_mask_through_first_eos(ids, expected):
     assert completion_mask_from_ids(torch.tensor([ids]), eos_token_id=2).tolist() == [expected]
 

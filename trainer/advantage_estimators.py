@@ -260,20 +260,27 @@ def build_advantage_config(args):
     for flag in ESTIMATOR_DEFAULTS:
         if getattr(args, flag) is not None and flag not in ESTIMATOR_FLAGS[estimator]:
             reads = ", ".join("--" + f for f in ESTIMATOR_FLAGS[estimator]) or "none of them"
-            raise ValueError(f"--{flag} is not read by --advantage_estimator {estimator} (it reads {reads}): "
-                             f"drop --{flag}")
-    value = {flag: ESTIMATOR_DEFAULTS[flag] if getattr(args, flag) is None else getattr(args, flag)
-             for flag in ESTIMATOR_DEFAULTS}
+            raise ValueError(
+                f"--{flag} is not read by --advantage_estimator {estimator} (it reads {reads}): drop --{flag}"
+            )
+    value = {
+        flag: ESTIMATOR_DEFAULTS[flag] if getattr(args, flag) is None else getattr(args, flag)
+        for flag in ESTIMATOR_DEFAULTS
+    }
     if not 0 < value["gamma"] <= 1:
         raise ValueError(f"--gamma must be in (0, 1], got {value['gamma']}")
     kl_placement = args.kl_placement or ("reward" if estimator == "reinforce_pp" else "loss")
     if kl_placement == "reward" and not args.beta:
-        raise ValueError(f"--kl_placement reward{' (reinforce_pp default)' if not args.kl_placement else ''} puts "
-                         f"-beta * (logp - ref) into the rewards and needs a reference: set --beta > 0, or "
-                         f"--kl_placement loss --beta 0 for no KL at all")
+        raise ValueError(
+            f"--kl_placement reward{' (reinforce_pp default)' if not args.kl_placement else ''} puts "
+            f"-beta * (logp - ref) into the rewards and needs a reference: set --beta > 0, or "
+            f"--kl_placement loss --beta 0 for no KL at all"
+        )
     if estimator in TOKEN_LEVEL_ESTIMATORS and args.loss_type == "vespo":
-        raise ValueError(f"--advantage_estimator {estimator} gives one advantage per token; --loss_type vespo weighs "
-                         f"each answer by the sign of its one advantage: choose another --loss_type")
+        raise ValueError(
+            f"--advantage_estimator {estimator} gives one advantage per token; --loss_type vespo weighs "
+            f"each answer by the sign of its one advantage: choose another --loss_type"
+        )
     return AdvantageConfig(
         estimator=estimator,
         num_generations=args.num_generations,
@@ -351,8 +358,10 @@ def overlong_penalty(completion_lengths, max_gen_len, overlong_buffer_len, overl
     response length); returns fp32 [N] <= 0. Raises ValueError unless 0 < buffer <= max_gen_len and factor >= 0.
     """
     if not 0 < overlong_buffer_len <= max_gen_len or overlong_penalty_factor < 0:
-        raise ValueError(f"--overlong_buffer_len must be in (0, --max_gen_len {max_gen_len}] and "
-                         f"--overlong_penalty_factor >= 0, got {overlong_buffer_len} and {overlong_penalty_factor}")
+        raise ValueError(
+            f"--overlong_buffer_len must be in (0, --max_gen_len {max_gen_len}] and "
+            f"--overlong_penalty_factor >= 0, got {overlong_buffer_len} and {overlong_penalty_factor}"
+        )
     expected_len = max_gen_len - overlong_buffer_len
     exceed_len = completion_lengths.double() - expected_len  # [N]
     return torch.clamp(-exceed_len / overlong_buffer_len * overlong_penalty_factor, max=0.0).float()

@@ -7,6 +7,7 @@ every time, sampled at the rollout's temperature and greedy, so that two evaluat
 by the weights. It is TRL's ``eval_steps`` / verl's ``val_before_train`` for a verifiable task.
 ``AgentEvaluator`` is the same for agent RL: multi-turn conversations with tools, scored by the agent rewards.
 """
+
 from dataclasses import dataclass, replace
 
 import torch
@@ -26,7 +27,7 @@ def distinct_n(texts, n=2):
     ngrams = []
     for text in texts:
         words = text.split()
-        ngrams.extend(tuple(words[i:i + n]) for i in range(len(words) - n + 1))
+        ngrams.extend(tuple(words[i : i + n]) for i in range(len(words) - n + 1))
     return len(set(ngrams)) / len(ngrams) if ngrams else 0.0
 
 
@@ -75,8 +76,7 @@ def evaluate(model, tokenizer, dataset, decoding, reward_model=None, device="cpu
     model.eval()
     generator = torch.Generator(device=device).manual_seed(decoding.seed)
     engine = TorchRolloutEngine(model, tokenizer, generator=generator)
-    totals = {"reward": 0.0, "rule_reward": 0.0, "reward_model_score": 0.0, "answer_reward": 0.0,
-              "response_len": 0.0}
+    totals = {"reward": 0.0, "rule_reward": 0.0, "reward_model_score": 0.0, "answer_reward": 0.0, "response_len": 0.0}
     samples, completions_all = [], []
     count = min(num_prompts, len(dataset))
     for start in range(0, count, batch_size):
@@ -88,10 +88,15 @@ def evaluate(model, tokenizer, dataset, decoding, reward_model=None, device="cpu
         answers = [r["answer"] for r in rows]
         prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, prompts, decoding.max_seq_len, device)
         if decoding.greedy:
-            output_ids = model.generate(prompt_ids, attention_mask, max_new_tokens=max_gen_len, do_sample=False,
-                                        eos_token_id=tokenizer.eos_token_id,
-                                        pad_token_id=tokenizer.pad_token_id).output_ids  # [b, P + R]
-            completion_ids = output_ids[:, prompt_ids.size(1):]  # [b, R]
+            output_ids = model.generate(
+                prompt_ids,
+                attention_mask,
+                max_new_tokens=max_gen_len,
+                do_sample=False,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            ).output_ids  # [b, P + R]
+            completion_ids = output_ids[:, prompt_ids.size(1) :]  # [b, R]
             completion_mask = completion_mask_from_ids(completion_ids, tokenizer.eos_token_id)  # [b, R]
             completions = decode_completions(tokenizer, completion_ids, completion_mask, tokenizer.eos_token_id)
         else:
@@ -104,10 +109,16 @@ def evaluate(model, tokenizer, dataset, decoding, reward_model=None, device="cpu
         totals["answer_reward"] += parts["answer_rewards"].sum().item()
         totals["response_len"] += completion_mask.sum().item()
         for i, (prompt, completion, reference) in enumerate(zip(prompts, completions, answers)):
-            samples.append({"prompt": prompt, "completion": completion, "reference": reference,
-                            "rule_reward": parts["rule_rewards"][i].item(),
-                            "reward_model_score": parts["reward_model_scores"][i].item(),
-                            "answer_reward": parts["answer_rewards"][i].item()})
+            samples.append(
+                {
+                    "prompt": prompt,
+                    "completion": completion,
+                    "reference": reference,
+                    "rule_reward": parts["rule_rewards"][i].item(),
+                    "reward_model_score": parts["reward_model_scores"][i].item(),
+                    "answer_reward": parts["answer_rewards"][i].item(),
+                }
+            )
         completions_all.extend(completions)
     model.train(was_training)
     result = {k: v / count for k, v in totals.items()}
@@ -124,8 +135,10 @@ def before_after_lines(title, history, rows, width):
     if not history:
         return []
     (first_step, first), (last_step, last) = history[0], history[-1]
-    lines = [f"{title} (same prompts and seed each time):",
-             f"  {'':<{width}} {'step ' + str(first_step):>10} {'step ' + str(last_step):>10} {'change':>8}"]
+    lines = [
+        f"{title} (same prompts and seed each time):",
+        f"  {'':<{width}} {'step ' + str(first_step):>10} {'step ' + str(last_step):>10} {'change':>8}",
+    ]
     for key, label in rows:
         lines.append(f"  {label:<{width}} {first[key]:>10.3f} {last[key]:>10.3f} {last[key] - first[key]:>+8.3f}")
     return lines
@@ -141,8 +154,9 @@ class HeldOutEvaluator:
     ``history`` keeps (step, metrics) of every call, for the before/after lines at the end of a run.
     """
 
-    def __init__(self, dataset, tokenizer, num_prompts, temperature, max_gen_len, max_seq_len, device,
-                 seed=1234, batch_size=100):
+    def __init__(
+        self, dataset, tokenizer, num_prompts, temperature, max_gen_len, max_seq_len, device, seed=1234, batch_size=100
+    ):
         self.dataset = dataset
         self.tokenizer = tokenizer
         self.num_prompts = min(num_prompts, len(dataset))
@@ -157,16 +171,21 @@ class HeldOutEvaluator:
     def __call__(self, model, step, should_stop=None):
         """Evaluate ``model`` at training step ``step``; returns the ``eval/...`` metrics (floats), or {} when
         ``should_stop`` (see ``evaluate``) ended the evaluation early (nothing is recorded then)."""
-        decoding = Decoding(self.num_prompts, self.batch_size, self.max_gen_len, self.temperature, False, self.seed,
-                            self.max_seq_len)
+        decoding = Decoding(
+            self.num_prompts, self.batch_size, self.max_gen_len, self.temperature, False, self.seed, self.max_seq_len
+        )
         common = dict(device=self.device, should_stop=should_stop)
         sampled = evaluate(model, self.tokenizer, self.dataset, decoding, **common)
-        greedy = evaluate(model, self.tokenizer, self.dataset, replace(decoding, greedy=True), **common) \
-            if sampled else {}
+        greedy = (
+            evaluate(model, self.tokenizer, self.dataset, replace(decoding, greedy=True), **common) if sampled else {}
+        )
         if not sampled or not greedy:  # a stop request ended the evaluation
             return {}
-        metrics = {"eval/accuracy_sampled": sampled["accuracy"], "eval/accuracy_greedy": greedy["accuracy"],
-                   "eval/response_len": sampled["response_len"]}
+        metrics = {
+            "eval/accuracy_sampled": sampled["accuracy"],
+            "eval/accuracy_greedy": greedy["accuracy"],
+            "eval/response_len": sampled["response_len"],
+        }
         self.history.append((step, metrics))
         return metrics
 
@@ -181,13 +200,16 @@ def build_evaluator(args, tokenizer, device):
     lengths), or None with ``--eval_interval 0`` or when ``--data_path`` is not the bundled training data and no
     ``--eval_data_path`` was given (the log says so: the bundled validation prompts fit the bundled task only)."""
     if args.eval_interval and not args.eval_data_path:
-        Logger(f"held-out evaluation off: --data_path {args.data_path} is not the bundled training data, whose "
-               f"validation prompts the evaluation would use; pass --eval_data_path FILE to evaluate")
+        Logger(
+            f"held-out evaluation off: --data_path {args.data_path} is not the bundled training data, whose "
+            f"validation prompts the evaluation would use; pass --eval_data_path FILE to evaluate"
+        )
     if not (args.eval_interval and args.eval_data_path):
         return None
     eval_dataset = RLAIFDataset(args.eval_data_path, tokenizer, thinking_ratio=1.0, seed=args.seed)
-    return HeldOutEvaluator(eval_dataset, tokenizer, args.eval_num_prompts, args.temperature, args.max_gen_len,
-                            args.max_seq_len, device)
+    return HeldOutEvaluator(
+        eval_dataset, tokenizer, args.eval_num_prompts, args.temperature, args.max_gen_len, args.max_seq_len, device
+    )
 
 
 class GreedyPolicy(torch.nn.Module):
@@ -219,18 +241,26 @@ class AgentEvaluator:
         """{accuracy, tool_call_share, answers_with_valid_call, valid_call_share, turns, response_len}, or None when
         stopped."""
         generator = torch.Generator(device=self.device).manual_seed(self.seed)
-        totals = dict.fromkeys(("accuracy", "tool_call_share", "answers_with_valid_call", "turns", "response_len",
-                                "calls", "valid"), 0.0)
+        totals = dict.fromkeys(
+            ("accuracy", "tool_call_share", "answers_with_valid_call", "turns", "response_len", "calls", "valid"), 0.0
+        )
         policy = GreedyPolicy(unwrap_model(model)) if greedy else unwrap_model(model)
         for start in range(0, self.num_prompts, self.batch_size):
             if should_stop is not None and should_stop():
                 return None
-            rows = self.rows[start:start + self.batch_size]
-            rollout = agent_rollout(policy, self.tokenizer, [r["messages"] for r in rows], 1,
-                                    max_new_tokens=self.args.max_gen_len, max_total_len=self.args.max_total_len,
-                                    temperature=self.args.temperature, max_turns=self.args.max_turns,
-                                    generator=generator,
-                                    chat_template_kwargs=template_kwargs([r["open_thinking"] for r in rows]))
+            rows = self.rows[start : start + self.batch_size]
+            rollout = agent_rollout(
+                policy,
+                self.tokenizer,
+                [r["messages"] for r in rows],
+                1,
+                max_new_tokens=self.args.max_gen_len,
+                max_total_len=self.args.max_total_len,
+                temperature=self.args.temperature,
+                max_turns=self.args.max_turns,
+                generator=generator,
+                chat_template_kwargs=template_kwargs([r["open_thinking"] for r in rows]),
+            )
             parts = calculate_agent_rewards([r["messages"] for r in rows], rollout, [r["gt"] for r in rows], None, 1.0)
             totals["accuracy"] += parts["accuracy"].sum().item()
             totals["tool_call_share"] += (rollout.num_tool_calls > 0).sum().item()
@@ -240,16 +270,21 @@ class AgentEvaluator:
             totals["calls"] += rollout.num_tool_calls.sum().item()
             totals["valid"] += rollout.num_valid_calls.sum().item()
         calls, valid = totals.pop("calls"), totals.pop("valid")
-        return dict({key: value / self.num_prompts for key, value in totals.items()},
-                    valid_call_share=valid / calls if calls else 0.0)
+        return dict(
+            {key: value / self.num_prompts for key, value in totals.items()},
+            valid_call_share=valid / calls if calls else 0.0,
+        )
 
     def __call__(self, model, step, should_stop=None):
         sampled = self.evaluate(model, False, should_stop)
         greedy = self.evaluate(model, True, should_stop) if sampled else None
         if sampled is None or greedy is None:
             return {}
-        metrics = {f"eval/{key}_{kind}": result[key] for kind, result in (("sampled", sampled), ("greedy", greedy))
-                   for key in ("accuracy", "tool_call_share", "answers_with_valid_call", "valid_call_share", "turns")}
+        metrics = {
+            f"eval/{key}_{kind}": result[key]
+            for kind, result in (("sampled", sampled), ("greedy", greedy))
+            for key in ("accuracy", "tool_call_share", "answers_with_valid_call", "valid_call_share", "turns")
+        }
         metrics["eval/response_len"] = sampled["response_len"]
         self.history.append((step, metrics))
         return metrics
@@ -257,8 +292,12 @@ class AgentEvaluator:
     def summary_lines(self):
         """The first and the last evaluation side by side (the start policy and the trained one)."""
         keys = [key for key in self.history[0][1] if key != "eval/response_len"] if self.history else []
-        return before_after_lines(f"held-out agent evaluation on {self.num_prompts} prompts", self.history,
-                                  [(key, key[5:]) for key in keys], 30)
+        return before_after_lines(
+            f"held-out agent evaluation on {self.num_prompts} prompts",
+            self.history,
+            [(key, key[5:]) for key in keys],
+            30,
+        )
 
 
 def build_agent_evaluator(args, tokenizer, device):
@@ -267,8 +306,9 @@ def build_agent_evaluator(args, tokenizer, device):
         Logger("held-out evaluation off: pass --eval_data_path FILE (agent rows) to evaluate")
     if not (args.eval_interval and args.eval_data_path):
         return None
-    dataset = AgentRLDataset(args.eval_data_path, tokenizer, args.thinking_ratio, args.seed,
-                             check_tools=conversation_tools)
+    dataset = AgentRLDataset(
+        args.eval_data_path, tokenizer, args.thinking_ratio, args.seed, check_tools=conversation_tools
+    )
     return AgentEvaluator(dataset, tokenizer, args, device)
 
 
@@ -282,7 +322,9 @@ def evaluate_if_due(evaluator, model, step, total_steps, eval_interval, should_s
     if not metrics:
         Logger(f"eval step {step} | stopped by a stop request before its end; no result recorded")
         return {}
-    Logger(f"eval step {step} | held-out accuracy sampled {metrics['eval/accuracy_sampled']:.3f} "
-           f"greedy {metrics['eval/accuracy_greedy']:.3f} | len {metrics['eval/response_len']:.1f} "
-           f"({evaluator.num_prompts} prompts)")
+    Logger(
+        f"eval step {step} | held-out accuracy sampled {metrics['eval/accuracy_sampled']:.3f} "
+        f"greedy {metrics['eval/accuracy_greedy']:.3f} | len {metrics['eval/response_len']:.1f} "
+        f"({evaluator.num_prompts} prompts)"
+    )
     return metrics

@@ -10,6 +10,7 @@ After the members, TRL's correction of rollouts an SGLang server sampled (``--ro
 pi_trainer / pi_server per token or per answer, truncated or masked at a cap; TRL 1.16's
 ``vllm_importance_sampling_*``, verl's TIS / MIS), which PPO and the agent script take too: docs/sglang.md.
 """
+
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -33,14 +34,23 @@ MEMBER_FLAGS = {
     "vespo": ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
     **{member: ("epsilon", "epsilon_high", "delta", "importance_sampling_level") for member in CLIPPED_LOSS_TYPES},
 }
-FAMILY_DEFAULTS = {"epsilon": 0.2, "importance_sampling_level": "token", "delta": None,
-                   "sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05,  # TRL's defaults
-                   "vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0}
+FAMILY_DEFAULTS = {
+    "epsilon": 0.2,
+    "importance_sampling_level": "token",
+    "delta": None,
+    "sapo_temperature_pos": 1.0,
+    "sapo_temperature_neg": 1.05,  # TRL's defaults
+    "vespo_k_pos": 2.0,
+    "vespo_lambda_pos": 3.0,
+    "vespo_k_neg": 3.0,
+    "vespo_lambda_neg": 2.0,
+}
 
 
 @dataclass(frozen=True)
 class LossConfig:
     """The policy loss's config, built once from the flags (``build_loss_config``); TRL's names and defaults."""
+
     loss_type: str = "cispo"
     beta: float = 0.1  # weight of the k3 KL to the reference
     epsilon: float = 0.2  # clipped family: ratio >= 1 - epsilon
@@ -54,24 +64,36 @@ class LossConfig:
     @property
     def is_chapter_loss(self):
         """True for the chapter's two objectives as 8.5.2 writes them (``train_grpo.grpo_loss``)."""
-        return self.loss_type in ("cispo", "grpo") and self.importance_sampling_level == "token" \
-            and self.delta is None
+        return self.loss_type in ("cispo", "grpo") and self.importance_sampling_level == "token" and self.delta is None
 
 
 def add_family_args(parser):
     """The flags of the members after the chapter, TRL's names; unset flags stay None (``build_loss_config``)."""
-    add_bool_flag(parser, "--mask_truncated_completions",
-                  help="1: answers cut at --max_gen_len (no EOS) are left out of the loss (DAPO)")
-    parser.add_argument("--importance_sampling_level", default=None, choices=IMPORTANCE_SAMPLING_LEVELS,
-                        help="token: a ratio per token (default, the chapter's); sequence: one per answer (GSPO)")
-    parser.add_argument("--delta", type=float, default=None,
-                        help="two-sided clip of the clipped family: the unclipped ratio is capped at delta")
-    for flag, meaning in (("sapo_temperature_pos", "sapo: gate temperature where A > 0"),
-                          ("sapo_temperature_neg", "sapo: gate temperature where A <= 0"),
-                          ("vespo_k_pos", "vespo: the gamma weight's power where A >= 0"),
-                          ("vespo_lambda_pos", "vespo: the gamma weight's decay where A >= 0"),
-                          ("vespo_k_neg", "vespo: the gamma weight's power where A < 0"),
-                          ("vespo_lambda_neg", "vespo: the gamma weight's decay where A < 0")):
+    add_bool_flag(
+        parser,
+        "--mask_truncated_completions",
+        help="1: answers cut at --max_gen_len (no EOS) are left out of the loss (DAPO)",
+    )
+    parser.add_argument(
+        "--importance_sampling_level",
+        default=None,
+        choices=IMPORTANCE_SAMPLING_LEVELS,
+        help="token: a ratio per token (default, the chapter's); sequence: one per answer (GSPO)",
+    )
+    parser.add_argument(
+        "--delta",
+        type=float,
+        default=None,
+        help="two-sided clip of the clipped family: the unclipped ratio is capped at delta",
+    )
+    for flag, meaning in (
+        ("sapo_temperature_pos", "sapo: gate temperature where A > 0"),
+        ("sapo_temperature_neg", "sapo: gate temperature where A <= 0"),
+        ("vespo_k_pos", "vespo: the gamma weight's power where A >= 0"),
+        ("vespo_lambda_pos", "vespo: the gamma weight's decay where A >= 0"),
+        ("vespo_k_neg", "vespo: the gamma weight's power where A < 0"),
+        ("vespo_lambda_neg", "vespo: the gamma weight's decay where A < 0"),
+    ):
         parser.add_argument(f"--{flag}", type=float, default=None, help=f"{meaning} ({FAMILY_DEFAULTS[flag]})")
 
 
@@ -83,9 +105,11 @@ def check_family_args(parser, args):
     except ValueError as error:
         parser.error(str(error))
     if args.loss_type in CLIPPED_LOSS_TYPES and (args.epsilon_high or 0) >= 1:
-        print(f"note: --loss_type {args.loss_type} clips the ratio to [1 - epsilon, 1 + {args.epsilon_high}]: "
-              f"--epsilon_high is the upper clip here (TRL's meaning), CISPO's clamp only with --loss_type cispo",
-              flush=True)
+        print(
+            f"note: --loss_type {args.loss_type} clips the ratio to [1 - epsilon, 1 + {args.epsilon_high}]: "
+            f"--epsilon_high is the upper clip here (TRL's meaning), CISPO's clamp only with --loss_type cispo",
+            flush=True,
+        )
 
 
 def build_loss_config(args):
@@ -99,28 +123,38 @@ def build_loss_config(args):
         raise ValueError(f"--loss_type {args.loss_type!r} is unknown; valid: {', '.join(LOSS_TYPES)}")
     for flag in ("epsilon", "epsilon_high", *FAMILY_DEFAULTS):
         if getattr(args, flag) is not None and flag not in MEMBER_FLAGS[args.loss_type]:
-            raise ValueError(f"--{flag} is not read by --loss_type {args.loss_type} (it reads "
-                             f"{', '.join('--' + f for f in MEMBER_FLAGS[args.loss_type])}): drop --{flag}")
-    value = {flag: FAMILY_DEFAULTS[flag] if getattr(args, flag) is None else getattr(args, flag)
-             for flag in FAMILY_DEFAULTS}
+            raise ValueError(
+                f"--{flag} is not read by --loss_type {args.loss_type} (it reads "
+                f"{', '.join('--' + f for f in MEMBER_FLAGS[args.loss_type])}): drop --{flag}"
+            )
+    value = {
+        flag: FAMILY_DEFAULTS[flag] if getattr(args, flag) is None else getattr(args, flag) for flag in FAMILY_DEFAULTS
+    }
     epsilon_high = args.epsilon_high
     if epsilon_high is None:
         epsilon_high = DEFAULT_CISPO_EPSILON_HIGH if args.loss_type == "cispo" else value["epsilon"]
     if args.loss_type == "cispo" and epsilon_high <= 1:
         raise ValueError(f"--epsilon_high is CISPO's clamp of the ratio weight and must be > 1, got {epsilon_high}")
     if epsilon_high <= 0 or not 0 < value["epsilon"] < 1:
-        raise ValueError(f"--epsilon must be in (0, 1) and --epsilon_high > 0, got {value['epsilon']} and "
-                         f"{epsilon_high}")
+        raise ValueError(
+            f"--epsilon must be in (0, 1) and --epsilon_high > 0, got {value['epsilon']} and {epsilon_high}"
+        )
     if value["delta"] is not None and value["delta"] <= 1 + epsilon_high:
         raise ValueError(f"--delta must be > 1 + --epsilon_high ({1 + epsilon_high:g}), got {value['delta']}")
     if min(value["sapo_temperature_pos"], value["sapo_temperature_neg"]) <= 0:
         raise ValueError("--sapo_temperature_pos and --sapo_temperature_neg must be > 0")
     if args.loss_type in TOKEN_SUM_LOSS_TYPES and args.use_moe:
-        raise ValueError(f"--loss_type {args.loss_type} scales the summed gradient by the window's tokens, which would "
-                         f"scale the MoE router loss too: use another --loss_type with --use_moe 1")
+        raise ValueError(
+            f"--loss_type {args.loss_type} scales the summed gradient by the window's tokens, which would "
+            f"scale the MoE router loss too: use another --loss_type with --use_moe 1"
+        )
     return LossConfig(
-        loss_type=args.loss_type, beta=args.beta, epsilon=value["epsilon"], epsilon_high=epsilon_high,
-        importance_sampling_level=value["importance_sampling_level"], delta=value["delta"],
+        loss_type=args.loss_type,
+        beta=args.beta,
+        epsilon=value["epsilon"],
+        epsilon_high=epsilon_high,
+        importance_sampling_level=value["importance_sampling_level"],
+        delta=value["delta"],
         sapo_temperatures=(value["sapo_temperature_pos"], value["sapo_temperature_neg"]),
         vespo_gamma=tuple(value[f"vespo_{name}"] for name in ("k_pos", "lambda_pos", "k_neg", "lambda_neg")),
         max_completion_length=args.max_gen_len,
@@ -142,13 +176,16 @@ def importance_ratio(per_token_logps, old_per_token_logps, completion_mask, impo
     if importance_sampling_level == "sequence":
         sequence_log_ratio = log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
         return torch.exp(sequence_log_ratio).expand_as(per_token_logps)  # [N, R], one value per row
-    raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}; "
-                     f"valid: {', '.join(IMPORTANCE_SAMPLING_LEVELS)}")
+    raise ValueError(
+        f"unknown importance_sampling_level {importance_sampling_level!r}; "
+        f"valid: {', '.join(IMPORTANCE_SAMPLING_LEVELS)}"
+    )
 
 
 @torch.no_grad()
-def vespo_gamma_weights(per_token_logps, old_per_token_logps, advantages, completion_mask, vespo_gamma,
-                        importance_sampling_ratio=None):
+def vespo_gamma_weights(
+    per_token_logps, old_per_token_logps, advantages, completion_mask, vespo_gamma, importance_sampling_ratio=None
+):
     """VESPO's detached weight phi(w) = exp(lambda) w^k exp(-lambda w) of each answer, w = exp(sum of its log-ratios)
     (log-ratios clamped to [-20, 20], log w to [log 1e-8, 20]); (k, lambda) by the sign of A (A >= 0: the _pos pair).
     ``importance_sampling_ratio`` (the rollout correction's per-token weights [N, R], ``rollout_correction``):
@@ -158,16 +195,18 @@ def vespo_gamma_weights(per_token_logps, old_per_token_logps, advantages, comple
     log_ratio = torch.clamp(per_token_logps - old_per_token_logps, -20.0, 20.0)  # [N, R]
     sequence_log_ratio = (log_ratio * completion_mask).sum(dim=-1, keepdim=True)  # [N, 1]
     if importance_sampling_ratio is not None:  # log(pi_theta / pi_server) = log(pi_theta / pi_old) + log(w_correction)
-        sequence_log_ratio = sequence_log_ratio + torch.clamp(torch.log(importance_sampling_ratio), math.log(1e-8),
-                                                              20.0).sum(dim=-1, keepdim=True)
+        sequence_log_ratio = sequence_log_ratio + torch.clamp(
+            torch.log(importance_sampling_ratio), math.log(1e-8), 20.0
+        ).sum(dim=-1, keepdim=True)
     log_w = torch.clamp(sequence_log_ratio, math.log(1e-8), 20.0)  # [N, 1]
     k = torch.where(advantages >= 0, k_pos, k_neg)  # [N, 1]
     lam = torch.where(advantages >= 0, lambda_pos, lambda_neg).clamp(min=1e-4)  # [N, 1]
     return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def policy_objective(ratio, per_token_logps, old_per_token_logps, advantages, completion_mask, config,
-                     importance_sampling_ratio=None):
+def policy_objective(
+    ratio, per_token_logps, old_per_token_logps, advantages, completion_mask, config, importance_sampling_ratio=None
+):
     """The per-token objective J_t each member maximises (TRL 1.16's ``_compute_loss``):
       cispo: sg[min(ratio, eps_high)] A logp (MiniMax-M1 2025, eq. 4);
       clipped family: min(ratio A, clip(ratio, 1 - eps, 1 + eps_high) A), the first ratio capped at ``delta`` when
@@ -190,8 +229,14 @@ def policy_objective(ratio, per_token_logps, old_per_token_logps, advantages, co
         temperatures = torch.where(advantages > 0, *config.sapo_temperatures)  # [N, 1]
         return torch.sigmoid(temperatures * (ratio - 1)) * 4 / temperatures * advantages
     if loss_type == "vespo":
-        phi = vespo_gamma_weights(per_token_logps, old_per_token_logps, advantages, completion_mask,
-                                  config.vespo_gamma, importance_sampling_ratio)  # [N, 1]
+        phi = vespo_gamma_weights(
+            per_token_logps,
+            old_per_token_logps,
+            advantages,
+            completion_mask,
+            config.vespo_gamma,
+            importance_sampling_ratio,
+        )  # [N, 1]
         return phi * advantages * per_token_logps
     raise ValueError(f"unknown loss_type {loss_type!r}; valid: {', '.join(LOSS_TYPES)}")
 
@@ -222,8 +267,16 @@ def aggregate_loss(per_token_loss, completion_mask, loss_type, max_completion_le
     raise ValueError(f"unknown loss_type {loss_type!r}; valid: {', '.join(LOSS_TYPES)}")
 
 
-def family_loss(per_token_logps, old_per_token_logps, ref_per_token_logps, advantages, completion_mask, config,
-                num_items_in_batch=None, importance_sampling_ratio=None):
+def family_loss(
+    per_token_logps,
+    old_per_token_logps,
+    ref_per_token_logps,
+    advantages,
+    completion_mask,
+    config,
+    num_items_in_batch=None,
+    importance_sampling_ratio=None,
+):
     """Policy loss of any member with beta x k3 KL (8.5.2, 8.6): -(``policy_objective`` - beta k3), then
     ``aggregate_loss``. Equals TRL 1.16's ``_compute_loss`` (``use_bias_correction_kl=False``; cispo on answers of
     equal length: TRL sums cispo's tokens like dapo's).
@@ -235,16 +288,27 @@ def family_loss(per_token_logps, old_per_token_logps, ref_per_token_logps, advan
     Returns (policy_loss scalar, per_token_kl [N, R] detached, ratio [N, R] detached).
     """
     mask = completion_mask.bool()  # [N, R]
-    per_token_kl = torch.zeros_like(per_token_logps) if ref_per_token_logps is None \
-        else k3_kl(ref_per_token_logps, per_token_logps, mask)  # [N, R]
+    per_token_kl = (
+        torch.zeros_like(per_token_logps)
+        if ref_per_token_logps is None
+        else k3_kl(ref_per_token_logps, per_token_logps, mask)
+    )  # [N, R]
     ratio = importance_ratio(per_token_logps, old_per_token_logps, completion_mask, config.importance_sampling_level)
-    objective = policy_objective(ratio, per_token_logps, old_per_token_logps, token_advantages(advantages),
-                                 completion_mask, config, importance_sampling_ratio)  # [N, R]
+    objective = policy_objective(
+        ratio,
+        per_token_logps,
+        old_per_token_logps,
+        token_advantages(advantages),
+        completion_mask,
+        config,
+        importance_sampling_ratio,
+    )  # [N, R]
     if importance_sampling_ratio is not None and config.loss_type != "vespo":
         objective = objective * importance_sampling_ratio  # [N, R], the rollout correction
     per_token_loss = -(objective - config.beta * per_token_kl)  # [N, R]
-    policy_loss = aggregate_loss(per_token_loss, completion_mask, config.loss_type, config.max_completion_length,
-                                 num_items_in_batch)
+    policy_loss = aggregate_loss(
+        per_token_loss, completion_mask, config.loss_type, config.max_completion_length, num_items_in_batch
+    )
     return policy_loss, per_token_kl.detach(), ratio.detach()
 
 
@@ -257,8 +321,12 @@ def global_masked_mean(values, completion_mask, per_sequence=False):
     else:
         total, count = (values * completion_mask).sum(), completion_mask.sum()
     if dist.is_initialized():
-        totals = torch.stack([torch.as_tensor(total, dtype=torch.float64, device=values.device),
-                              torch.as_tensor(count, dtype=torch.float64, device=values.device)])
+        totals = torch.stack(
+            [
+                torch.as_tensor(total, dtype=torch.float64, device=values.device),
+                torch.as_tensor(count, dtype=torch.float64, device=values.device),
+            ]
+        )
         dist.all_reduce(totals)
         total, count = totals[0], totals[1]
     return float(torch.as_tensor(total) / torch.as_tensor(count).clamp(min=1))
@@ -291,9 +359,11 @@ def clip_fractions(ratio, advantages, completion_mask, config):
         return {}
     low = ((ratio < 1 - config.epsilon) & (advantages < 0)).float()  # [N, R]
     high = ((ratio > 1 + config.epsilon_high) & (advantages > 0)).float()  # [N, R]
-    return {"clip_ratio/low_mean": global_masked_mean(low, completion_mask, per_sequence),
-            "clip_ratio/high_mean": global_masked_mean(high, completion_mask, per_sequence),
-            "clip_ratio/region_mean": global_masked_mean(low + high, completion_mask, per_sequence)}
+    return {
+        "clip_ratio/low_mean": global_masked_mean(low, completion_mask, per_sequence),
+        "clip_ratio/high_mean": global_masked_mean(high, completion_mask, per_sequence),
+        "clip_ratio/region_mean": global_masked_mean(low + high, completion_mask, per_sequence),
+    }
 
 
 def update_metrics(per_token_logps, old_per_token_logps, per_token_kl, ratio, entropies, rollout_batch, loss_config):
@@ -302,13 +372,16 @@ def update_metrics(per_token_logps, old_per_token_logps, per_token_kl, ratio, en
     ``ratio_min`` / ``ratio_max`` and the clip fractions. Tensors [B*G, R] detached; rollout_batch: GRPORolloutBatch."""
     completion_mask = rollout_batch.completion_mask  # [B*G, R]
     log_ratio = (per_token_logps - old_per_token_logps) * completion_mask  # [B*G, R]
-    metrics = {} if rollout_batch.ref_per_token_logps is None else {
-        "kl_ref": global_masked_mean(per_token_kl, completion_mask)}
+    metrics = (
+        {}
+        if rollout_batch.ref_per_token_logps is None
+        else {"kl_ref": global_masked_mean(per_token_kl, completion_mask)}
+    )
     ratio_min, ratio_max = global_extremes(ratio, completion_mask)
     metrics.update(
         ratio_mean=global_masked_mean(ratio, completion_mask),
         entropy=global_masked_mean(entropies, completion_mask),
-        approx_kl=0.5 * global_masked_mean(log_ratio ** 2, completion_mask),
+        approx_kl=0.5 * global_masked_mean(log_ratio**2, completion_mask),
         ratio_min=ratio_min,
         ratio_max=ratio_max,
         **clip_fractions(ratio, rollout_batch.advantages, completion_mask, loss_config),
@@ -333,8 +406,10 @@ def rollout_correction(old_per_token_logps, sampling_per_token_logps, completion
     and ``rollout_mismatch_metrics``; (None, {}) for "none". Tensors fp32 [N, R], mask [N, R] 0/1."""
     if mode == "none":
         return None, {}
-    return (rollout_correction_weights(old_per_token_logps, sampling_per_token_logps, completion_mask, mode, cap),
-            rollout_mismatch_metrics(old_per_token_logps, sampling_per_token_logps, completion_mask, mode, cap))
+    return (
+        rollout_correction_weights(old_per_token_logps, sampling_per_token_logps, completion_mask, mode, cap),
+        rollout_mismatch_metrics(old_per_token_logps, sampling_per_token_logps, completion_mask, mode, cap),
+    )
 
 
 def rollout_correction_weights(old_per_token_logps, sampling_per_token_logps, completion_mask, mode, cap):
@@ -378,26 +453,37 @@ def rollout_mismatch_metrics(old_per_token_logps, sampling_per_token_logps, comp
     delta = torch.nan_to_num((old_per_token_logps - sampling_per_token_logps).abs(), nan=0.0)  # [N, R]
     known = mask * (~torch.isnan(sampling_per_token_logps)).to(mask.dtype)  # [N, R], tokens the server scored
     sampling = torch.where(known.bool(), sampling_per_token_logps, old_per_token_logps)  # [N, R], no NaN
-    metrics = {"sampling/sampling_logp_difference/mean": global_masked_mean(delta, known),
-               "sampling/sampling_logp_difference/max": global_extremes(delta, known)[1],
-               "sampling/kl_server_trainer": global_masked_mean(k3_kl(old_per_token_logps, sampling, known), known)}
+    metrics = {
+        "sampling/sampling_logp_difference/mean": global_masked_mean(delta, known),
+        "sampling/sampling_logp_difference/max": global_extremes(delta, known)[1],
+        "sampling/kl_server_trainer": global_masked_mean(k3_kl(old_per_token_logps, sampling, known), known),
+    }
     if mode == "none":
         return metrics
     weights = rollout_correction_weights(old_per_token_logps, sampling_per_token_logps, completion_mask, mode, cap)
-    raw = rollout_correction_weights(old_per_token_logps, sampling_per_token_logps, completion_mask,
-                                     mode.split("_")[0] + "_truncate", math.inf)  # the weights before the cap
+    raw = rollout_correction_weights(
+        old_per_token_logps, sampling_per_token_logps, completion_mask, mode.split("_")[0] + "_truncate", math.inf
+    )  # the weights before the cap
     if mode.startswith("sequence"):
         per_row = torch.ones_like(mask)  # every answer counted once, its weight in column 0
         weights, raw = weights.expand_as(mask), raw.expand_as(mask)
         low, high = global_extremes(weights[:, :1], per_row[:, :1])
-        metrics.update({"sampling/importance_sampling_ratio/min": low,
-                        "sampling/importance_sampling_ratio/mean": global_masked_mean(weights, per_row, True),
-                        "sampling/importance_sampling_ratio/max": high,
-                        "sampling/corrected_share": global_masked_mean((raw > cap).to(mask.dtype), per_row, True)})
+        metrics.update(
+            {
+                "sampling/importance_sampling_ratio/min": low,
+                "sampling/importance_sampling_ratio/mean": global_masked_mean(weights, per_row, True),
+                "sampling/importance_sampling_ratio/max": high,
+                "sampling/corrected_share": global_masked_mean((raw > cap).to(mask.dtype), per_row, True),
+            }
+        )
         return metrics
     low, high = global_extremes(weights, mask)
-    metrics.update({"sampling/importance_sampling_ratio/min": low,
-                    "sampling/importance_sampling_ratio/mean": global_masked_mean(weights, mask),
-                    "sampling/importance_sampling_ratio/max": high,
-                    "sampling/corrected_share": global_masked_mean((raw > cap).to(mask.dtype), mask)})
+    metrics.update(
+        {
+            "sampling/importance_sampling_ratio/min": low,
+            "sampling/importance_sampling_ratio/mean": global_masked_mean(weights, mask),
+            "sampling/importance_sampling_ratio/max": high,
+            "sampling/corrected_share": global_masked_mean((raw > cap).to(mask.dtype), mask),
+        }
+    )
     return metrics

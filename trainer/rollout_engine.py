@@ -6,6 +6,7 @@ policy's own ``generate``, ``SGLangRolloutEngine`` from an SGLang server; ``crea
 Log-prob convention (one for old, new and reference log-probs): log pi(token | prefix) of softmax(logits /
 temperature), without top-p / top-k truncation; SGLang's default too (unless ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``).
 """
+
 import os
 import shutil
 from abc import ABC, abstractmethod
@@ -20,7 +21,11 @@ from trainer.infra.distributed import is_main_process, run_on_rank0, unwrap_mode
 from trainer.infra.errors import ServerError
 from trainer.infra.lora import merged_state_dict
 from trainer.infra.sglang_client import (
-    ROLLOUT_ENGINES, SGLANG_LOGPROB_MODES, SGLangClient, check_sglang_prompts, sglang_sampling_params,
+    ROLLOUT_ENGINES,
+    SGLANG_LOGPROB_MODES,
+    SGLangClient,
+    check_sglang_prompts,
+    sglang_sampling_params,
 )
 from trainer.speed.selective_log_softmax import selective_log_softmax, token_entropies
 from trainer.trainer_utils import completion_mask_from_ids, masked_mean
@@ -28,6 +33,7 @@ from trainer.trainer_utils import completion_mask_from_ids, masked_mean
 
 class PolicyForward(NamedTuple):
     """What ``compute_per_token_logps`` returns: the completion's log-probs, the MoE router loss, the entropies."""
+
     per_token_logps: torch.Tensor  # fp32 [B, R], log pi of each completion token (with grad when the model has it)
     aux_loss: torch.Tensor  # scalar, the MoE load-balancing loss (0 for a dense model)
     entropies: Optional[torch.Tensor]  # fp32 [B, R], each position's entropy (no grad); None unless asked for
@@ -55,6 +61,7 @@ def compute_per_token_logps(model, input_ids, n_keep, attention_mask=None, tempe
 @dataclass
 class RolloutResult:
     """What a rollout returns: N = B * num_generations rows, R completion tokens."""
+
     output_ids: torch.Tensor  # long [N, P + R], prompts (left-padded) then completions (padded after EOS)
     completion_ids: torch.Tensor  # long [N, R]
     per_token_logps: torch.Tensor  # fp32 [N, R], log pi_old of each completion token at sampling time (no grad)
@@ -70,6 +77,17 @@ class RolloutResult:
         return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
 
 
+@dataclass(frozen=True)
+class RolloutRoles:
+    """What a step's rollout uses besides its batch (chapter 8.1): the sampler and the frozen roles."""
+
+    rollout_engine: object  # samples the answers (8.2); the agent script's SGLang engine, or None: its own generate
+    tokenizer: object
+    reward_fn: object  # calculate_rewards (8.3), or a function with its arguments and result
+    reward_model: object = None  # the external reward model (LMForRewardModel), None with --reward_model_path none
+    ref_model: object = None  # pi_ref, frozen; None without a KL (--beta 0)
+
+
 def tokenize_prompts(tokenizer, prompts, max_seq_len, device):
     """Left-padded prompt batch, each prompt cut to its last ``max_seq_len`` tokens (the generation prompt stays):
     (prompt_ids long [B, P], attention_mask long [B, P], number of prompts that were cut)."""
@@ -81,8 +99,8 @@ def tokenize_prompts(tokenizer, prompts, max_seq_len, device):
     prompt_ids = torch.full((len(encoded), width), tokenizer.pad_token_id, dtype=torch.long)  # [B, P]
     attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)  # [B, P]
     for i, ids in enumerate(encoded):
-        prompt_ids[i, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
-        attention_mask[i, width - len(ids):] = 1
+        prompt_ids[i, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[i, width - len(ids) :] = 1
     return prompt_ids.to(device), attention_mask.to(device), truncated
 
 
@@ -137,18 +155,29 @@ class TorchRolloutEngine(RolloutEngine):
         prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
         prompt_mask = attention_mask.repeat_interleave(num_generations, dim=0)  # [N, P]
         output_ids, per_token_logps = model.generate(
-            prompt_ids, attention_mask=prompt_mask, max_new_tokens=max_new_tokens, do_sample=True,
-            temperature=temperature, top_p=self.top_p, top_k=self.top_k, eos_token_id=self.tokenizer.eos_token_id,
-            pad_token_id=self.tokenizer.pad_token_id, generator=self.generator,
+            prompt_ids,
+            attention_mask=prompt_mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=True,
+            temperature=temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+            generator=self.generator,
         )  # [N, P + R], [N, R] recorded while sampling
-        completion_ids = output_ids[:, prompt_ids.size(1):]  # [N, R]
+        completion_ids = output_ids[:, prompt_ids.size(1) :]  # [N, R]
         completion_mask = completion_mask_from_ids(completion_ids, self.tokenizer.eos_token_id)  # [N, R]
         model.train(was_training)
         return RolloutResult(
-            output_ids=output_ids, completion_ids=completion_ids, per_token_logps=per_token_logps,
-            completions=decode_completions(self.tokenizer, completion_ids, completion_mask,
-                                           self.tokenizer.eos_token_id),
-            completion_mask=completion_mask, prompt_mask=prompt_mask,
+            output_ids=output_ids,
+            completion_ids=completion_ids,
+            per_token_logps=per_token_logps,
+            completions=decode_completions(
+                self.tokenizer, completion_ids, completion_mask, self.tokenizer.eos_token_id
+            ),
+            completion_mask=completion_mask,
+            prompt_mask=prompt_mask,
         )
 
     def update_policy(self, model):
@@ -172,12 +201,26 @@ class SGLangRolloutEngine(RolloutEngine):
     RuntimeError (no server answers /health at start-up, or an answer fails the checks).
     """
 
-    def __init__(self, policy_model, tokenizer, url, shared_path, logprobs_mode="recompute", sync_interval=1,
-                 top_p=1.0, top_k=0, export_dtype=torch.float32, logprob_tolerance=0.05, health_retries=5,
-                 rollout_correction=False, **client_options):
+    def __init__(
+        self,
+        policy_model,
+        tokenizer,
+        url,
+        shared_path,
+        logprobs_mode="recompute",
+        sync_interval=1,
+        top_p=1.0,
+        top_k=0,
+        export_dtype=torch.float32,
+        logprob_tolerance=0.05,
+        health_retries=5,
+        rollout_correction=False,
+        **client_options,
+    ):
         if logprobs_mode not in SGLANG_LOGPROB_MODES:
-            raise ValueError(f"unknown SGLang log-prob mode {logprobs_mode!r}; "
-                             f"valid: {', '.join(SGLANG_LOGPROB_MODES)}")
+            raise ValueError(
+                f"unknown SGLang log-prob mode {logprobs_mode!r}; valid: {', '.join(SGLANG_LOGPROB_MODES)}"
+            )
         if sync_interval < 1:
             raise ValueError(f"sync_interval must be >= 1, got {sync_interval}")
         self.policy_model = policy_model
@@ -204,8 +247,9 @@ class SGLangRolloutEngine(RolloutEngine):
         prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
         prompt_mask = attention_mask.repeat_interleave(num_generations, dim=0)  # [N, P]
         input_ids = [row[mask.bool()].tolist() for row, mask in zip(prompt_ids, prompt_mask)]  # N unpadded lists
-        sampling_params = sglang_sampling_params(temperature, self.sampling["top_p"], self.sampling["top_k"],
-                                                 max_new_tokens, self.tokenizer.eos_token_id)
+        sampling_params = sglang_sampling_params(
+            temperature, self.sampling["top_p"], self.sampling["top_k"], max_new_tokens, self.tokenizer.eos_token_id
+        )
         answers = self.client.generate(input_ids, sampling_params)  # N (token ids, log-probs), checked
 
         gen_len = max(len(token_ids) for token_ids, _ in answers)  # R
@@ -213,34 +257,45 @@ class SGLangRolloutEngine(RolloutEngine):
         server_per_token_logps = torch.zeros((len(answers), gen_len), dtype=torch.float32)  # [N, R]
         length_mask = torch.zeros((len(answers), gen_len), dtype=torch.long)  # [N, R], 1 = a returned token
         for i, (token_ids, logps) in enumerate(answers):
-            completion_ids[i, :len(token_ids)] = torch.tensor(token_ids, dtype=torch.long)
-            server_per_token_logps[i, :len(logps)] = torch.tensor(logps, dtype=torch.float32)
-            length_mask[i, :len(token_ids)] = 1
+            completion_ids[i, : len(token_ids)] = torch.tensor(token_ids, dtype=torch.long)
+            server_per_token_logps[i, : len(logps)] = torch.tensor(logps, dtype=torch.float32)
+            length_mask[i, : len(token_ids)] = 1
         completion_ids = completion_ids.to(prompt_ids.device)
-        completion_mask = completion_mask_from_ids(completion_ids, self.tokenizer.eos_token_id) \
-            * length_mask.to(prompt_ids.device)  # [N, R]
+        completion_mask = completion_mask_from_ids(completion_ids, self.tokenizer.eos_token_id) * length_mask.to(
+            prompt_ids.device
+        )  # [N, R]
         output_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [N, P + R]
         per_token_logps, metrics = self.old_per_token_logps(
-            model, output_ids, torch.cat([prompt_mask, completion_mask], dim=1), completion_mask,
-            server_per_token_logps.to(prompt_ids.device), temperature)
+            model,
+            output_ids,
+            torch.cat([prompt_mask, completion_mask], dim=1),
+            completion_mask,
+            server_per_token_logps.to(prompt_ids.device),
+            temperature,
+        )
         return RolloutResult(
-            output_ids=output_ids, completion_ids=completion_ids, per_token_logps=per_token_logps,
-            completions=decode_completions(self.tokenizer, completion_ids, completion_mask,
-                                           self.tokenizer.eos_token_id),
-            completion_mask=completion_mask, prompt_mask=prompt_mask,
-            metrics=metrics, sampling_per_token_logps=server_per_token_logps.to(prompt_ids.device) * completion_mask,
+            output_ids=output_ids,
+            completion_ids=completion_ids,
+            per_token_logps=per_token_logps,
+            completions=decode_completions(
+                self.tokenizer, completion_ids, completion_mask, self.tokenizer.eos_token_id
+            ),
+            completion_mask=completion_mask,
+            prompt_mask=prompt_mask,
+            metrics=metrics,
+            sampling_per_token_logps=server_per_token_logps.to(prompt_ids.device) * completion_mask,
         )
 
-    def old_per_token_logps(self, model, output_ids, full_mask, completion_mask, server_per_token_logps,
-                            temperature):
+    def old_per_token_logps(self, model, output_ids, full_mask, completion_mask, server_per_token_logps, temperature):
         """(log pi_old [N, R], metrics) by ``logprobs_mode`` (and ``rollout_correction``); raises RuntimeError when
         the server's log-probs fail the first-batch check (naming the temperature convention and the fixes)."""
         if self.logprobs_mode == "server" and self.logprob_tolerance is None and not self.rollout_correction:
             return server_per_token_logps, {}
         was_training = model.training
         model.eval()
-        local_per_token_logps = compute_per_token_logps(model, output_ids, completion_mask.size(1), full_mask,
-                                                        temperature).per_token_logps  # [N, R]
+        local_per_token_logps = compute_per_token_logps(
+            model, output_ids, completion_mask.size(1), full_mask, temperature
+        ).per_token_logps  # [N, R]
         model.train(was_training)
         gap = masked_mean((server_per_token_logps - local_per_token_logps).abs(), completion_mask).item()
         if self.logprobs_mode == "recompute" or (self.rollout_correction and self.logprob_tolerance is None):
@@ -251,7 +306,8 @@ class SGLangRolloutEngine(RolloutEngine):
                 f"per token (tolerance {self.logprob_tolerance}) at temperature {temperature}. The trainer uses "
                 f"log softmax(logits / temperature), SGLang's default: start the server WITHOUT "
                 f"SGLANG_RETURN_ORIGINAL_LOGPROB=1, sync the same weights in full precision (--sglang_export_dtype "
-                f"float32, server --dtype float32), or run with --sglang_logprobs recompute (the default).")
+                f"float32, server --dtype float32), or run with --sglang_logprobs recompute (the default)."
+            )
         self.logprob_tolerance = None
         return (local_per_token_logps if self.rollout_correction else server_per_token_logps), {"logprob_gap": gap}
 
@@ -265,8 +321,9 @@ class SGLangRolloutEngine(RolloutEngine):
     def export_policy(self, model, folder):
         """Write ``model``'s weights (and the tokenizer) as a Qwen3ForCausalLM folder (``model/hf_qwen3.py``)."""
         raw = unwrap_model(model)
-        return save_qwen3_folder(merged_state_dict(raw), raw.config, folder, tokenizer=self.tokenizer,
-                                 dtype=self.export_dtype)
+        return save_qwen3_folder(
+            merged_state_dict(raw), raw.config, folder, tokenizer=self.tokenizer, dtype=self.export_dtype
+        )
 
     def push_weights(self, model, folder=None):
         """Rank 0 saves ``model`` to ``policy_v{n}`` (unless ``folder`` is given, already written), asks the server
@@ -274,11 +331,13 @@ class SGLangRolloutEngine(RolloutEngine):
         previous = os.path.join(self.shared_path, f"policy_v{self.client.weight_pushes - 1}")
 
         def save_and_load():
-            target = folder or self.export_policy(model, os.path.join(self.shared_path,
-                                                                      f"policy_v{self.client.weight_pushes}"))
+            target = folder or self.export_policy(
+                model, os.path.join(self.shared_path, f"policy_v{self.client.weight_pushes}")
+            )
             self.client.update_weights_from_disk(target)
             if previous != target:
                 shutil.rmtree(previous, ignore_errors=True)
+
         run_on_rank0(save_and_load, "syncing the policy to SGLang")
         self.client.weights_pushed()
 

@@ -4,7 +4,6 @@ Names are TRL's where TRL logs the same. The writing (metrics.jsonl, wandb, the 
 ``infra/metrics.py``.
 """
 
-
 from trainer.trainer_utils import masked_mean, masked_var
 
 
@@ -33,8 +32,10 @@ def mean_of_updates(updates):
     """The mean over a step's updates (dicts of floats, one per update on its rollout) of each metric, except
     ``ratio_min`` / ``ratio_max``: the smallest and largest ratio of any update (the step's spread of the ratio)."""
     update_mean = {key: sum(update[key] for update in updates) / len(updates) for key in updates[0]}
-    update_mean.update(ratio_min=min(update["ratio_min"] for update in updates),
-                       ratio_max=max(update["ratio_max"] for update in updates))
+    update_mean.update(
+        ratio_min=min(update["ratio_min"] for update in updates),
+        ratio_max=max(update["ratio_max"] for update in updates),
+    )
     return update_mean
 
 
@@ -75,23 +76,33 @@ def grpo_log_line(metrics, num_iterations=1):
     """GRPO's part of the log line (after the rewards): KL, advantages, loss, entropy, clipping, length, rate; with
     ``num_iterations`` > 1 also the ratio's range over the step's updates, the clipped shares and the approximate KL."""
     kl_ref = f"kl_ref {metrics['kl_ref']:.4f} | " if "kl_ref" in metrics else ""
-    clip = next((f" | clipped {metrics[key]:.3f}" for key in ("clip_ratio/region_mean", "cispo_clip_ratio")
-                 if key in metrics), "")
+    clip = next(
+        (f" | clipped {metrics[key]:.3f}" for key in ("clip_ratio/region_mean", "cispo_clip_ratio") if key in metrics),
+        "",
+    )
     if num_iterations > 1:
         if "clip_ratio/low_mean" in metrics:
             clip = f" | clipped low {metrics['clip_ratio/low_mean']:.4f} high {metrics['clip_ratio/high_mean']:.4f}"
         elif "cispo_clip_ratio" in metrics:
             clip = f" | clipped {metrics['cispo_clip_ratio']:.4f}"
         clip += f" | ratio {metrics['ratio_min']:.3f}-{metrics['ratio_max']:.3f} | approx_kl {metrics['approx_kl']:.1e}"
-    return (f"{kl_ref}adv mean {metrics['advantages_mean']:.3f} std {metrics['advantages_std']:.3f} | "
-            f"policy_loss {metrics['policy_loss']:.4f} | entropy {metrics['entropy']:.3f}{clip} | "
-            f"len {metrics['response_len']:.1f} | lr {metrics['learning_rate']:.2e}")
+    return (
+        f"{kl_ref}adv mean {metrics['advantages_mean']:.3f} std {metrics['advantages_std']:.3f} | "
+        f"policy_loss {metrics['policy_loss']:.4f} | entropy {metrics['entropy']:.3f}{clip} | "
+        f"len {metrics['response_len']:.1f} | lr {metrics['learning_rate']:.2e}"
+    )
 
 
-AGENT_METRIC_PARTS = {"rule_reward": "rule_rewards", "reward_model_score": "reward_model_scores",
-                "answer_reward": "answer_rewards", "call_reward": "call_rewards", "tag_penalty": "tag_penalties",
-                "unfinished_penalty": "unfinished_penalties", "repetition_penalty": "repetition_penalties",
-                "accuracy": "accuracy"}  # metric name -> reward_fn key
+AGENT_METRIC_PARTS = {
+    "rule_reward": "rule_rewards",
+    "reward_model_score": "reward_model_scores",
+    "answer_reward": "answer_rewards",
+    "call_reward": "call_rewards",
+    "tag_penalty": "tag_penalties",
+    "unfinished_penalty": "unfinished_penalties",
+    "repetition_penalty": "repetition_penalties",
+    "accuracy": "accuracy",
+}  # metric name -> reward_fn key
 
 
 def agent_metrics(rollout_batch, updates):
@@ -114,10 +125,12 @@ def agent_metrics(rollout_batch, updates):
 def agent_log_line(metrics):
     """The agent's part of the log line (after the rewards): accuracy, tool use, loss, KL, entropy, length, rate."""
     kl_ref = f"kl_ref {metrics['kl_ref']:.4f} | " if "kl_ref" in metrics else ""
-    return (f"acc {metrics['accuracy']:.2f} | calls {metrics['tool_call_share']:.2f} valid "
-            f"{metrics['valid_call_share']:.2f} | turns {metrics['turns']:.2f} | {kl_ref}"
-            f"policy_loss {metrics['policy_loss']:.4f} | entropy {metrics['entropy']:.3f} | "
-            f"len {metrics['response_len']:.1f} | lr {metrics['learning_rate']:.2e}")
+    return (
+        f"acc {metrics['accuracy']:.2f} | calls {metrics['tool_call_share']:.2f} valid "
+        f"{metrics['valid_call_share']:.2f} | turns {metrics['turns']:.2f} | {kl_ref}"
+        f"policy_loss {metrics['policy_loss']:.4f} | entropy {metrics['entropy']:.3f} | "
+        f"len {metrics['response_len']:.1f} | lr {metrics['learning_rate']:.2e}"
+    )
 
 
 def ppo_metrics(rollout_batch, update, skipped):
@@ -140,7 +153,9 @@ def ppo_metrics(rollout_batch, update, skipped):
 
 def ppo_log_line(metrics):
     """PPO's part of the log line (after the rewards): KLs, clipping, critic, length, learning rates."""
-    return (f"kl_ref {metrics.get('kl_ref', 0.0):.4f} | approx_kl {metrics.get('approx_kl', 0.0):.4f} | "
-            f"clipfrac {metrics.get('clipfrac', 0.0):.3f} | value_loss {metrics.get('value_loss', 0.0):.4f} | "
-            f"explained_var {metrics['explained_variance']:.3f} | len {metrics['response_len']:.1f} | "
-            f"lr {metrics['learning_rate']:.2e}/{metrics['critic_learning_rate']:.2e}")
+    return (
+        f"kl_ref {metrics.get('kl_ref', 0.0):.4f} | approx_kl {metrics.get('approx_kl', 0.0):.4f} | "
+        f"clipfrac {metrics.get('clipfrac', 0.0):.3f} | value_loss {metrics.get('value_loss', 0.0):.4f} | "
+        f"explained_var {metrics['explained_variance']:.3f} | len {metrics['response_len']:.1f} | "
+        f"lr {metrics['learning_rate']:.2e}/{metrics['critic_learning_rate']:.2e}"
+    )

@@ -13,6 +13,7 @@ A long run (``--save_interval N``) also writes ``{save_dir}/{save_weight}_{hidde
 (fp32 weights, optimizer, schedule, data position); the same command with ``--from_resume 1`` continues it and
 ends with the weights an uninterrupted run ends with.
 """
+
 import argparse
 import os
 import sys
@@ -29,7 +30,12 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from dataset.lm_dataset import SFTDataset, sft_collate
 from trainer.infra.distributed import (
-    Logger, any_rank, init_distributed_mode, is_main_process, setup_seed, unwrap_model,
+    Logger,
+    any_rank,
+    init_distributed_mode,
+    is_main_process,
+    setup_seed,
+    unwrap_model,
 )
 from trainer.infra.errors import InputError, run_script
 from trainer.infra.files import atomic_write, check_writable_dir
@@ -56,15 +62,23 @@ def parse_args(argv=None):
     parser.add_argument("--grad_clip", type=float, default=1.0)
     parser.add_argument("--max_seq_len", type=int, default=256)
     parser.add_argument("--log_interval", type=int, default=50)
-    parser.add_argument("--save_interval", type=int, default=0,
-                        help="also save a snapshot {save_weight}_step{N}_{hidden}.pth and the resume file "
-                             "{save_weight}_{hidden}_resume.pth every N steps (0 = off)")
-    add_bool_flag(parser, "--from_resume",
-                  help="1: continue the run whose resume file {save_weight}_{hidden}_resume.pth is in --save_dir")
+    parser.add_argument(
+        "--save_interval",
+        type=int,
+        default=0,
+        help="also save a snapshot {save_weight}_step{N}_{hidden}.pth and the resume file "
+        "{save_weight}_{hidden}_resume.pth every N steps (0 = off)",
+    )
+    add_bool_flag(
+        parser,
+        "--from_resume",
+        help="1: continue the run whose resume file {save_weight}_{hidden}_resume.pth is in --save_dir",
+    )
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--num_threads", type=int, default=0, help="torch threads on CPU (0 = torch default)")
-    parser.add_argument("--max_bad_steps", type=int, default=3,
-                        help="stop after this many updates in a row skipped for a NaN/inf")
+    parser.add_argument(
+        "--max_bad_steps", type=int, default=3, help="stop after this many updates in a row skipped for a NaN/inf"
+    )
     args = parser.parse_args(argv)
     for flag in ("batch_size", "max_seq_len", "epochs", "max_bad_steps"):
         if getattr(args, flag) < 1:
@@ -80,13 +94,27 @@ def parse_args(argv=None):
     except OSError as err:
         parser.error(f"--save_dir: {err.strerror}")
     if args.from_resume and not os.path.isfile(resume_path(args)):
-        parser.error(f"--from_resume 1: no resume file {resume_path(args)} (a run with --save_interval N writes it "
-                     f"every N steps)")
+        parser.error(
+            f"--from_resume 1: no resume file {resume_path(args)} (a run with --save_interval N writes it "
+            f"every N steps)"
+        )
     return args
 
 
-RESUME_KEYS = ("data_path", "from_weight", "hidden_size", "num_hidden_layers", "use_moe", "batch_size",
-               "learning_rate", "weight_decay", "max_seq_len", "max_steps", "epochs", "seed")  # must match to resume
+RESUME_KEYS = (
+    "data_path",
+    "from_weight",
+    "hidden_size",
+    "num_hidden_layers",
+    "use_moe",
+    "batch_size",
+    "learning_rate",
+    "weight_decay",
+    "max_seq_len",
+    "max_steps",
+    "epochs",
+    "seed",
+)  # must match to resume
 
 
 def resume_path(args):
@@ -98,11 +126,16 @@ def resume_path(args):
 def load_resume_state(args):
     """The resume file's state; ValueError naming each flag whose value differs from the run that wrote it."""
     state = torch.load(resume_path(args), map_location="cpu", weights_only=False)
-    changed = [f"--{key} {state['args'][key]!r} (now {getattr(args, key)!r})" for key in RESUME_KEYS
-               if state["args"].get(key) != getattr(args, key)]
+    changed = [
+        f"--{key} {state['args'][key]!r} (now {getattr(args, key)!r})"
+        for key in RESUME_KEYS
+        if state["args"].get(key) != getattr(args, key)
+    ]
     if changed:
-        raise InputError(f"{resume_path(args)} was written by a run with {', '.join(changed)}: resume with the "
-                         f"same flags, or start anew without --from_resume")
+        raise InputError(
+            f"{resume_path(args)} was written by a run with {', '.join(changed)}: resume with the "
+            f"same flags, or start anew without --from_resume"
+        )
     return state
 
 
@@ -110,8 +143,9 @@ def sft_loss(logits, labels):
     """Mean next-token cross-entropy over labelled positions: logits [B, T, V], labels [B, T] (-100 = skip)."""
     shifted_logits = logits[:, :-1, :].float()
     shifted_labels = labels[:, 1:]
-    return F.cross_entropy(shifted_logits.reshape(-1, shifted_logits.size(-1)), shifted_labels.reshape(-1),
-                           ignore_index=-100)
+    return F.cross_entropy(
+        shifted_logits.reshape(-1, shifted_logits.size(-1)), shifted_labels.reshape(-1), ignore_index=-100
+    )
 
 
 def main(argv=None):
@@ -129,11 +163,19 @@ def main(argv=None):
         raise InputError(f"--data_path {args.data_path}: found 0 conversations, need at least 1")
     sampler = DistributedSampler(dataset, seed=args.seed) if dist.is_initialized() else None
     generator = torch.Generator().manual_seed(args.seed)
-    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=sampler is None, sampler=sampler,
-                        generator=generator, collate_fn=lambda b: sft_collate(b, tokenizer.pad_token_id))
+    loader = DataLoader(
+        dataset,
+        batch_size=args.batch_size,
+        shuffle=sampler is None,
+        sampler=sampler,
+        generator=generator,
+        collate_fn=lambda b: sft_collate(b, tokenizer.pad_token_id),
+    )
     total_steps = args.max_steps or args.epochs * len(loader)
-    Logger(f"SFT: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(dataset)} samples, "
-           f"{total_steps} steps")
+    Logger(
+        f"SFT: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(dataset)} samples, "
+        f"{total_steps} steps"
+    )
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = build_cosine_scheduler(optimizer, total_steps)
@@ -151,7 +193,7 @@ def main(argv=None):
         generator.set_state(state["epoch_generator_state"])
         Logger(f"resumed {resume_path(args)} at step {step}/{total_steps}")
     model.train()
-    for epoch in range(first_epoch, 10 ** 9):
+    for epoch in range(first_epoch, 10**9):
         if sampler is not None:
             sampler.set_epoch(epoch)
         epoch_generator_state = generator.get_state()  # the shuffle of this epoch is drawn from here
@@ -174,16 +216,25 @@ def main(argv=None):
             optimizer.zero_grad(set_to_none=True)
             guard.record(step, skipped, problems)
             if step % args.log_interval == 0 or step == total_steps:
-                Logger(f"step {step}/{total_steps} loss {loss.item():.4f} lr {scheduler.get_last_lr()[0]:.2e} "
-                       f"elapsed {time.time() - start:.0f}s")
+                Logger(
+                    f"step {step}/{total_steps} loss {loss.item():.4f} lr {scheduler.get_last_lr()[0]:.2e} "
+                    f"elapsed {time.time() - start:.0f}s"
+                )
             if args.save_interval and step % args.save_interval == 0 and is_main_process():
-                snapshot = weight_path(f"{args.save_weight}_step{step}", args.save_dir, args.hidden_size, args.use_moe,
-                                       allow_file=False)
+                snapshot = weight_path(
+                    f"{args.save_weight}_step{step}", args.save_dir, args.hidden_size, args.use_moe, allow_file=False
+                )
                 save_weights(half_state_dict(model), snapshot, tokenizer.name_or_path)
-                state = {"model": unwrap_model(model).state_dict(), "optimizer": optimizer.state_dict(),
-                         "scheduler": scheduler.state_dict(), "step": step, "epoch": epoch,
-                         "batch_in_epoch": batch_in_epoch, "epoch_generator_state": epoch_generator_state,
-                         "args": {key: getattr(args, key) for key in RESUME_KEYS}}
+                state = {
+                    "model": unwrap_model(model).state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "step": step,
+                    "epoch": epoch,
+                    "batch_in_epoch": batch_in_epoch,
+                    "epoch_generator_state": epoch_generator_state,
+                    "args": {key: getattr(args, key) for key in RESUME_KEYS},
+                }
                 atomic_write({resume_path(args): lambda tmp, state=state: torch.save(state, tmp)})
             if step >= total_steps:
                 break

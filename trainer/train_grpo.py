@@ -12,6 +12,7 @@ Run (the embedded default: tiny MiniMind, bundled arithmetic prompts, CPU):
     python trainer/train_grpo.py --loss_type grpo --max_steps 50
     torchrun --nproc_per_node 2 trainer/train_grpo.py --loss_type cispo
 """
+
 import argparse
 import copy
 import functools
@@ -27,39 +28,84 @@ import torch
 from torch.utils.data import DataLoader
 
 from dataset.lm_dataset import (
-    RLAIFDataset, ResumableBatchSampler, check_prompt_count, count_total_steps, epoch_batches, resumable_batches,
+    RLAIFDataset,
+    ResumableBatchSampler,
+    check_prompt_count,
+    count_total_steps,
+    epoch_batches,
+    resumable_batches,
     spare_batches,
 )
 from trainer.advantage_estimators import (
-    add_dapo_sampling_args, add_estimator_args, build_advantage_config, check_estimator_args, compute_advantages,
-    dynamic_sampling, loss_beta, overlong_penalty,
+    add_dapo_sampling_args,
+    add_estimator_args,
+    build_advantage_config,
+    check_estimator_args,
+    compute_advantages,
+    dynamic_sampling,
+    loss_beta,
+    overlong_penalty,
 )
 from trainer.grpo_family import (
-    DEFAULT_CISPO_EPSILON_HIGH, LOSS_TYPES, TOKEN_SUM_LOSS_TYPES, add_family_args, build_loss_config,
-    check_family_args, family_loss, frac_reward_zero_std, rollout_correction, update_metrics,
+    DEFAULT_CISPO_EPSILON_HIGH,
+    LOSS_TYPES,
+    TOKEN_SUM_LOSS_TYPES,
+    add_family_args,
+    build_loss_config,
+    check_family_args,
+    family_loss,
+    frac_reward_zero_std,
+    rollout_correction,
+    update_metrics,
 )
 from trainer.infra.checkpoints import (
-    checkpoint_progress, claim_save_dir, resume_command, save_checkpoint, start_or_resume,
+    checkpoint_progress,
+    claim_save_dir,
+    resume_command,
+    save_checkpoint,
+    start_or_resume,
 )
 from trainer.infra.distributed import (
-    Logger, all_ranks_mean, compile_for_training, init_distributed_mode, mean_over_ranks,
-    rank_and_world_size, setup_seed, shutdown_distributed, wrap_ddp,
+    Logger,
+    all_ranks_mean,
+    compile_for_training,
+    init_distributed_mode,
+    mean_over_ranks,
+    rank_and_world_size,
+    setup_seed,
+    shutdown_distributed,
+    wrap_ddp,
 )
 from trainer.infra.dtypes import autocast_context, resolve_train_dtype, reward_model_dtype
 from trainer.evaluation import build_evaluator, evaluate_if_due
 from trainer.infra.errors import run_script
 from trainer.infra.flags import (
-    AT_LEAST_1, AT_LEAST_2, NON_NEGATIVE, add_bool_flag, add_common_rl_args, check_common_rl_args, flag_groups,
+    AT_LEAST_1,
+    AT_LEAST_2,
+    NON_NEGATIVE,
+    add_bool_flag,
+    add_common_rl_args,
+    check_common_rl_args,
+    flag_groups,
     rollout_engine_kwargs,
 )
 from trainer.infra.lora import base_model, with_adapters
 from trainer.infra.metrics import (
-    StepLog, gpu_memory_metrics, open_metrics, print_samples,
+    StepLog,
+    gpu_memory_metrics,
+    open_metrics,
+    print_samples,
 )
 from trainer.infra.optimizer import OptimizerStep, build_cosine_scheduler, build_policy_optimizer
 from trainer.infra.stopping import BadStepGuard, StopSignal, finish_run
 from trainer.infra.weights import build_config, load_policy, load_tokenizer, weight_path
-from trainer.rollout_engine import RolloutResult, compute_per_token_logps, create_rollout_engine, tokenize_prompts
+from trainer.rollout_engine import (
+    RolloutResult,
+    RolloutRoles,
+    compute_per_token_logps,
+    create_rollout_engine,
+    tokenize_prompts,
+)
 from trainer.speed.shared_prefix import shared_prefix_forward
 from trainer.step_metrics import grpo_log_line, grpo_metrics
 from trainer.trainer_utils import calculate_rewards, k3_kl, load_reward_model, masked_mean
@@ -78,8 +124,17 @@ def sequence_mean_loss(per_token_loss, completion_mask):
     return masked_mean(per_token_loss, mask, dim=1).mean()
 
 
-def grpo_loss(per_token_logps, old_per_token_logps, ref_per_token_logps, advantages, completion_mask,
-              loss_type="cispo", epsilon=0.2, epsilon_high=None, beta=0.1):
+def grpo_loss(
+    per_token_logps,
+    old_per_token_logps,
+    ref_per_token_logps,
+    advantages,
+    completion_mask,
+    loss_type="cispo",
+    epsilon=0.2,
+    epsilon_high=None,
+    beta=0.1,
+):
     """The chapter's two policy losses with the k3 KL penalty, each sequence's mean (chapter 8.5.2, 8.6):
       cispo: -(sg[min(ratio, epsilon_high)] * A * logp - beta * per_token_kl) (MiniMax-M1 2025, eq. 4);
       grpo:  -(min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A) - beta * per_token_kl) (PPO's clip).
@@ -108,8 +163,10 @@ def grpo_loss(per_token_logps, old_per_token_logps, ref_per_token_logps, advanta
         clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)  # [N, R]
         per_token_loss = -(torch.min(ratio * advantages, clipped_ratio * advantages) - beta * per_token_kl)
     else:
-        raise ValueError(f"grpo_loss takes the chapter's loss types (cispo, grpo), got {loss_type!r}: the family's "
-                         f"members are grpo_family.family_loss")
+        raise ValueError(
+            f"grpo_loss takes the chapter's loss types (cispo, grpo), got {loss_type!r}: the family's "
+            f"members are grpo_family.family_loss"
+        )
     return sequence_mean_loss(per_token_loss, completion_mask), per_token_kl.detach(), ratio.detach()
 
 
@@ -118,38 +175,74 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="MiniMind GRPO (Group Relative Policy Optimization)")
     groups = flag_groups(parser)  # --help's groups: the chapter's flags first (infra/flags.py)
     add_common_rl_args(groups)
-    groups["rollout"].add_argument("--num_generations", type=int, default=6, action=AT_LEAST_2,
-                                   help="G, answers sampled per prompt")
+    groups["rollout"].add_argument(
+        "--num_generations", type=int, default=6, action=AT_LEAST_2, help="G, answers sampled per prompt"
+    )
     algorithm = groups["algorithm"]
-    algorithm.add_argument("--loss_type", default="cispo",
-                           help=f"one of {', '.join(LOSS_TYPES)} (TRL's names): the chapter's cispo (default) and "
-                                "grpo, then the family after it (docs/grpo_family.md)")
-    algorithm.add_argument("--epsilon", type=float, default=None,
-                           help="clipped family (grpo, bnpo, dr_grpo, dapo, luspo): lower clip 1 - epsilon (0.2)")
-    algorithm.add_argument("--epsilon_high", type=float, default=None,
-                           help="cispo: the clamp of the ratio weight (5.0, upstream MiniMind's); clipped family: "
-                                "upper clip 1 + epsilon_high (default --epsilon; DAPO 0.28)")
-    algorithm.add_argument("--num_iterations", type=int, default=1, action=AT_LEAST_1,
-                           help="mu: updates on each rollout (1: the chapter's; from the second the ratio leaves 1)")
-    groups["kl"].add_argument("--beta", type=float, default=0.1, action=NON_NEGATIVE,
-                              help="weight of the k3 KL to the reference (0: no reference model is built)")
+    algorithm.add_argument(
+        "--loss_type",
+        default="cispo",
+        help=f"one of {', '.join(LOSS_TYPES)} (TRL's names): the chapter's cispo (default) and "
+        "grpo, then the family after it (docs/grpo_family.md)",
+    )
+    algorithm.add_argument(
+        "--epsilon",
+        type=float,
+        default=None,
+        help="clipped family (grpo, bnpo, dr_grpo, dapo, luspo): lower clip 1 - epsilon (0.2)",
+    )
+    algorithm.add_argument(
+        "--epsilon_high",
+        type=float,
+        default=None,
+        help="cispo: the clamp of the ratio weight (5.0, upstream MiniMind's); clipped family: "
+        "upper clip 1 + epsilon_high (default --epsilon; DAPO 0.28)",
+    )
+    algorithm.add_argument(
+        "--num_iterations",
+        type=int,
+        default=1,
+        action=AT_LEAST_1,
+        help="mu: updates on each rollout (1: the chapter's; from the second the ratio leaves 1)",
+    )
+    groups["kl"].add_argument(
+        "--beta",
+        type=float,
+        default=0.1,
+        action=NON_NEGATIVE,
+        help="weight of the k3 KL to the reference (0: no reference model is built)",
+    )
     add_family_args(groups["family"])  # the loss members after the chapter (grpo_family.py)
     add_estimator_args(groups["family"])  # --advantage_estimator, --kl_placement (advantage_estimators.py)
     add_dapo_sampling_args(groups["family"])  # --dynamic_sampling, --overlong_buffer_len
-    groups["memory"].add_argument("--accumulation_steps", type=int, default=1, action=AT_LEAST_1,
-                                  help="steps (rollouts) whose gradients make one optimizer step")
-    add_bool_flag(groups["memory"], "--shared_prefix",
-                  help="1: the forwards run each prompt once for its G answers (same log-probs; the default for "
-                       "dense models); 0: every answer with its own copy of the prompt (the default with --use_moe 1)")
+    groups["memory"].add_argument(
+        "--accumulation_steps",
+        type=int,
+        default=1,
+        action=AT_LEAST_1,
+        help="steps (rollouts) whose gradients make one optimizer step",
+    )
+    add_bool_flag(
+        groups["memory"],
+        "--shared_prefix",
+        help="1: the forwards run each prompt once for its G answers (same log-probs; the default for "
+        "dense models); 0: every answer with its own copy of the prompt (the default with --use_moe 1)",
+    )
     groups["run"].add_argument("--save_weight", default="grpo", help="name of the saved weights ({name}_{hidden}.pth)")
     # the default run: 120 steps, the final norm's gain at 2e-2 (docs/departures.md: GRPO's default run)
-    parser.set_defaults(max_steps=120, final_norm_learning_rate=2e-2, eval_interval=60,
-                        shared_prefix=0 if parser.parse_known_args(argv)[0].use_moe else 1)
+    parser.set_defaults(
+        max_steps=120,
+        final_norm_learning_rate=2e-2,
+        eval_interval=60,
+        shared_prefix=0 if parser.parse_known_args(argv)[0].use_moe else 1,
+    )
     args = parser.parse_args(argv)
     check_common_rl_args(parser, args)
     if args.shared_prefix and args.use_moe:
-        parser.error("--shared_prefix 1 is for dense models: with --use_moe 1 the router loss of its two forwards "
-                     "(prompts, then answers) is not the loss of the full rows; leave --shared_prefix out (or 0)")
+        parser.error(
+            "--shared_prefix 1 is for dense models: with --use_moe 1 the router loss of its two forwards "
+            "(prompts, then answers) is not the loss of the full rows; leave --shared_prefix out (or 0)"
+        )
     if args.num_iterations > 1 and args.accumulation_steps > 1:
         parser.error("--num_iterations > 1 updates once per iteration: use it with --accumulation_steps 1")
     check_family_args(parser, args)  # the loss's flags: a flag the chosen member ignores is refused
@@ -167,8 +260,9 @@ def group_policy_forward(model, rollout, num_generations, temperature=1.0, share
         raise ValueError(f"{rollout.completion_ids.size(0)} completions are not groups of {num_generations}")
     if shared_prefix:
         return shared_prefix_forward(model, rollout, num_generations, temperature, compute_entropy)
-    return compute_per_token_logps(model, rollout.output_ids, rollout.completion_ids.size(1), rollout.attention_mask,
-                                   temperature, compute_entropy)
+    return compute_per_token_logps(
+        model, rollout.output_ids, rollout.completion_ids.size(1), rollout.attention_mask, temperature, compute_entropy
+    )
 
 
 # ----------------------------------------------------------------------------- one step
@@ -186,6 +280,7 @@ class ScoredRollout:
 @dataclass
 class GRPORolloutBatch:
     """What ``grpo_rollout`` hands to the updates: one rollout of B prompts x G answers and what the loss needs."""
+
     rollout: RolloutResult  # output_ids, completion_ids, masks and the old log-probs of the sampler (8.2)
     completion_mask: torch.Tensor  # [B*G, R] 0/1, the loss's tokens (--mask_truncated_completions: cut answers out)
     advantages: torch.Tensor  # [B*G] fp32 (8.5.1), or [B*G, R] for --advantage_estimator reinforce_pp
@@ -200,16 +295,19 @@ class GRPORolloutBatch:
 
 
 @torch.no_grad()
-def sample_and_score(batch, rollout_engine, reward_fn, reward_model, tokenizer, args, device, autocast):
-    """Steps 1-2 of a GRPO step (chapter 8.2, 8.3): G answers per prompt of ``batch`` with their old log-probs, and
-    their rewards (``reward_fn``; with ``--overlong_buffer_len`` DAPO's overlong penalty added). -> ScoredRollout."""
+def sample_and_score(batch, roles, args, device, autocast):
+    """Steps 1-2 of a GRPO step (chapter 8.2, 8.3): G answers per prompt of ``batch`` from ``roles.rollout_engine``
+    with their old log-probs, and their rewards (``roles.reward_fn``; with ``--overlong_buffer_len`` DAPO's overlong
+    penalty added). -> ScoredRollout."""
+    tokenizer = roles.tokenizer
     prompts, answers = batch["prompt"], batch["answer"]  # list[str] of length B
     prompt_ids, attention_mask, truncated = tokenize_prompts(tokenizer, prompts, args.max_seq_len, device)
 
     # 1. rollout: B*G completions and their old log-probs (8.2)
     with autocast:
-        rollout = rollout_engine.rollout(prompt_ids, attention_mask, args.num_generations, args.max_gen_len,
-                                         args.temperature)
+        rollout = roles.rollout_engine.rollout(
+            prompt_ids, attention_mask, args.num_generations, args.max_gen_len, args.temperature
+        )
     completion_mask = rollout.completion_mask  # [B*G, R]
     if args.mask_truncated_completions:  # DAPO: an answer cut at --max_gen_len teaches nothing about its end
         ended = (rollout.completion_ids == tokenizer.eos_token_id).any(dim=1, keepdim=True)  # [B*G, 1]
@@ -218,62 +316,86 @@ def sample_and_score(batch, rollout_engine, reward_fn, reward_model, tokenizer, 
     # 2. rewards (8.3)
     repeated_prompts = [p for p in prompts for _ in range(args.num_generations)]
     repeated_answers = [a for a in answers for _ in range(args.num_generations)]
-    reward_parts = reward_fn(repeated_prompts, rollout.completions, repeated_answers, reward_model,
-                             args.answer_reward_weight)
+    reward_parts = roles.reward_fn(
+        repeated_prompts, rollout.completions, repeated_answers, roles.reward_model, args.answer_reward_weight
+    )
     if args.overlong_buffer_len:  # DAPO's soft overlong punishment (advantage_estimators.py)
-        penalties = overlong_penalty(rollout.completion_mask.sum(dim=1).cpu(), args.max_gen_len,
-                                     args.overlong_buffer_len, args.overlong_penalty_factor)  # [B*G]
+        penalties = overlong_penalty(
+            rollout.completion_mask.sum(dim=1).cpu(),
+            args.max_gen_len,
+            args.overlong_buffer_len,
+            args.overlong_penalty_factor,
+        )  # [B*G]
         reward_parts = {**reward_parts, "rewards": reward_parts["rewards"] + penalties, "overlong_penalties": penalties}
     return ScoredRollout(rollout, completion_mask, reward_parts, repeated_prompts, truncated)
 
 
 @torch.no_grad()
-def grpo_rollout(batch, ref_model, rollout_engine, reward_fn, reward_model, tokenizer, args, device, autocast,
-                 more_batches=None):
+def grpo_rollout(batch, roles, args, device, autocast, more_batches=None):
     """Steps 1-4 of a GRPO step (chapter 8.1, 8.5): rollout, rewards, reference log-probs, advantages.
 
-    ``reward_fn`` is ``calculate_rewards`` (chapter 8.3) or a replacement with the same arguments and result;
-    ``ref_model`` is None with ``--beta 0`` (then no reference forward runs); ``autocast`` is the forwards' context
-    under ``--dtype``; ``more_batches``: an iterator of (data position, batch) that ``--dynamic_sampling`` draws
-    from. Returns a ``GRPORolloutBatch`` of B*G rows.
+    ``roles``: a ``RolloutRoles`` (its ``ref_model`` None with ``--beta 0``: then no reference forward runs);
+    ``autocast`` is the forwards' context under ``--dtype``; ``more_batches``: an iterator of (data position, batch)
+    that ``--dynamic_sampling`` draws from. Returns a ``GRPORolloutBatch`` of B*G rows.
     """
     # 1-2. rollout and rewards (8.2, 8.3)
-    scored = sample_and_score(batch, rollout_engine, reward_fn, reward_model, tokenizer, args, device, autocast)
-    sampling_metrics = {"frac_reward_zero_std": frac_reward_zero_std(scored.reward_parts["rewards"],
-                                                                     args.num_generations)}
+    scored = sample_and_score(batch, roles, args, device, autocast)
+    sampling_metrics = {
+        "frac_reward_zero_std": frac_reward_zero_std(scored.reward_parts["rewards"], args.num_generations)
+    }
     data_position = None
     if args.dynamic_sampling:  # DAPO: groups of equal rewards are replaced by new prompts' groups
-        score = functools.partial(sample_and_score, rollout_engine=rollout_engine, reward_fn=reward_fn,
-                                  reward_model=reward_model, tokenizer=tokenizer, args=args, device=device,
-                                  autocast=autocast)
-        scored, sampling_metrics, data_position = dynamic_sampling(scored, more_batches, score, args, device,
-                                                                   tokenizer.pad_token_id)
+        score = functools.partial(sample_and_score, roles=roles, args=args, device=device, autocast=autocast)
+        scored, sampling_metrics, data_position = dynamic_sampling(
+            scored, more_batches, score, args, device, roles.tokenizer.pad_token_id
+        )
     rollout, completion_mask = scored.rollout, scored.completion_mask  # [B*G, R] each
     rewards = scored.reward_parts["rewards"].to(device)  # [B*G]
 
     # 3. reference log-probs (fp32 whatever --dtype is)
     ref_per_token_logps = None
-    if ref_model is not None:
+    if roles.ref_model is not None:
         with autocast:
-            ref_per_token_logps = group_policy_forward(ref_model, rollout, args.num_generations, args.temperature,
-                                                       args.shared_prefix, compute_entropy=False).per_token_logps
+            ref_per_token_logps = group_policy_forward(
+                roles.ref_model,
+                rollout,
+                args.num_generations,
+                args.temperature,
+                args.shared_prefix,
+                compute_entropy=False,
+            ).per_token_logps
 
     # 4. advantages: the group's (8.5.1), or --advantage_estimator's (advantage_estimators.py)
     advantage_config = build_advantage_config(args)
-    advantages, kl_rewards = compute_advantages(rewards, completion_mask, advantage_config, rollout.per_token_logps,
-                                                ref_per_token_logps)  # [B*G] or [B*G, R]
+    advantages, kl_rewards = compute_advantages(
+        rewards, completion_mask, advantage_config, rollout.per_token_logps, ref_per_token_logps
+    )  # [B*G] or [B*G, R]
     importance_sampling_ratio, mismatch_metrics = rollout_correction(  # grpo_family.py: [B*G, R] or [B*G, 1] or None
-        rollout.per_token_logps, rollout.sampling_per_token_logps, completion_mask, args.rollout_correction,
-        args.rollout_correction_cap)  # the rollout correction (beyond the chapter): trainer against server
+        rollout.per_token_logps,
+        rollout.sampling_per_token_logps,
+        completion_mask,
+        args.rollout_correction,
+        args.rollout_correction_cap,
+    )  # the rollout correction (beyond the chapter): trainer against server
     kl_metrics = {"kl_reward": kl_rewards.mean().item()} if advantage_config.kl_placement == "reward" else {}
     return GRPORolloutBatch(
-        rollout=rollout, completion_mask=completion_mask, advantages=advantages,
-        ref_per_token_logps=ref_per_token_logps, rewards=rewards, reward_parts=scored.reward_parts,
+        rollout=rollout,
+        completion_mask=completion_mask,
+        advantages=advantages,
+        ref_per_token_logps=ref_per_token_logps,
+        rewards=rewards,
+        reward_parts=scored.reward_parts,
         num_items_in_batch=all_ranks_mean(completion_mask.sum().double(), device),
         debug={"prompts": scored.prompts, "completions": rollout.completions},
-        metrics={"truncated_prompts": scored.truncated, **rollout.metrics, **sampling_metrics, **kl_metrics,
-                 **mismatch_metrics},
-        importance_sampling_ratio=importance_sampling_ratio, data_position=data_position,
+        metrics={
+            "truncated_prompts": scored.truncated,
+            **rollout.metrics,
+            **sampling_metrics,
+            **kl_metrics,
+            **mismatch_metrics,
+        },
+        importance_sampling_ratio=importance_sampling_ratio,
+        data_position=data_position,
     )
 
 
@@ -284,24 +406,38 @@ def grpo_policy_loss(model, rollout_batch, loss_config, args, autocast):
     rollout, completion_mask = rollout_batch.rollout, rollout_batch.completion_mask
     old_per_token_logps = rollout.per_token_logps.detach()  # [B*G, R]
     with autocast:
-        per_token_logps, aux_loss, entropies = group_policy_forward(model, rollout, args.num_generations,
-                                                                    args.temperature, args.shared_prefix)
-    inputs = (per_token_logps, old_per_token_logps, rollout_batch.ref_per_token_logps, rollout_batch.advantages,
-              completion_mask)  # each [B*G, R], advantages [B*G]
+        per_token_logps, aux_loss, entropies = group_policy_forward(
+            model, rollout, args.num_generations, args.temperature, args.shared_prefix
+        )
+    inputs = (
+        per_token_logps,
+        old_per_token_logps,
+        rollout_batch.ref_per_token_logps,
+        rollout_batch.advantages,
+        completion_mask,
+    )  # each [B*G, R], advantages [B*G]
     if loss_config.is_chapter_loss and rollout_batch.importance_sampling_ratio is None:  # 8.5.2: CISPO or clipped
         policy_loss, per_token_kl, ratio = grpo_loss(
-            *inputs, loss_type=loss_config.loss_type, epsilon=loss_config.epsilon,
-            epsilon_high=loss_config.epsilon_high, beta=loss_config.beta)
+            *inputs,
+            loss_type=loss_config.loss_type,
+            epsilon=loss_config.epsilon,
+            epsilon_high=loss_config.epsilon_high,
+            beta=loss_config.beta,
+        )
         logged_policy_loss = policy_loss.item()
     else:  # the family (grpo_family.py), also under a correction; a token sum's normaliser waits for the window's end
         token_sum = loss_config.loss_type in TOKEN_SUM_LOSS_TYPES
-        policy_loss, per_token_kl, ratio = family_loss(*inputs, loss_config, 1.0 if token_sum else None,
-                                                       rollout_batch.importance_sampling_ratio)
+        policy_loss, per_token_kl, ratio = family_loss(
+            *inputs, loss_config, 1.0 if token_sum else None, rollout_batch.importance_sampling_ratio
+        )
         logged_policy_loss = policy_loss.item() / (rollout_batch.num_items_in_batch if token_sum else 1.0)
     loss = policy_loss + aux_loss  # the loop divides by the size of its accumulation window
     metrics = {"policy_loss": logged_policy_loss, "aux_loss": float(aux_loss)}
-    metrics.update(update_metrics(per_token_logps.detach(), old_per_token_logps, per_token_kl, ratio, entropies,
-                                  rollout_batch, loss_config))  # KL, entropy, the ratio's range and clipping
+    metrics.update(
+        update_metrics(
+            per_token_logps.detach(), old_per_token_logps, per_token_kl, ratio, entropies, rollout_batch, loss_config
+        )
+    )  # KL, entropy, the ratio's range and clipping
     return loss, metrics
 
 
@@ -321,15 +457,23 @@ def main(argv=None, reward_fn=calculate_rewards):
     loss_config = replace(loss_config, beta=loss_beta(build_advantage_config(args)))  # 0: the KL is in the rewards
 
     # 2. tokenizer, prompts and their loader
-    start_weight = None if args.from_weight == "none" else weight_path(args.from_weight, args.save_dir,
-                                                                        args.hidden_size, args.use_moe)
+    start_weight = (
+        None
+        if args.from_weight == "none"
+        else weight_path(args.from_weight, args.save_dir, args.hidden_size, args.use_moe)
+    )
     tokenizer = load_tokenizer(args.tokenizer_path, start_weight, args.tokenizer_path_named)  # checked against them
     train_ds = RLAIFDataset(args.data_path, tokenizer, thinking_ratio=args.thinking_ratio, seed=args.seed)
-    check_prompt_count(train_ds, args.data_path, args.batch_size, world_size, args.max_seq_len,
-                       args.answer_reward_weight)
+    check_prompt_count(
+        train_ds, args.data_path, args.batch_size, world_size, args.max_seq_len, args.answer_reward_weight
+    )
     batch_sampler = ResumableBatchSampler(train_ds, args.batch_size, world_size, rank, args.seed)
-    loader = DataLoader(train_ds, batch_sampler=batch_sampler, num_workers=args.num_workers,
-                        generator=torch.Generator().manual_seed(args.seed))  # its own generator: exact resume
+    loader = DataLoader(
+        train_ds,
+        batch_sampler=batch_sampler,
+        num_workers=args.num_workers,
+        generator=torch.Generator().manual_seed(args.seed),
+    )  # its own generator: exact resume
     total_steps = count_total_steps(args.max_steps, args.epochs, len(loader))
     run_lock = claim_save_dir(args, "grpo", total_steps)  # one run per checkpoint files; an unfinished one kept
 
@@ -340,8 +484,10 @@ def main(argv=None, reward_fn=calculate_rewards):
     model, ref_model = with_adapters(model, ref_model, args, args.beta > 0)  # --lora_rank: pi_ref = adapters off
     reward_model = load_reward_model(args, device, reward_model_dtype(args.reward_dtype, args.reward_device or device))
     setup_seed(args.seed + rank)  # from here on every rank samples its own answers
-    Logger(f"GRPO: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(train_ds)} prompts, "
-           f"world size {world_size}, device {device}, dtype {train_dtype}")
+    Logger(
+        f"GRPO: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(train_ds)} prompts, "
+        f"world size {world_size}, device {device}, dtype {train_dtype}"
+    )
 
     # 4. optimizer
     optimizer = build_policy_optimizer(model, args.learning_rate, args.weight_decay, args.final_norm_learning_rate)
@@ -357,25 +503,45 @@ def main(argv=None, reward_fn=calculate_rewards):
     # 6. the rollout engine (8.2), made after the resume: the SGLang engine pushes the policy to its server
     rollout_engine = create_rollout_engine(args.rollout_engine, model, tokenizer, **rollout_engine_kwargs(args))
     rollout_engine.load_resume_state(engine_state)
+    roles = RolloutRoles(rollout_engine, tokenizer, reward_fn, reward_model, ref_model)  # what the rollout uses
 
     # 7. the held-out evaluation (step 0, every --eval_interval steps, the end), the stop requests, the NaN guard
     evaluator = build_evaluator(args, tokenizer, device)  # None with --eval_interval 0 or a user's data
     stop_signal = StopSignal()  # from here on Ctrl-C / SIGTERM wait for a safe point
     guard = BadStepGuard(args.max_bad_steps, progress["bad_steps_in_a_row"])
     optimizer_step = OptimizerStep(  # clip and step (infra/optimizer.py): the update after every backward
-        [ddp_model], [optimizer], args.grad_clip, device, args.accumulation_steps, total_steps, [scheduler], guard,
-        token_sum=loss_config.loss_type in TOKEN_SUM_LOSS_TYPES, state=progress)
-    start_metrics = {} if progress["step"] else evaluate_if_due(evaluator, model, 0, total_steps, args.eval_interval,
-                                                                 lambda: stop_signal.received)
+        [ddp_model],
+        [optimizer],
+        args.grad_clip,
+        device,
+        args.accumulation_steps,
+        total_steps,
+        [scheduler],
+        guard,
+        token_sum=loss_config.loss_type in TOKEN_SUM_LOSS_TYPES,
+        state=progress,
+    )
+    start_metrics = (
+        {}
+        if progress["step"]
+        else evaluate_if_due(evaluator, model, 0, total_steps, args.eval_interval, lambda: stop_signal.received)
+    )
 
     # 8. metrics: metrics.jsonl (+ wandb) and the log line
     run_dir, writer = open_metrics(args, progress)
-    Logger(f"GRPO: {total_steps} steps, {args.batch_size} prompts x {args.num_generations} answers per step, "
-           f"loss {args.loss_type}, metrics in {run_dir}")
+    Logger(
+        f"GRPO: {total_steps} steps, {args.batch_size} prompts x {args.num_generations} answers per step, "
+        f"loss {args.loss_type}, metrics in {run_dir}"
+    )
     if start_metrics:
         writer.log({"step": 0, **start_metrics})
-    step_log = StepLog(writer, total_steps, args.log_interval,
-                       lambda metrics: grpo_log_line(metrics, args.num_iterations), start_step=progress["step"])
+    step_log = StepLog(
+        writer,
+        total_steps,
+        args.log_interval,
+        lambda metrics: grpo_log_line(metrics, args.num_iterations),
+        start_step=progress["step"],
+    )
 
     # 9. the loop (a stop requested during the set-up or the step-0 evaluation ends the run before its first step)
     ddp_model.train()
@@ -385,12 +551,16 @@ def main(argv=None, reward_fn=calculate_rewards):
     for step, position, batch in batches:
         learning_rate = optimizer.param_groups[0]["lr"]  # the rate this step's update uses (read before stepping)
         more_batches = spare_batches(data, position, args.epochs, batch_sampler, total_steps - step)  # DAPO's draws
-        rollout_batch = grpo_rollout(batch, ref_model, rollout_engine, reward_fn, reward_model, tokenizer, args,
-                                     device, autocast, more_batches)  # steps 1-4: rollout, rewards, reference, adv.
+        rollout_batch = grpo_rollout(batch, roles, args, device, autocast, more_batches)  # steps 1-4 (8.2-8.5)
         position = rollout_batch.data_position or position  # after the prompts --dynamic_sampling drew
         if args.debug_mode and step % args.debug_interval == 0:
-            print_samples(step, rollout_batch.debug["prompts"], rollout_batch.debug["completions"],
-                          rollout_batch.reward_parts, args.num_generations)
+            print_samples(
+                step,
+                rollout_batch.debug["prompts"],
+                rollout_batch.debug["completions"],
+                rollout_batch.reward_parts,
+                args.num_generations,
+            )
         window = optimizer_step.begin_step(step, rollout_batch.num_items_in_batch)  # its accumulation window's size
         updates = []  # the metrics of each update on this rollout
         for _ in range(args.num_iterations):  # mu updates on one rollout (1: the chapter's)
@@ -405,19 +575,22 @@ def main(argv=None, reward_fn=calculate_rewards):
         metrics = mean_over_ranks(metrics, device)
         metrics["final_norm_gain"] = base_model(model).model.norm.weight.mean().item()  # the output's sharpness
         metrics.update(gpu_memory_metrics(device))
-        metrics.update(evaluate_if_due(evaluator, model, step, total_steps, args.eval_interval,
-                                       lambda: stop_signal.received))
+        metrics.update(
+            evaluate_if_due(evaluator, model, step, total_steps, args.eval_interval, lambda: stop_signal.received)
+        )
         step_log.write(step, position["epoch"], metrics, {"learning_rate": learning_rate}, batch["index"].tolist())
         stop = stop_signal.requested(device)  # agreed by every rank
         if step % args.save_interval == 0 or step == total_steps or stop:
             saved = checkpoint_progress(step, total_steps, position, scheduler, run_dir, writer, guard, optimizer_step)
-            save_checkpoint(args, "grpo", lm_config, dict(trained, rollout_engine=rollout_engine), saved,
-                            {args.save_weight: model})
+            save_checkpoint(
+                args, "grpo", lm_config, dict(trained, rollout_engine=rollout_engine), saved, {args.save_weight: model}
+            )
         if stop:
             break
 
-    finish_run(stop_signal, step if stop else None, resume_command(__file__, argv, world_size), evaluator, writer,
-               run_lock)  # the stop line, the before/after lines; the metrics and the save folder released
+    finish_run(
+        stop_signal, step if stop else None, resume_command(__file__, argv, world_size), evaluator, writer, run_lock
+    )  # the stop line, the before/after lines; the metrics and the save folder released
     del ddp_model  # free the DDP wrapper while the process group is alive (see shutdown_distributed)
     shutdown_distributed()
 

@@ -10,6 +10,7 @@ the chapter's 0.95 (docs/departures.md). ``main`` builds what the step uses, in 
 Run: ``python trainer/train_ppo.py`` (the embedded default, CPU); ``--max_steps 50 --kl_coef 0.05``;
 ``torchrun --nproc_per_node 2 trainer/train_ppo.py``.
 """
+
 import argparse
 import copy
 import os
@@ -24,34 +25,65 @@ import torch
 from torch.utils.data import DataLoader
 
 from dataset.lm_dataset import (
-    RLAIFDataset, ResumableBatchSampler, check_prompt_count, count_total_steps, resumable_batches,
+    RLAIFDataset,
+    ResumableBatchSampler,
+    check_prompt_count,
+    count_total_steps,
+    resumable_batches,
 )
 from model.model_minimind import CriticModel
 from trainer.grpo_family import rollout_correction
 from trainer.infra.checkpoints import (
-    checkpoint_progress, claim_save_dir, resume_command, save_checkpoint, start_or_resume,
+    checkpoint_progress,
+    claim_save_dir,
+    resume_command,
+    save_checkpoint,
+    start_or_resume,
 )
 from trainer.infra.distributed import (
-    Logger, all_ranks_mean, compile_for_training, init_distributed_mode, mean_over_ranks,
-    rank_and_world_size, setup_seed, shutdown_distributed, wrap_ddp,
+    Logger,
+    all_ranks_mean,
+    compile_for_training,
+    init_distributed_mode,
+    mean_over_ranks,
+    rank_and_world_size,
+    setup_seed,
+    shutdown_distributed,
+    wrap_ddp,
 )
 from trainer.infra.dtypes import autocast_context, resolve_train_dtype, reward_model_dtype
 from trainer.evaluation import build_evaluator, evaluate_if_due
 from trainer.infra.errors import run_script
 from trainer.infra.flags import (
-    AT_LEAST_1, NON_NEGATIVE, POSITIVE, UNIT_INTERVAL, add_bool_flag, add_common_rl_args, check_common_rl_args,
-    flag_groups, rollout_engine_kwargs,
+    AT_LEAST_1,
+    NON_NEGATIVE,
+    POSITIVE,
+    UNIT_INTERVAL,
+    add_bool_flag,
+    add_common_rl_args,
+    check_common_rl_args,
+    flag_groups,
+    rollout_engine_kwargs,
 )
 from trainer.infra.lora import base_model, critic_with_adapters, merged_state_dict, with_adapters
 from trainer.infra.metrics import (
-    StepLog, gpu_memory_metrics, open_metrics, print_samples,
+    StepLog,
+    gpu_memory_metrics,
+    open_metrics,
+    print_samples,
 )
 from trainer.step_metrics import ppo_log_line, ppo_metrics
 from trainer.infra.optimizer import OptimizerStep, adamw, build_cosine_scheduler, build_policy_optimizer
-from trainer.rollout_engine import compute_per_token_logps, create_rollout_engine, tokenize_prompts
+from trainer.rollout_engine import RolloutRoles, compute_per_token_logps, create_rollout_engine, tokenize_prompts
 from trainer.infra.stopping import BadStepGuard, StopSignal, finish_run, nonfinite_on_any_rank
 from trainer.trainer_utils import (
-    KL_PLACEMENTS, calculate_rewards, k3_kl, kl_penalty_rewards, load_reward_model, masked_mean, masked_var,
+    KL_PLACEMENTS,
+    calculate_rewards,
+    k3_kl,
+    kl_penalty_rewards,
+    load_reward_model,
+    masked_mean,
+    masked_var,
     place_sequence_rewards,
 )
 from trainer.infra.weights import build_config, load_policy, load_tokenizer, weight_path
@@ -108,8 +140,9 @@ def masked_whiten(values, mask, eps=1e-8):
     return (values - mean) * torch.rsqrt(var + eps) * mask.to(values.dtype)
 
 
-def ppo_policy_loss(per_token_logps, old_per_token_logps, ref_per_token_logps, advantages, mask,
-                    clip_epsilon=0.2, kl_coef=0.02):
+def ppo_policy_loss(
+    per_token_logps, old_per_token_logps, ref_per_token_logps, advantages, mask, clip_epsilon=0.2, kl_coef=0.02
+):
     """PPO clipped surrogate plus the k3 reference-KL penalty (Schulman et al. 2017; chapter 8.4.3, 8.6).
 
     ratio = exp(logp - old_logp);
@@ -160,37 +193,69 @@ def parse_args(argv=None):
     # PPO's own defaults (measured on the validation split, docs/results.md): one answer per prompt, so more
     # prompts per step than GRPO; four optimizer steps per rollout at a lower rate than GRPO's one
     parser.set_defaults(batch_size=16, learning_rate=1e-5, final_norm_learning_rate=5e-3, max_steps=150)
-    add_bool_flag(groups["rewards"], "--reward_norm",
-                  help="1 = standardise the batch's rewards before GAE (the learner's article, 5.4); 0 = raw "
-                       "(the chapter)")
+    add_bool_flag(
+        groups["rewards"],
+        "--reward_norm",
+        help="1 = standardise the batch's rewards before GAE (the learner's article, 5.4); 0 = raw (the chapter)",
+    )
     algorithm = groups["algorithm"]
-    algorithm.add_argument("--critic_learning_rate", type=float, default=1e-4, action=POSITIVE,
-                           help="AdamW learning rate of the critic")
+    algorithm.add_argument(
+        "--critic_learning_rate", type=float, default=1e-4, action=POSITIVE, help="AdamW learning rate of the critic"
+    )
     algorithm.add_argument("--gamma", type=float, default=1.0, action=UNIT_INTERVAL, help="discount of GAE (8.4.2)")
-    algorithm.add_argument("--lam", type=float, default=1.0, action=UNIT_INTERVAL,
-                           help="GAE lambda (the chapter: 0.95; docs/departures.md says why 1.0)")
-    algorithm.add_argument("--clip_epsilon", type=float, default=0.2, action=POSITIVE,
-                           help="clip range of the ratio (8.4.3)")
-    algorithm.add_argument("--vf_coef", type=float, default=0.5, action=NON_NEGATIVE,
-                           help="weight of the value loss in the total loss")
-    algorithm.add_argument("--cliprange_value", type=float, default=0.2, action=POSITIVE,
-                           help="clip range of the new values around the old ones (8.4.4)")
-    algorithm.add_argument("--ppo_update_iters", type=int, default=2, action=AT_LEAST_1,
-                           help="epochs over each rollout's minibatches")
-    algorithm.add_argument("--mini_batch_size", type=int, default=8, action=AT_LEAST_1,
-                           help="rollout rows per minibatch update")
-    algorithm.add_argument("--early_stop_kl", type=float, default=0.25, action=POSITIVE,
-                           help="stop the epochs once the approximate KL 0.5 * E[(log ratio)^2] passes this")
-    groups["kl"].add_argument("--kl_coef", type=float, default=0.02, action=NON_NEGATIVE,
-                              help="weight of the KL to the reference (8.6)")
-    groups["kl"].add_argument("--kl_placement", default="loss", choices=KL_PLACEMENTS,
-                              help="loss: kl_coef * k3 in the policy loss (the chapter); reward: -kl_coef * (logp - "
-                                   "ref) added to every token's reward before GAE (InstructGPT, the learner's "
-                                   "article, TRL)")
-    groups["memory"].add_argument("--minibatch_accumulation_steps", "--accumulation_steps", type=int, default=1,
-                                  action=AT_LEAST_1,
-                                  help="minibatches whose gradients make one optimizer step (--accumulation_steps: "
-                                       "upstream MiniMind's name for the same)")
+    algorithm.add_argument(
+        "--lam",
+        type=float,
+        default=1.0,
+        action=UNIT_INTERVAL,
+        help="GAE lambda (the chapter: 0.95; docs/departures.md says why 1.0)",
+    )
+    algorithm.add_argument(
+        "--clip_epsilon", type=float, default=0.2, action=POSITIVE, help="clip range of the ratio (8.4.3)"
+    )
+    algorithm.add_argument(
+        "--vf_coef", type=float, default=0.5, action=NON_NEGATIVE, help="weight of the value loss in the total loss"
+    )
+    algorithm.add_argument(
+        "--cliprange_value",
+        type=float,
+        default=0.2,
+        action=POSITIVE,
+        help="clip range of the new values around the old ones (8.4.4)",
+    )
+    algorithm.add_argument(
+        "--ppo_update_iters", type=int, default=2, action=AT_LEAST_1, help="epochs over each rollout's minibatches"
+    )
+    algorithm.add_argument(
+        "--mini_batch_size", type=int, default=8, action=AT_LEAST_1, help="rollout rows per minibatch update"
+    )
+    algorithm.add_argument(
+        "--early_stop_kl",
+        type=float,
+        default=0.25,
+        action=POSITIVE,
+        help="stop the epochs once the approximate KL 0.5 * E[(log ratio)^2] passes this",
+    )
+    groups["kl"].add_argument(
+        "--kl_coef", type=float, default=0.02, action=NON_NEGATIVE, help="weight of the KL to the reference (8.6)"
+    )
+    groups["kl"].add_argument(
+        "--kl_placement",
+        default="loss",
+        choices=KL_PLACEMENTS,
+        help="loss: kl_coef * k3 in the policy loss (the chapter); reward: -kl_coef * (logp - "
+        "ref) added to every token's reward before GAE (InstructGPT, the learner's "
+        "article, TRL)",
+    )
+    groups["memory"].add_argument(
+        "--minibatch_accumulation_steps",
+        "--accumulation_steps",
+        type=int,
+        default=1,
+        action=AT_LEAST_1,
+        help="minibatches whose gradients make one optimizer step (--accumulation_steps: "
+        "upstream MiniMind's name for the same)",
+    )
     groups["run"].add_argument("--save_weight", default="ppo", help="name of the saved weights ({name}_{hidden}.pth)")
     args = parser.parse_args(argv)
     check_common_rl_args(parser, args)
@@ -212,6 +277,7 @@ def build_critic(lm_config, actor, from_sft, device, args):
 @dataclass
 class PPORolloutBatch:
     """What ``ppo_rollout`` hands to ``ppo_update``: B prompts, one answer each (R tokens); then metrics, debug."""
+
     output_ids: torch.Tensor  # [B, P+R] long, prompt (left-padded) + answer (right-padded)
     full_mask: torch.Tensor  # [B, P+R] 0/1, real prompt and answer tokens
     completion_mask: torch.Tensor  # [B, R] 0/1, answer tokens through the first EOS
@@ -227,50 +293,63 @@ class PPORolloutBatch:
 
 
 @torch.no_grad()
-def ppo_rollout(batch, ref_model, critic, rollout_engine, reward_fn, reward_model, tokenizer, args, device, autocast):
+def ppo_rollout(batch, roles, critic, args, device, autocast):
     """Steps 1-4 of a PPO step (chapter 8.4): rollout, rewards, reference log-probs, old values, GAE.
 
-    The rollout engine samples from the actor; ``critic`` is the plain module (not a DDP wrapper: these forwards
-    have no backward). ``reward_fn`` is ``calculate_rewards`` (chapter 8.3) or a replacement with the same
-    arguments and result; ``autocast`` is the forwards' context under ``--dtype``. Returns a
+    ``roles``: a ``RolloutRoles`` whose engine samples from the actor; ``critic`` is the plain module (not a DDP
+    wrapper: these forwards have no backward); ``autocast`` is the forwards' context under ``--dtype``. Returns a
     ``PPORolloutBatch`` of B rows.
     """
+    tokenizer, ref_model = roles.tokenizer, roles.ref_model
     prompts, answers = batch["prompt"], batch["answer"]  # list[str] of length B
     prompt_ids, attention_mask, truncated = tokenize_prompts(tokenizer, prompts, args.max_seq_len, device)
     with autocast:
-        rollout = rollout_engine.rollout(prompt_ids, attention_mask, 1, args.max_gen_len, args.temperature)
+        rollout = roles.rollout_engine.rollout(prompt_ids, attention_mask, 1, args.max_gen_len, args.temperature)
     output_ids = rollout.output_ids  # [B, P+R]
     full_mask = rollout.attention_mask  # [B, P+R]
     completion_mask = rollout.completion_mask  # [B, R]
     gen_len = rollout.completion_ids.size(1)  # R
 
-    reward_parts = reward_fn(prompts, rollout.completions, answers, reward_model, args.answer_reward_weight)
+    reward_parts = roles.reward_fn(prompts, rollout.completions, answers, roles.reward_model, args.answer_reward_weight)
     rewards = reward_parts["rewards"].to(device)  # [B]
     critic.eval()
     with autocast:
-        ref_per_token_logps = compute_per_token_logps(ref_model, output_ids, gen_len, full_mask,
-                                                      args.temperature).per_token_logps  # [B, R]
-        old_resp_values = critic(output_ids, attention_mask=full_mask).values[:, -gen_len - 1:-1]  # [B, R], V(s_t)
+        ref_per_token_logps = compute_per_token_logps(
+            ref_model, output_ids, gen_len, full_mask, args.temperature
+        ).per_token_logps  # [B, R]
+        old_resp_values = critic(output_ids, attention_mask=full_mask).values[:, -gen_len - 1 : -1]  # [B, R], V(s_t)
     critic.train()
 
     scores = normalize_rewards(rewards) if args.reward_norm else rewards  # [B]
     token_rewards = place_sequence_rewards(scores, completion_mask)  # [B, R]
     if args.kl_placement == "reward":
-        token_rewards = token_rewards + kl_penalty_rewards(rollout.per_token_logps, ref_per_token_logps,
-                                                           completion_mask, args.kl_coef)  # [B, R]
+        token_rewards = token_rewards + kl_penalty_rewards(
+            rollout.per_token_logps, ref_per_token_logps, completion_mask, args.kl_coef
+        )  # [B, R]
     advantages, returns = compute_gae(token_rewards, old_resp_values, completion_mask, args.gamma, args.lam)
     advantages = masked_whiten(advantages, completion_mask)  # [B, R]
     # the rollout correction (grpo_family.py): max(-A r, -A clip(r)) w = max(-wA r, -wA clip(r)) for its w >= 0
     importance_sampling_ratio, mismatch_metrics = rollout_correction(  # [B, R] or [B, 1], or None with "none"
-        rollout.per_token_logps, rollout.sampling_per_token_logps, completion_mask, args.rollout_correction,
-        args.rollout_correction_cap)
+        rollout.per_token_logps,
+        rollout.sampling_per_token_logps,
+        completion_mask,
+        args.rollout_correction,
+        args.rollout_correction_cap,
+    )
     if importance_sampling_ratio is not None:
         advantages = advantages * importance_sampling_ratio  # [B, R]
     return PPORolloutBatch(
-        output_ids=output_ids, full_mask=full_mask, completion_mask=completion_mask,
-        old_per_token_logps=rollout.per_token_logps, ref_per_token_logps=ref_per_token_logps,
-        old_resp_values=old_resp_values * completion_mask, advantages=advantages, returns=returns,
-        rewards=rewards, reward_parts=reward_parts, debug={"prompts": prompts, "completions": rollout.completions},
+        output_ids=output_ids,
+        full_mask=full_mask,
+        completion_mask=completion_mask,
+        old_per_token_logps=rollout.per_token_logps,
+        ref_per_token_logps=ref_per_token_logps,
+        old_resp_values=old_resp_values * completion_mask,
+        advantages=advantages,
+        returns=returns,
+        rewards=rewards,
+        reward_parts=reward_parts,
+        debug={"prompts": prompts, "completions": rollout.completions},
         rollout_metrics={"truncated_prompts": truncated, **rollout.metrics, **mismatch_metrics},
     )
 
@@ -297,25 +376,35 @@ def ppo_update(rollout_batch, actor, critic, optimizers, schedulers, args, devic
     for _ in range(args.ppo_update_iters):
         permutation = torch.randperm(batch_size, generator=generator)
         for start in range(0, batch_size, args.mini_batch_size):
-            inds = permutation[start:start + args.mini_batch_size].to(device)
+            inds = permutation[start : start + args.mini_batch_size].to(device)
             mask = rollout_batch.completion_mask[inds]  # [mb, R]
             with autocast:
                 per_token_logps, aux_loss, _ = compute_per_token_logps(
-                    actor, rollout_batch.output_ids[inds], gen_len, rollout_batch.full_mask[inds],
-                    args.temperature)  # [mb, R], the chapter's mb_resp_logp; the MoE router loss
+                    actor, rollout_batch.output_ids[inds], gen_len, rollout_batch.full_mask[inds], args.temperature
+                )  # [mb, R], the chapter's mb_resp_logp; the MoE router loss
             policy_loss, stats = ppo_policy_loss(
-                per_token_logps, rollout_batch.old_per_token_logps[inds], rollout_batch.ref_per_token_logps[inds],
-                rollout_batch.advantages[inds], mask, args.clip_epsilon, kl_coef)
+                per_token_logps,
+                rollout_batch.old_per_token_logps[inds],
+                rollout_batch.ref_per_token_logps[inds],
+                rollout_batch.advantages[inds],
+                mask,
+                args.clip_epsilon,
+                kl_coef,
+            )
             approx_kl = all_ranks_mean(stats["approx_kl"], device)
             if approx_kl > args.early_stop_kl:
                 stop_ppo = True  # this minibatch and the rest of the epochs are skipped
                 break
             with autocast:
                 critic_out = critic(rollout_batch.output_ids[inds], attention_mask=rollout_batch.full_mask[inds])
-            mb_resp_values = critic_out.values[:, -gen_len - 1:-1]  # [mb, R], V(s_t) before each answer token
+            mb_resp_values = critic_out.values[:, -gen_len - 1 : -1]  # [mb, R], V(s_t) before each answer token
             value_loss, value_clipfrac = ppo_value_loss(
-                mb_resp_values, rollout_batch.old_resp_values[inds], rollout_batch.returns[inds], mask,
-                args.cliprange_value)
+                mb_resp_values,
+                rollout_batch.old_resp_values[inds],
+                rollout_batch.returns[inds],
+                mask,
+                args.cliprange_value,
+            )
             # both MoE load-balancing losses (0 for dense models): the actor's and the critic's own routers
             loss = policy_loss + args.vf_coef * value_loss + aux_loss + critic_out.aux_loss
             micro += 1
@@ -323,9 +412,14 @@ def ppo_update(rollout_batch, actor, critic, optimizers, schedulers, args, devic
             update = optimizer_step.clip_and_step(micro)  # at the window's end: clip each model, step both
             optimizer_steps += int(update.get("skipped_update") == 0.0)
             skipped_steps += int(update.get("skipped_update") == 1.0)
-            for key, value in {"policy_loss": policy_loss, "value_loss": value_loss, "value_clipfrac": value_clipfrac,
-                               "approx_kl": stats["approx_kl"], "clipfrac": stats["clipfrac"],
-                               "kl_ref": stats["kl_ref"]}.items():
+            for key, value in {
+                "policy_loss": policy_loss,
+                "value_loss": value_loss,
+                "value_clipfrac": value_clipfrac,
+                "approx_kl": stats["approx_kl"],
+                "clipfrac": stats["clipfrac"],
+                "kl_ref": stats["kl_ref"],
+            }.items():
                 sums[key] = sums.get(key, 0.0) + float(value.detach())
             count += 1
         if stop_ppo:
@@ -356,15 +450,23 @@ def main(argv=None, reward_fn=calculate_rewards):
     autocast = autocast_context(device, train_dtype)  # the context of every training forward
 
     # 2. tokenizer, prompts and their loader
-    start_weight = None if args.from_weight == "none" else weight_path(args.from_weight, args.save_dir,
-                                                                        args.hidden_size, args.use_moe)
+    start_weight = (
+        None
+        if args.from_weight == "none"
+        else weight_path(args.from_weight, args.save_dir, args.hidden_size, args.use_moe)
+    )
     tokenizer = load_tokenizer(args.tokenizer_path, start_weight, args.tokenizer_path_named)  # checked against them
     train_ds = RLAIFDataset(args.data_path, tokenizer, thinking_ratio=args.thinking_ratio, seed=args.seed)
-    check_prompt_count(train_ds, args.data_path, args.batch_size, world_size, args.max_seq_len,
-                       args.answer_reward_weight)
+    check_prompt_count(
+        train_ds, args.data_path, args.batch_size, world_size, args.max_seq_len, args.answer_reward_weight
+    )
     batch_sampler = ResumableBatchSampler(train_ds, args.batch_size, world_size, rank, args.seed)
-    loader = DataLoader(train_ds, batch_sampler=batch_sampler, num_workers=args.num_workers,
-                        generator=torch.Generator().manual_seed(args.seed))  # its own generator: exact resume
+    loader = DataLoader(
+        train_ds,
+        batch_sampler=batch_sampler,
+        num_workers=args.num_workers,
+        generator=torch.Generator().manual_seed(args.seed),
+    )  # its own generator: exact resume
     total_steps = count_total_steps(args.max_steps, args.epochs, len(loader))
     run_lock = claim_save_dir(args, "ppo", total_steps)  # one run per checkpoint files; an unfinished one kept
 
@@ -376,12 +478,15 @@ def main(argv=None, reward_fn=calculate_rewards):
     reward_model = load_reward_model(args, device, reward_model_dtype(args.reward_dtype, args.reward_device or device))
     setup_seed(args.seed + rank)  # from here on every rank draws its own samples
     critic = build_critic(lm_config, actor, args.from_weight != "none", device, args)  # V(s_t): actor + new head
-    Logger(f"PPO: {sum(p.numel() for p in actor.parameters()) / 1e6:.2f}M parameters, {len(train_ds)} prompts, "
-           f"world size {world_size}, device {device}, dtype {train_dtype}")
+    Logger(
+        f"PPO: {sum(p.numel() for p in actor.parameters()) / 1e6:.2f}M parameters, {len(train_ds)} prompts, "
+        f"world size {world_size}, device {device}, dtype {train_dtype}"
+    )
 
     # 4. optimizers
-    actor_optimizer = build_policy_optimizer(actor, args.learning_rate, args.weight_decay,
-                                             args.final_norm_learning_rate)
+    actor_optimizer = build_policy_optimizer(
+        actor, args.learning_rate, args.weight_decay, args.final_norm_learning_rate
+    )
     critic_optimizer = adamw(critic.parameters(), lr=args.critic_learning_rate, weight_decay=args.weight_decay)
     optimizers = (actor_optimizer, critic_optimizer)  # ppo_update steps both
     ddp_actor = compile_for_training(wrap_ddp(actor, device, local_rank), args.use_compile)
@@ -390,8 +495,13 @@ def main(argv=None, reward_fn=calculate_rewards):
 
     # 5. resume (--from_resume 1): weights, optimizer states, data position, random states; then both schedules
     #    at the resumed rollout (one schedule step per rollout)
-    trained = {"model": actor, "optimizer": actor_optimizer, "critic": critic, "critic_optimizer": critic_optimizer,
-               "minibatch_generator": minibatch_generator}
+    trained = {
+        "model": actor,
+        "optimizer": actor_optimizer,
+        "critic": critic,
+        "critic_optimizer": critic_optimizer,
+        "minibatch_generator": minibatch_generator,
+    }
     progress, engine_state = start_or_resume(args, "ppo", trained, len(loader), device, rank, world_size)
     actor_scheduler = build_cosine_scheduler(actor_optimizer, total_steps, progress["lr_schedule_step"])
     critic_scheduler = build_cosine_scheduler(critic_optimizer, total_steps, progress["lr_schedule_step"])
@@ -400,18 +510,24 @@ def main(argv=None, reward_fn=calculate_rewards):
     # 6. the rollout engine (8.2), made after the resume: the SGLang engine pushes the policy to its server
     rollout_engine = create_rollout_engine(args.rollout_engine, actor, tokenizer, **rollout_engine_kwargs(args))
     rollout_engine.load_resume_state(engine_state)
+    roles = RolloutRoles(rollout_engine, tokenizer, reward_fn, reward_model, ref_model)  # what the rollout uses
 
     # 7. the held-out evaluation (step 0, every --eval_interval steps, the end), the stop requests, the NaN guard
     evaluator = build_evaluator(args, tokenizer, device)  # None with --eval_interval 0 or a user's data
     stop_signal = StopSignal()  # from here on Ctrl-C / SIGTERM wait for a safe point
     guard = BadStepGuard(args.max_bad_steps, progress["bad_steps_in_a_row"])
-    start_metrics = {} if progress["step"] else evaluate_if_due(evaluator, actor, 0, total_steps, args.eval_interval,
-                                                                 lambda: stop_signal.received)
+    start_metrics = (
+        {}
+        if progress["step"]
+        else evaluate_if_due(evaluator, actor, 0, total_steps, args.eval_interval, lambda: stop_signal.received)
+    )
 
     # 8. metrics: metrics.jsonl (+ wandb) and the log line
     run_dir, writer = open_metrics(args, progress)
-    Logger(f"PPO: {total_steps} steps, {args.batch_size} prompts per step, {args.ppo_update_iters} epochs of "
-           f"minibatches of {args.mini_batch_size}, metrics in {run_dir}")
+    Logger(
+        f"PPO: {total_steps} steps, {args.batch_size} prompts per step, {args.ppo_update_iters} epochs of "
+        f"minibatches of {args.mini_batch_size}, metrics in {run_dir}"
+    )
     if start_metrics:
         writer.log({"step": 0, **start_metrics})
     step_log = StepLog(writer, total_steps, args.log_interval, ppo_log_line, start_step=progress["step"])
@@ -423,19 +539,30 @@ def main(argv=None, reward_fn=calculate_rewards):
     batches = [] if stop else resumable_batches(loader, batch_sampler, progress, args.epochs, total_steps)
     for step, position, batch in batches:
         # the rates this step's updates use (the schedules step at the end of ppo_update)
-        learning_rates = {"learning_rate": actor_optimizer.param_groups[0]["lr"],
-                          "critic_learning_rate": critic_optimizer.param_groups[0]["lr"]}
-        rollout_batch = ppo_rollout(batch, ref_model, critic, rollout_engine, reward_fn, reward_model, tokenizer,
-                                    args, device, autocast)
+        learning_rates = {
+            "learning_rate": actor_optimizer.param_groups[0]["lr"],
+            "critic_learning_rate": critic_optimizer.param_groups[0]["lr"],
+        }
+        rollout_batch = ppo_rollout(batch, roles, critic, args, device, autocast)  # steps 1-4 (8.4)
         if args.debug_mode and step % args.debug_interval == 0:
-            print_samples(step, rollout_batch.debug["prompts"], rollout_batch.debug["completions"],
-                          rollout_batch.reward_parts, 1)
+            print_samples(
+                step, rollout_batch.debug["prompts"], rollout_batch.debug["completions"], rollout_batch.reward_parts, 1
+            )
         problems, skipped = nonfinite_on_any_rank(device, rewards=rollout_batch.rewards)  # GAE would spread a NaN
         if skipped:
             update = {"optimizer_steps": 0.0, "skipped_steps": float(args.ppo_update_iters)}
         else:
-            update = ppo_update(rollout_batch, ddp_actor, ddp_critic, optimizers, schedulers, args, device,
-                                minibatch_generator, autocast)
+            update = ppo_update(
+                rollout_batch,
+                ddp_actor,
+                ddp_critic,
+                optimizers,
+                schedulers,
+                args,
+                device,
+                minibatch_generator,
+                autocast,
+            )
             skipped = bool(update["skipped_steps"])
             problems = ["gradients"] if skipped else []
         metrics = ppo_metrics(rollout_batch, update, skipped)
@@ -445,19 +572,27 @@ def main(argv=None, reward_fn=calculate_rewards):
         metrics = mean_over_ranks(metrics, device)
         metrics["final_norm_gain"] = base_model(actor).model.norm.weight.mean().item()  # the output's sharpness
         metrics.update(gpu_memory_metrics(device))
-        metrics.update(evaluate_if_due(evaluator, actor, step, total_steps, args.eval_interval,
-                                       lambda: stop_signal.received))
+        metrics.update(
+            evaluate_if_due(evaluator, actor, step, total_steps, args.eval_interval, lambda: stop_signal.received)
+        )
         step_log.write(step, position["epoch"], metrics, learning_rates, batch["index"].tolist())
         stop = stop_signal.requested(device)  # agreed by every rank
         if step % args.save_interval == 0 or step == total_steps or stop:
             saved = checkpoint_progress(step, total_steps, position, actor_scheduler, run_dir, writer, guard)
-            save_checkpoint(args, "ppo", lm_config, dict(trained, rollout_engine=rollout_engine), saved,
-                            {args.save_weight: actor, f"{args.save_weight}_critic": critic})
+            save_checkpoint(
+                args,
+                "ppo",
+                lm_config,
+                dict(trained, rollout_engine=rollout_engine),
+                saved,
+                {args.save_weight: actor, f"{args.save_weight}_critic": critic},
+            )
         if stop:
             break
 
-    finish_run(stop_signal, step if stop else None, resume_command(__file__, argv, world_size), evaluator, writer,
-               run_lock)  # the stop line, the before/after lines; the metrics and the save folder released
+    finish_run(
+        stop_signal, step if stop else None, resume_command(__file__, argv, world_size), evaluator, writer, run_lock
+    )  # the stop line, the before/after lines; the metrics and the save folder released
     del ddp_actor, ddp_critic  # free the DDP wrappers while the process group is alive (see shutdown_distributed)
     shutdown_distributed()
 

@@ -20,6 +20,7 @@ Other examples:
     python trainer/train_reward.py --data_path ../shared/data/hh-rlhf/harmless-base-test.jsonl.gz --eval_path "" \\
         --save_path out/reward_hh --max_seq_len 256
 """
+
 import argparse
 import copy
 import os
@@ -38,7 +39,11 @@ from dataset.lm_dataset import read_preference_pairs
 from model.hf_qwen3 import qwen3_config_from_minimind
 from trainer.infra.errors import InputError, run_script
 from trainer.infra.weights import (
-    DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, build_config, check_state_dict_fits, weight_path,
+    DEFAULT_SAVE_DIR,
+    DEFAULT_TOKENIZER_PATH,
+    build_config,
+    check_state_dict_fits,
+    weight_path,
 )
 from trainer.infra.distributed import Logger, setup_seed
 from trainer.infra.files import atomic_write
@@ -100,8 +105,13 @@ def build_reward_model(lm_config, pad_token_id, weights_path=None):
         raise FileNotFoundError(f"--from_weight: {weights_path} does not exist")
     state_dict = torch.load(weights_path, map_location="cpu", weights_only=True)
     backbone = {k: v.float() for k, v in state_dict.items() if k != "lm_head.weight"}
-    check_state_dict_fits(weights_path, model.state_dict(), backbone, "--hidden_size / --num_hidden_layers",
-                          may_be_missing={"score.weight"})
+    check_state_dict_fits(
+        weights_path,
+        model.state_dict(),
+        backbone,
+        "--hidden_size / --num_hidden_layers",
+        may_be_missing={"score.weight"},
+    )
     model.load_state_dict(backbone, strict=False)
     return model
 
@@ -114,6 +124,7 @@ def save_reward_model(model, tokenizer, path, dtype):
     Raises:
         OSError: naming ``path`` when writing or renaming fails.
     """
+
     def write(folder):
         copy.deepcopy(model).to(dtype).save_pretrained(folder)
         tokenizer.save_pretrained(folder)
@@ -134,8 +145,10 @@ def encode_side(tokenizer, messages, max_seq_len):
 
 def encode_pairs(tokenizer, pairs, max_seq_len):
     """[(chosen_ids, rejected_ids)] for a list of pairs from ``read_preference_pairs``."""
-    return [(encode_side(tokenizer, p["chosen"], max_seq_len), encode_side(tokenizer, p["rejected"], max_seq_len))
-            for p in pairs]
+    return [
+        (encode_side(tokenizer, p["chosen"], max_seq_len), encode_side(tokenizer, p["rejected"], max_seq_len))
+        for p in pairs
+    ]
 
 
 def collate_pairs(batch, pad_token_id):
@@ -145,8 +158,8 @@ def collate_pairs(batch, pad_token_id):
     input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)  # [2B, T]
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)  # [2B, T]
     for i, row in enumerate(rows):
-        input_ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
-        attention_mask[i, :len(row)] = 1
+        input_ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        attention_mask[i, : len(row)] = 1
     return input_ids, attention_mask
 
 
@@ -154,7 +167,7 @@ def pair_rewards(model, batch, pad_token_id, device):
     """(chosen_rewards fp32 [B], rejected_rewards fp32 [B]) of a batch of encoded pairs, in one forward."""
     input_ids, attention_mask = collate_pairs(batch, pad_token_id)
     rewards = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).logits[:, 0].float()
-    return rewards[:len(batch)], rewards[len(batch):]  # [B], [B]
+    return rewards[: len(batch)], rewards[len(batch) :]  # [B], [B]
 
 
 @torch.no_grad()
@@ -164,16 +177,19 @@ def evaluate(model, encoded_pairs, batch_size, pad_token_id, device):
     model.eval()
     chosen, rejected = [], []
     for start in range(0, len(encoded_pairs), batch_size):
-        chosen_rewards, rejected_rewards = pair_rewards(model, encoded_pairs[start:start + batch_size],
-                                                        pad_token_id, device)
+        chosen_rewards, rejected_rewards = pair_rewards(
+            model, encoded_pairs[start : start + batch_size], pad_token_id, device
+        )
         chosen.append(chosen_rewards)
         rejected.append(rejected_rewards)
     model.train(was_training)
     chosen_rewards = torch.cat(chosen)  # [E]
     rejected_rewards = torch.cat(rejected)  # [E]
-    return {"eval_loss": bradley_terry_loss(chosen_rewards, rejected_rewards).item(),
-            "eval_accuracy": pairwise_accuracy(chosen_rewards, rejected_rewards),
-            "eval_margin": (chosen_rewards - rejected_rewards).mean().item()}
+    return {
+        "eval_loss": bradley_terry_loss(chosen_rewards, rejected_rewards).item(),
+        "eval_accuracy": pairwise_accuracy(chosen_rewards, rejected_rewards),
+        "eval_margin": (chosen_rewards - rejected_rewards).mean().item(),
+    }
 
 
 def split_pairs(pairs, eval_pairs, eval_ratio, seed):
@@ -191,15 +207,19 @@ def split_pairs(pairs, eval_pairs, eval_ratio, seed):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Train a reward model (Bradley-Terry) from a MiniMind backbone")
     parser.add_argument("--data_path", default=os.path.join(ROOT, "dataset", "reward_train.jsonl"))
-    parser.add_argument("--eval_path", default=os.path.join(ROOT, "dataset", "reward_heldout.jsonl"),
-                        help="held-out pairs; '' holds out --eval_ratio of --data_path")
+    parser.add_argument(
+        "--eval_path",
+        default=os.path.join(ROOT, "dataset", "reward_heldout.jsonl"),
+        help="held-out pairs; '' holds out --eval_ratio of --data_path",
+    )
     parser.add_argument("--eval_ratio", type=float, default=0.1)
     parser.add_argument("--save_path", default=DEFAULT_REWARD_MODEL_PATH, help="output model folder")
     parser.add_argument("--save_dtype", default="float16", choices=list(DTYPES))
     parser.add_argument("--save_dir", default=DEFAULT_SAVE_DIR, help="where --from_weight is looked up")
     parser.add_argument("--run_dir", default="", help="metrics folder (default: {save_dir}/runs/reward-TIME)")
-    parser.add_argument("--from_weight", default="full_sft", help="MiniMind weights ({name}_{hidden}.pth), a path, "
-                                                                   "or none")
+    parser.add_argument(
+        "--from_weight", default="full_sft", help="MiniMind weights ({name}_{hidden}.pth), a path, or none"
+    )
     parser.add_argument("--tokenizer_path", default=DEFAULT_TOKENIZER_PATH)
     parser.add_argument("--hidden_size", type=int, default=256)
     parser.add_argument("--num_hidden_layers", type=int, default=4)
@@ -241,18 +261,26 @@ def main(argv=None):
     setup_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    train_pairs, eval_pairs = split_pairs(read_preference_pairs(args.data_path),
-                                          read_preference_pairs(args.eval_path) if args.eval_path else None,
-                                          args.eval_ratio, args.seed)
+    train_pairs, eval_pairs = split_pairs(
+        read_preference_pairs(args.data_path),
+        read_preference_pairs(args.eval_path) if args.eval_path else None,
+        args.eval_ratio,
+        args.seed,
+    )
     if len(train_pairs) < args.batch_size:
-        raise InputError(f"--data_path {args.data_path}: {len(train_pairs)} training pairs, fewer than --batch_size "
-                         f"{args.batch_size}")
+        raise InputError(
+            f"--data_path {args.data_path}: {len(train_pairs)} training pairs, fewer than --batch_size "
+            f"{args.batch_size}"
+        )
     train_encoded = encode_pairs(tokenizer, train_pairs, args.max_seq_len)
     eval_encoded = encode_pairs(tokenizer, eval_pairs, args.max_seq_len)
 
     lm_config = build_config(args.hidden_size, args.num_hidden_layers, args.use_moe)
-    weights = None if args.from_weight == "none" else weight_path(args.from_weight, args.save_dir, args.hidden_size,
-                                                                  args.use_moe)
+    weights = (
+        None
+        if args.from_weight == "none"
+        else weight_path(args.from_weight, args.save_dir, args.hidden_size, args.use_moe)
+    )
     model = build_reward_model(lm_config, pad_token_id, weights).to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     steps_per_epoch = len(train_encoded) // args.batch_size
@@ -262,12 +290,16 @@ def main(argv=None):
     scheduler = build_cosine_scheduler(optimizer, total_steps)
     run_dir = args.run_dir or os.path.join(args.save_dir, "runs", f"reward-{time.strftime('%Y%m%d-%H%M%S')}")
     writer = MetricsWriter(run_dir, config=vars(args))
-    Logger(f"reward model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
-           f"{len(train_encoded)} training / {len(eval_encoded)} held-out pairs, {total_steps} steps, "
-           f"metrics in {run_dir}")
+    Logger(
+        f"reward model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
+        f"{len(train_encoded)} training / {len(eval_encoded)} held-out pairs, {total_steps} steps, "
+        f"metrics in {run_dir}"
+    )
     before = evaluate(model, eval_encoded, args.batch_size, pad_token_id, args.device)
-    Logger(f"step 0/{total_steps} | eval_loss {before['eval_loss']:.4f} | eval_acc {before['eval_accuracy']:.3f} "
-           f"(a tie counts as wrong)")
+    Logger(
+        f"step 0/{total_steps} | eval_loss {before['eval_loss']:.4f} | eval_acc {before['eval_accuracy']:.3f} "
+        f"(a tie counts as wrong)"
+    )
     writer.log({"step": 0, "total_steps": total_steps, **before})  # before training: a zero head scores log 2
 
     timer = StepTimer(total_steps)
@@ -279,7 +311,7 @@ def main(argv=None):
         generator.shuffle(order)
         for start in range(0, steps_per_epoch * args.batch_size, args.batch_size):
             step += 1
-            batch = [train_encoded[i] for i in order[start:start + args.batch_size]]
+            batch = [train_encoded[i] for i in order[start : start + args.batch_size]]
             chosen_rewards, rejected_rewards = pair_rewards(model, batch, pad_token_id, args.device)  # [B], [B]
             loss = bradley_terry_loss(chosen_rewards, rejected_rewards)
             loss.backward()
@@ -287,15 +319,23 @@ def main(argv=None):
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            metrics = {"step": step, "total_steps": total_steps, "loss": loss.item(),
-                       "accuracy": pairwise_accuracy(chosen_rewards.detach(), rejected_rewards.detach()),
-                       "margin": (chosen_rewards - rejected_rewards).mean().item(), "grad_norm": float(grad_norm),
-                       "learning_rate": optimizer.param_groups[0]["lr"], "elapsed_s": time.time() - timer.start}
+            metrics = {
+                "step": step,
+                "total_steps": total_steps,
+                "loss": loss.item(),
+                "accuracy": pairwise_accuracy(chosen_rewards.detach(), rejected_rewards.detach()),
+                "margin": (chosen_rewards - rejected_rewards).mean().item(),
+                "grad_norm": float(grad_norm),
+                "learning_rate": optimizer.param_groups[0]["lr"],
+                "elapsed_s": time.time() - timer.start,
+            }
             if step % args.eval_interval == 0 or step == total_steps:
                 metrics.update(evaluate(model, eval_encoded, args.batch_size, pad_token_id, args.device))
             elapsed, remaining = timer.eta(step)
-            line = (f"step {step}/{total_steps} | loss {metrics['loss']:.4f} | acc {metrics['accuracy']:.3f} | "
-                    f"margin {metrics['margin']:.3f} | lr {metrics['learning_rate']:.2e}")
+            line = (
+                f"step {step}/{total_steps} | loss {metrics['loss']:.4f} | acc {metrics['accuracy']:.3f} | "
+                f"margin {metrics['margin']:.3f} | lr {metrics['learning_rate']:.2e}"
+            )
             if "eval_accuracy" in metrics:
                 line += f" | eval_loss {metrics['eval_loss']:.4f} | eval_acc {metrics['eval_accuracy']:.3f}"
             Logger(f"{line} | {elapsed} elapsed, {remaining} left")
@@ -304,8 +344,10 @@ def main(argv=None):
                 break
     writer.close()
     path = save_reward_model(model, tokenizer, args.save_path, resolve_dtype(args.save_dtype, torch.float16))
-    Logger(f"saved {path} (held-out pairwise accuracy {metrics['eval_accuracy']:.3f}, held-out loss "
-           f"{before['eval_loss']:.4f} -> {metrics['eval_loss']:.4f})")
+    Logger(
+        f"saved {path} (held-out pairwise accuracy {metrics['eval_accuracy']:.3f}, held-out loss "
+        f"{before['eval_loss']:.4f} -> {metrics['eval_loss']:.4f})"
+    )
 
 
 if __name__ == "__main__":

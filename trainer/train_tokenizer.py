@@ -11,6 +11,7 @@ spelled in bytes); without tools its text is that of the think-only template (te
 
 Usage: python trainer/train_tokenizer.py [--data dataset/sft_data.jsonl] [--out_dir model]
 """
+
 import argparse
 import json
 import os
@@ -34,16 +35,16 @@ TOOLS_HEADER = (  # upstream MiniMind's tools block, verbatim
 )
 TOOLS_FOOTER = (
     "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": "
+    '<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": '
     "<args-json-object>}\\n</tool_call><|im_end|>\\n"
 )
 CHAT_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"
     "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
-    "{{- \"" + TOOLS_HEADER + "\" }}"
+    '{{- "' + TOOLS_HEADER + '" }}'
     "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
-    "{{- \"" + TOOLS_FOOTER + "\" }}"
+    '{{- "' + TOOLS_FOOTER + '" }}'
     "{%- endif %}"
     "{%- for message in messages %}"
     "{%- if message.content is string %}{%- set content = message.content %}{%- else %}{%- set content = '' %}"
@@ -59,7 +60,7 @@ CHAT_TEMPLATE = (
     "{%- for tool_call in message.tool_calls or [] %}"
     "{%- if content or not loop.first %}{{- '\\n' }}{%- endif %}"
     "{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}"
-    "{{- '<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+    '{{- \'<tool_call>\\n{"name": "\' + tool_call.name + \'", "arguments": \' }}'
     "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}"
     "{%- endif %}"
     "{{- '}\\n</tool_call>' }}"
@@ -96,10 +97,12 @@ def iter_texts(paths):
 def train_tokenizer(paths, out_dir, vocab_size=6400):
     """Train and save ``tokenizer.json`` + ``tokenizer_config.json`` to out_dir; returns the Tokenizer."""
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -129,15 +132,23 @@ def train_tokenizer(paths, out_dir, vocab_size=6400):
     def write_config(path):
         with open(path, "w", encoding="utf-8") as f:
             json.dump(config, f, ensure_ascii=False, indent=2)
-    atomic_write({os.path.join(out_dir, "tokenizer.json"): tokenizer.save,
-                  os.path.join(out_dir, "tokenizer_config.json"): write_config})
+
+    atomic_write(
+        {
+            os.path.join(out_dir, "tokenizer.json"): tokenizer.save,
+            os.path.join(out_dir, "tokenizer_config.json"): write_config,
+        }
+    )
     return tokenizer
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Train the byte-level BPE tokenizer")
-    parser.add_argument("--data", nargs="+", default=[os.path.join(ROOT, "dataset", "sft_data.jsonl"),
-                                                      os.path.join(ROOT, "dataset", "rlaif_train.jsonl")])
+    parser.add_argument(
+        "--data",
+        nargs="+",
+        default=[os.path.join(ROOT, "dataset", "sft_data.jsonl"), os.path.join(ROOT, "dataset", "rlaif_train.jsonl")],
+    )
     parser.add_argument("--out_dir", default=os.path.join(ROOT, "model"))
     parser.add_argument("--vocab_size", type=int, default=6400)
     args = parser.parse_args(argv)
@@ -145,8 +156,10 @@ def main(argv=None):
         if not os.path.isfile(path):
             parser.error(f"--data {path} does not exist")
     if args.vocab_size < 256 + len(SPECIAL_TOKENS) + len(THINK_TOKENS):
-        parser.error(f"--vocab_size must be >= {256 + len(SPECIAL_TOKENS) + len(THINK_TOKENS)} (the byte alphabet "
-                     f"and the special tokens), got {args.vocab_size}")
+        parser.error(
+            f"--vocab_size must be >= {256 + len(SPECIAL_TOKENS) + len(THINK_TOKENS)} (the byte alphabet "
+            f"and the special tokens), got {args.vocab_size}"
+        )
     try:
         check_writable_dir(args.out_dir)
     except OSError as err:

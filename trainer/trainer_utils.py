@@ -7,6 +7,7 @@ Everything that is not in the chapter (processes, flags, weights, checkpoints an
 dtypes, the optimizer, metrics) lives in trainer/infra/, which a learner can skip. Nothing here reads a global: every
 function takes what it needs as arguments.
 """
+
 import re
 
 import torch
@@ -145,8 +146,9 @@ class LMForRewardModel:
     folder, remote code not allowed, a classifier with more than one label, a remote-code model without get_score).
     """
 
-    def __init__(self, path, device="cpu", dtype=torch.float32, batch_size=16, max_length=2048,
-                 trust_remote_code=False):
+    def __init__(
+        self, path, device="cpu", dtype=torch.float32, batch_size=16, max_length=2048, trust_remote_code=False
+    ):
         self.kind, self.tokenizer, self.model = load_reward_model_files(path, device, dtype, trust_remote_code)
         self.device = device
         self.batch_size = batch_size
@@ -174,7 +176,7 @@ class LMForRewardModel:
         """Unclipped fp32 scores (list of floats) of conversations ([user, assistant] messages), in chunks."""
         scores = []
         for start in range(0, len(conversations), self.batch_size):
-            chunk = conversations[start:start + self.batch_size]
+            chunk = conversations[start : start + self.batch_size]
             if self.kind == "internlm2":
                 scores.extend(self.model.get_scores(self.tokenizer, chunk, max_length=self.max_length))
             elif self.kind == "remote" and callable(getattr(self.model, "get_scores", None)):
@@ -188,8 +190,14 @@ class LMForRewardModel:
     def classifier_scores(self, conversations):
         """One right-padded forward of a sequence-classification model over ``conversations`` -> list of floats."""
         rendered = [render_reward_text(self.tokenizer, c) for c in conversations]
-        enc = self.tokenizer([text for text, _ in rendered], return_tensors="pt", padding=True, truncation=True,
-                             max_length=self.max_length, add_special_tokens=rendered[0][1]).to(self.device)
+        enc = self.tokenizer(
+            [text for text, _ in rendered],
+            return_tensors="pt",
+            padding=True,
+            truncation=True,
+            max_length=self.max_length,
+            add_special_tokens=rendered[0][1],
+        ).to(self.device)
         logits = self.model(**enc).logits  # [b, 1]
         return logits[:, 0].float().tolist()
 
@@ -224,8 +232,13 @@ def load_reward_model(args, device, dtype):
     """
     if args.reward_model_path == "none":
         return None
-    return LMForRewardModel(args.reward_model_path, device=args.reward_device or device, dtype=dtype,
-                            batch_size=args.reward_batch_size, trust_remote_code=args.trust_remote_code)
+    return LMForRewardModel(
+        args.reward_model_path,
+        device=args.reward_device or device,
+        dtype=dtype,
+        batch_size=args.reward_batch_size,
+        trust_remote_code=args.trust_remote_code,
+    )
 
 
 def calculate_rewards(prompts, responses, answers, reward_model, answer_reward_weight):
@@ -242,16 +255,20 @@ def calculate_rewards(prompts, responses, answers, reward_model, answer_reward_w
         "reward_model_scores", "answer_rewards".
     """
     rule_rewards = torch.tensor([rule_reward(r) for r in responses], dtype=torch.float32)  # [N]
-    answer_rewards = torch.tensor([answer_reward(r, a) for r, a in zip(responses, answers)],
-                                  dtype=torch.float32)  # [N]
+    answer_rewards = torch.tensor([answer_reward(r, a) for r, a in zip(responses, answers)], dtype=torch.float32)  # [N]
     reward_model_scores = torch.zeros(len(responses), dtype=torch.float32)  # [N]
     if reward_model is not None:
         messages_list = [prompt_to_messages(p) for p in prompts]
-        reward_model_scores = torch.tensor(reward_model.get_scores(messages_list, responses),
-                                           dtype=torch.float32)  # [N], one batched call
+        reward_model_scores = torch.tensor(
+            reward_model.get_scores(messages_list, responses), dtype=torch.float32
+        )  # [N], one batched call
     rewards = rule_rewards + reward_model_scores + answer_reward_weight * answer_rewards  # [N]
-    return {"rewards": rewards, "rule_rewards": rule_rewards, "reward_model_scores": reward_model_scores,
-            "answer_rewards": answer_rewards}
+    return {
+        "rewards": rewards,
+        "rule_rewards": rule_rewards,
+        "reward_model_scores": reward_model_scores,
+        "answer_rewards": answer_rewards,
+    }
 
 
 # ----------------------------------------------------------------------------- rewards per token (chapter 8.4.2, 8.6)

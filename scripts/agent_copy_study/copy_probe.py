@@ -9,6 +9,7 @@ low whatever stands before; one that learned the rows' positions loses it as the
 
 Usage: python scripts/agent_copy_study/copy_probe.py [--weight full_sft] [--num_rows 12]
 """
+
 import argparse
 import os
 import re
@@ -51,8 +52,9 @@ def with_prefix(conversation, kind, repeats):
         messages[0]["content"] = "Please be careful. " * repeats + messages[0]["content"]
         return messages, None
     if kind == "tools":
-        return [{"role": "system", "content": "You are a helpful assistant."}] + messages, \
-            tool_schemas(["calculate_math"])
+        return [{"role": "system", "content": "You are a helpful assistant."}] + messages, tool_schemas(
+            ["calculate_math"]
+        )
     return messages, None
 
 
@@ -68,8 +70,11 @@ def copy_loss(model, tokenizer, messages, tools, span):
     ids = torch.tensor([encoded["input_ids"]])  # [1, L]
     logits = model(ids).logits[0, :-1].float()  # [L - 1, V], predicting tokens 1..L-1
     nll = F.cross_entropy(logits, ids[0, 1:], reduction="none")  # [L - 1]
-    picked = [i for i, (a, b) in enumerate(encoded["offset_mapping"]) if i > 0 and begin <= a and b <= end
-              and text[a:b].strip().isdigit()][1:]
+    picked = [
+        i
+        for i, (a, b) in enumerate(encoded["offset_mapping"])
+        if i > 0 and begin <= a and b <= end and text[a:b].strip().isdigit()
+    ][1:]
     return len(encoded["input_ids"]), sum(nll[i - 1].item() for i in picked), len(picked)
 
 
@@ -81,16 +86,23 @@ def agent_copy_loss(model, tokenizer, row):
     text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=False)
     call_start = text.rfind(messages[-3]["content"])
     expression = '"expression": "'
-    spans = {"call": (text.index(expression, call_start) + len(expression), text.index("</tool_call>", call_start)),
-             "answer": (text.rfind(messages[-1]["content"]), text.rfind(messages[-1]["content"])
-                        + len(messages[-1]["content"]))}
+    spans = {
+        "call": (text.index(expression, call_start) + len(expression), text.index("</tool_call>", call_start)),
+        "answer": (
+            text.rfind(messages[-1]["content"]),
+            text.rfind(messages[-1]["content"]) + len(messages[-1]["content"]),
+        ),
+    }
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = torch.tensor([encoded["input_ids"]])  # [1, L]
     nll = F.cross_entropy(model(ids).logits[0, :-1].float(), ids[0, 1:], reduction="none")  # [L - 1]
     totals = {}
     for part, (begin, end) in spans.items():
-        picked = [i for i, (a, b) in enumerate(encoded["offset_mapping"]) if i > 0 and begin <= a and b <= end
-                  and text[a:b].strip().isdigit()]
+        picked = [
+            i
+            for i, (a, b) in enumerate(encoded["offset_mapping"])
+            if i > 0 and begin <= a and b <= end and text[a:b].strip().isdigit()
+        ]
         totals[part] = (sum(nll[i - 1].item() for i in picked), len(picked))
     return totals
 
@@ -106,23 +118,36 @@ def main():
     model, tokenizer = init_model(build_config(256, 4, 0), path)
     model.eval()
     rows = trace_rows(args.data_path, args.num_rows)
-    print(f"{path}: {len(rows)} rows, loss (nats) on the digits each answer copies from its question (its first "
-          f"left out)")
+    print(
+        f"{path}: {len(rows)} rows, loss (nats) on the digits each answer copies from its question (its first left out)"
+    )
     print("| prefix | mean tokens | copied-digit loss |\n| --- | --- | --- |")
-    for kind, repeats in [("none", 0), ("system", 1), ("system", 3), ("system", 10), ("system", 25), ("user", 3),
-                          ("user", 10), ("user", 25), ("tools", 1)]:
+    for kind, repeats in [
+        ("none", 0),
+        ("system", 1),
+        ("system", 3),
+        ("system", 10),
+        ("system", 25),
+        ("user", 3),
+        ("user", 10),
+        ("user", 25),
+        ("tools", 1),
+    ]:
         totals = [copy_loss(model, tokenizer, *with_prefix(conv, kind, repeats), span) for conv, span in rows]
         tokens = sum(t for t, _, _ in totals) / len(totals)
         loss = sum(s for _, s, _ in totals) / max(sum(c for _, _, c in totals), 1)
         label = "none" if kind == "none" else f"{kind} x{repeats}" if kind != "tools" else "calculator tools block"
         print(f"| {label} | {tokens:.0f} | {loss:.3f} |")
-    calls = [row for _, row in iter_jsonl(args.agent_data_path) if len(row["conversations"]) == 5][:args.num_rows]
+    calls = [row for _, row in iter_jsonl(args.agent_data_path) if len(row["conversations"]) == 5][: args.num_rows]
     parts = [agent_copy_loss(model, tokenizer, row) for row in calls]
-    losses = {part: sum(p[part][0] for p in parts) / max(sum(p[part][1] for p in parts), 1)
-              for part in ("call", "answer")}
-    print(f"{len(calls)} rows of {os.path.basename(args.agent_data_path)} that call the calculator: loss per digit "
-          f"{losses['call']:.3f} in the call's expression (copied from the question), {losses['answer']:.3f} in the "
-          f"answer (copied from the tool's reply); ln 10 = 2.303 is a guess")
+    losses = {
+        part: sum(p[part][0] for p in parts) / max(sum(p[part][1] for p in parts), 1) for part in ("call", "answer")
+    }
+    print(
+        f"{len(calls)} rows of {os.path.basename(args.agent_data_path)} that call the calculator: loss per digit "
+        f"{losses['call']:.3f} in the call's expression (copied from the question), {losses['answer']:.3f} in the "
+        f"answer (copied from the tool's reply); ln 10 = 2.303 is a guess"
+    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ makes in its own short layout at other positions and behind the tools block
 
 Usage: python scripts/agent_copy_study/make_copy_mix.py --out /tmp/copy_mix.jsonl [--seed 0] [--num_trace 2000]
 """
+
 import argparse
 import json
 import os
@@ -50,12 +51,17 @@ def main():
     parser.add_argument("--num_trace", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    rows = copy_mix([row for _, row in iter_jsonl(args.sft_data)], [row for _, row in iter_jsonl(args.agent_sft)],
-                    args.num_trace, random.Random(args.seed))
+    rows = copy_mix(
+        [row for _, row in iter_jsonl(args.sft_data)],
+        [row for _, row in iter_jsonl(args.agent_sft)],
+        args.num_trace,
+        random.Random(args.seed),
+    )
 
     def write(tmp):
         with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+
     atomic_write({args.out: write})
     print(f"wrote {len(rows)} rows to {args.out}")
 

@@ -74,6 +74,7 @@ Run:
     python scripts/bench/bench.py --contestants sglang_engine,ours_rollout,hf_generate --sizes default --lengths 64 \\
         --dtype float32 --repeats 3 --json out/bench/bench_sglang.json   # the SGLang rollout (docs/performance.md)
 """
+
 import argparse
 import contextlib
 import importlib
@@ -143,6 +144,7 @@ def cpu_model():
         name = ""
     if not name:
         import platform
+
         name = platform.processor()
     return name or "unknown CPU"
 
@@ -255,8 +257,13 @@ class PhaseTracer:
 def watch_update(tracer):
     """The backward and the optimizer of both sides: torch's own functions, which ours and TRL's loops both call."""
     tracer.watch(torch.Tensor.backward, "policy_backward")
-    for function in (torch.nn.utils.clip_grad_norm_, torch.optim.AdamW.step, torch.optim.Optimizer.zero_grad,
-                     torch.nn.Module.zero_grad, torch.optim.lr_scheduler.LRScheduler.step):
+    for function in (
+        torch.nn.utils.clip_grad_norm_,
+        torch.optim.AdamW.step,
+        torch.optim.Optimizer.zero_grad,
+        torch.nn.Module.zero_grad,
+        torch.optim.lr_scheduler.LRScheduler.step,
+    ):
         tracer.watch(function, "optimizer")
 
 
@@ -272,7 +279,7 @@ def time_steps(step, spec, tracer):
         totals.append(time.perf_counter() - start)
         cpu.append(time.thread_time() - cpu_start)
         tracer.end_step()
-    return tracer.steps[spec["warmup"]:], totals[spec["warmup"]:], cpu[spec["warmup"]:]
+    return tracer.steps[spec["warmup"] :], totals[spec["warmup"] :], cpu[spec["warmup"] :]
 
 
 def measure_matmul_peak(dtype, size=2048, repeats=3, device="cpu"):
@@ -287,7 +294,7 @@ def measure_matmul_peak(dtype, size=2048, repeats=3, device="cpu"):
         a @ b
         synchronize(device)
         best = min(best, time.perf_counter() - start)
-    return 2 * size ** 3 / best / 1e9
+    return 2 * size**3 / best / 1e9
 
 
 def forward_flops(config, tokens, context, logit_positions):
@@ -318,6 +325,7 @@ def bench_prompts(tokenizer, data_path):
     header. Returns (prompts, answers).
     """
     from dataset.lm_dataset import iter_jsonl
+
     questions = []
     for _, row in iter_jsonl(data_path):
         turns = row["conversations"]
@@ -348,7 +356,7 @@ def write_prompt_file(path, chat_prompts, answers):
     for prompt, answer in zip(chat_prompts, answers):
         if not (prompt.startswith(head) and prompt.endswith(tail)):
             raise ValueError(f"not one user turn and the assistant header: {prompt!r}")
-        user = prompt[len(head):-len(tail)]
+        user = prompt[len(head) : -len(tail)]
         rows.append({"conversations": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]})
     with open(path, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
@@ -358,6 +366,7 @@ def loader_prompts(path, tokenizer, thinking_ratio=1.0, seed=SEED):
     """(prompts, answers) exactly as our scripts' data loader yields them for ``path`` with ``--thinking_ratio``
     and ``--seed`` (``RLAIFDataset``)."""
     from dataset.lm_dataset import RLAIFDataset
+
     dataset = RLAIFDataset(path, tokenizer, thinking_ratio=thinking_ratio, seed=seed)
     rows = [dataset[i] for i in range(len(dataset))]
     return [row["prompt"] for row in rows], [row["answer"] for row in rows]
@@ -369,6 +378,7 @@ def prepare_weights(size, work_dir, tokenizer):
     from model.hf_qwen3 import save_qwen3_folder
     from model.model_minimind import MiniMindForCausalLM
     from trainer.infra.weights import build_config, load_weights, write_tokenizer_record
+
     hidden, layers, source = SIZES[size]
     torch.manual_seed(0)
     config = build_config(hidden, layers, 0)
@@ -397,8 +407,12 @@ def summarize(step_phases, step_totals, step_cpu, calls, tokens_per_rollout, mod
             phases["server"] = statistics.median([p.get("server", 0.0) for p in step_phases])
     rollout = phases["rollout"] if phases else 0.0
     return {
-        "step_s_median": median, "step_s_min": min(step_totals), "step_s_max": max(step_totals),
-        "steps": len(step_totals), "step_s": step_totals, "phases_s": phases,
+        "step_s_median": median,
+        "step_s_min": min(step_totals),
+        "step_s_max": max(step_totals),
+        "steps": len(step_totals),
+        "step_s": step_totals,
+        "phases_s": phases,
         "cpu_s_median": statistics.median(step_cpu) if step_cpu else None,
         "python_calls_per_step": statistics.median(calls) if calls else None,
         "rollout_tokens_per_s": tokens_per_rollout / rollout if rollout > 0 else None,
@@ -418,11 +432,18 @@ def combine_runs(runs):
     if failed or len(runs) == 1:
         return (failed or runs)[0]
     medians = [run["step_s_median"] for run in runs]
-    combined = dict(runs[0], step_s_median=statistics.median(medians), step_s_min=min(medians),
-                    step_s_max=max(medians), runs=len(runs), run_medians=medians)
+    combined = dict(
+        runs[0],
+        step_s_median=statistics.median(medians),
+        step_s_min=min(medians),
+        step_s_max=max(medians),
+        runs=len(runs),
+        run_medians=medians,
+    )
     if runs[0].get("phases_s"):
-        combined["phases_s"] = {name: statistics.median(run["phases_s"][name] for run in runs)
-                                for name in runs[0]["phases_s"]}
+        combined["phases_s"] = {
+            name: statistics.median(run["phases_s"][name] for run in runs) for name in runs[0]["phases_s"]
+        }
     for key in ("rollout_tokens_per_s", "mfu", "cpu_s_median", "python_calls_per_step"):
         values = [run[key] for run in runs if run.get(key)]
         combined[key] = statistics.median(values) if values else None
@@ -452,25 +473,83 @@ def ours_argv(workload, script, steps, data_path, save_dir, run_dir, flags=()):
     left out of PPO's). GRPO: 2 prompts x 6 answers, beta 0.1, CISPO (epsilon_high 5). PPO: the 12 rows of
     ``data_path`` in one step, one answer each, minibatches of 2, GAE lambda 0.95 (as TRL's PPOConfig below)."""
     common = [
-        "--data_path", data_path, "--thinking_ratio", "1", "--seed", str(SEED), "--from_weight", workload["pth"],
-        "--hidden_size", str(workload["hidden_size"]), "--num_hidden_layers", str(workload["num_hidden_layers"]),
-        "--max_steps", str(steps), "--epochs", str(steps), "--max_gen_len", str(workload["gen_len"]),
-        "--max_seq_len", "512", "--temperature", "1.0", "--top_k", "0", "--top_p", "1.0",
-        "--reward_model_path", "none", "--dtype", workload["dtype"], "--device", workload["device"],
-        "--eval_interval", "0", "--save_interval", str(steps + 1), "--log_interval", "1", "--use_compile", "0",
-        "--use_wandb", "0", "--save_dir", save_dir, "--run_dir", run_dir,
+        "--data_path",
+        data_path,
+        "--thinking_ratio",
+        "1",
+        "--seed",
+        str(SEED),
+        "--from_weight",
+        workload["pth"],
+        "--hidden_size",
+        str(workload["hidden_size"]),
+        "--num_hidden_layers",
+        str(workload["num_hidden_layers"]),
+        "--max_steps",
+        str(steps),
+        "--epochs",
+        str(steps),
+        "--max_gen_len",
+        str(workload["gen_len"]),
+        "--max_seq_len",
+        "512",
+        "--temperature",
+        "1.0",
+        "--top_k",
+        "0",
+        "--top_p",
+        "1.0",
+        "--reward_model_path",
+        "none",
+        "--dtype",
+        workload["dtype"],
+        "--device",
+        workload["device"],
+        "--eval_interval",
+        "0",
+        "--save_interval",
+        str(steps + 1),
+        "--log_interval",
+        "1",
+        "--use_compile",
+        "0",
+        "--use_wandb",
+        "0",
+        "--save_dir",
+        save_dir,
+        "--run_dir",
+        run_dir,
     ]
     if script == "grpo":
-        return common + ["--batch_size", str(NUM_PROMPTS), "--num_generations", str(NUM_GENERATIONS),
-                         "--beta", "0.1", "--loss_type", "cispo", "--epsilon_high", "5.0", *flags]
-    return common + ["--batch_size", str(NUM_PROMPTS * NUM_GENERATIONS), "--mini_batch_size", "2", "--lam", "0.95",
-                     *without_flag(list(flags), "--shared_prefix")]
+        return common + [
+            "--batch_size",
+            str(NUM_PROMPTS),
+            "--num_generations",
+            str(NUM_GENERATIONS),
+            "--beta",
+            "0.1",
+            "--loss_type",
+            "cispo",
+            "--epsilon_high",
+            "5.0",
+            *flags,
+        ]
+    return common + [
+        "--batch_size",
+        str(NUM_PROMPTS * NUM_GENERATIONS),
+        "--mini_batch_size",
+        "2",
+        "--lam",
+        "0.95",
+        *without_flag(list(flags), "--shared_prefix"),
+    ]
 
 
 def load_minimind(spec):
     """(MiniMindForCausalLM with the workload's weights, its config), fp32 on spec["device"]."""
     from model.model_minimind import MiniMindForCausalLM
     from trainer.infra.weights import build_config
+
     config = build_config(spec["hidden_size"], spec["num_hidden_layers"], 0)
     model = MiniMindForCausalLM(config)
     model.load_state_dict(torch.load(spec["pth"], map_location="cpu", weights_only=True))
@@ -486,6 +565,7 @@ def timed_reward(tracer):
         tracer.mark_cpu()
         with tracer.phase("reward"):
             return calculate_rewards(*args, **kwargs)
+
     return reward_fn
 
 
@@ -511,6 +591,7 @@ def run_ours(spec, tracer, script):
     from trainer.infra.optimizer import project_scale_only_gradients
     from trainer.rollout_engine import TorchRolloutEngine, compute_per_token_logps
     from trainer.infra.weights import build_config
+
     module = importlib.import_module(f"trainer.train_{script}")
     watch_update(tracer)
     tracer.watch(project_scale_only_gradients, "optimizer")
@@ -530,11 +611,17 @@ def run_ours(spec, tracer, script):
         raise RuntimeError(f"{run_dir}/metrics.jsonl: {len(elapsed)} steps logged, {steps} run")
     totals = [b - a for a, b in zip([0.0] + elapsed, elapsed)]
     cpu = [b - a for a, b in zip(tracer.cpu_marks, tracer.cpu_marks[1:])]  # step i - 1 ... step i
-    phases = tracer.steps[spec["warmup"]:] if spec["phases"] else None
+    phases = tracer.steps[spec["warmup"] :] if spec["phases"] else None
     rows = NUM_PROMPTS * NUM_GENERATIONS
     config = build_config(spec["hidden_size"], spec["num_hidden_layers"], 0)
-    return (phases, totals[spec["warmup"]:], cpu[max(spec["warmup"] - 1, 0):],
-            tracer.calls_per_step[spec["warmup"]:] if spec["phases"] else [], rows * spec["gen_len"], config)
+    return (
+        phases,
+        totals[spec["warmup"] :],
+        cpu[max(spec["warmup"] - 1, 0) :],
+        tracer.calls_per_step[spec["warmup"] :] if spec["phases"] else [],
+        rows * spec["gen_len"],
+        config,
+    )
 
 
 def step_clock(tracer, mark_cpu=False):
@@ -558,6 +645,7 @@ def step_clock(tracer, mark_cpu=False):
             tracer.end_step()
             if mark_cpu:
                 tracer.mark_cpu()
+
     return StepClock()
 
 
@@ -579,24 +667,53 @@ def run_trl_grpo(spec, tokenizer, tracer):
     rows = NUM_PROMPTS * NUM_GENERATIONS
     dataset = Dataset.from_dict({"prompt": spec["prompts"] * steps, "answer": spec["answers"] * steps})
     config = GRPOConfig(
-        output_dir=spec["tmp_dir"], per_device_train_batch_size=rows, gradient_accumulation_steps=1,
-        num_generations=NUM_GENERATIONS, max_completion_length=spec["gen_len"], temperature=1.0, top_k=0, top_p=1.0,
-        beta=0.1, loss_type="cispo", epsilon_high=5.0, learning_rate=TRL_LEARNING_RATE, max_grad_norm=1.0,
-        max_steps=steps, logging_steps=1, report_to="none", use_cpu=spec["device"] == "cpu",
-        bf16=spec["dtype"] == "bfloat16", gradient_checkpointing=False, save_strategy="no", disable_tqdm=True,
-        seed=0, shuffle_dataset=False,  # each step: the two prompts once each, as ours
+        output_dir=spec["tmp_dir"],
+        per_device_train_batch_size=rows,
+        gradient_accumulation_steps=1,
+        num_generations=NUM_GENERATIONS,
+        max_completion_length=spec["gen_len"],
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        beta=0.1,
+        loss_type="cispo",
+        epsilon_high=5.0,
+        learning_rate=TRL_LEARNING_RATE,
+        max_grad_norm=1.0,
+        max_steps=steps,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=spec["device"] == "cpu",
+        bf16=spec["dtype"] == "bfloat16",
+        gradient_checkpointing=False,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        shuffle_dataset=False,  # each step: the two prompts once each, as ours
         generation_kwargs={"min_new_tokens": spec["gen_len"]},  # ignore EOS: full-length work
         model_init_kwargs={"dtype": torch.float32},
     )
     clock = step_clock(tracer)
-    trainer = GRPOTrainer(model=spec["qwen3_folder"], reward_funcs=reward_func, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[clock])
+    trainer = GRPOTrainer(
+        model=spec["qwen3_folder"],
+        reward_funcs=reward_func,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[clock],
+    )
     with tracer.tracing(spec["phases"]):
         trainer.train()
     warmup = spec["warmup"]
     cpu = [b - a for a, b in zip(tracer.cpu_marks, tracer.cpu_marks[1:])]
-    return (tracer.steps[warmup:] if spec["phases"] else None, clock.totals[warmup:], cpu[max(warmup - 1, 0):],
-            tracer.calls_per_step[warmup:] if spec["phases"] else [], rows * spec["gen_len"], trainer.model.config)
+    return (
+        tracer.steps[warmup:] if spec["phases"] else None,
+        clock.totals[warmup:],
+        cpu[max(warmup - 1, 0) :],
+        tracer.calls_per_step[warmup:] if spec["phases"] else [],
+        rows * spec["gen_len"],
+        trainer.model.config,
+    )
 
 
 def run_rollouts(spec, tokenizer, tracer, contestant):
@@ -604,10 +721,12 @@ def run_rollouts(spec, tokenizer, tracer, contestant):
     workload's dtype (bf16 autocast, as the GRPO step runs its rollout), called by the bench."""
     from trainer.infra.dtypes import autocast_context
     from trainer.rollout_engine import tokenize_prompts
+
     prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, spec["prompts"], 512, spec["device"])
     rows = NUM_PROMPTS * NUM_GENERATIONS
     if contestant == "ours_rollout":
         from trainer.rollout_engine import TorchRolloutEngine
+
         model, config = load_minimind(spec)
         engine = TorchRolloutEngine(model, tokenizer, generator=torch.Generator(spec["device"]).manual_seed(0))
 
@@ -616,6 +735,7 @@ def run_rollouts(spec, tokenizer, tracer, contestant):
                 return engine.rollout(prompt_ids, attention_mask, NUM_GENERATIONS, spec["gen_len"]).completion_ids
     else:
         from transformers import Qwen3ForCausalLM
+
         model = Qwen3ForCausalLM.from_pretrained(spec["qwen3_folder"], dtype=torch.float32).eval().to(spec["device"])
         config = model.config
         repeated_ids = prompt_ids.repeat_interleave(NUM_GENERATIONS, dim=0)  # [N, P]
@@ -623,9 +743,18 @@ def run_rollouts(spec, tokenizer, tracer, contestant):
 
         def rollout():
             with tracer.phase("rollout"), torch.no_grad(), autocast_context(spec["device"], spec["dtype"]):
-                return model.generate(repeated_ids, attention_mask=repeated_mask, do_sample=True, temperature=1.0,
-                                      top_k=0, top_p=1.0, max_new_tokens=spec["gen_len"],
-                                      min_new_tokens=spec["gen_len"], pad_token_id=tokenizer.pad_token_id)
+                return model.generate(
+                    repeated_ids,
+                    attention_mask=repeated_mask,
+                    do_sample=True,
+                    temperature=1.0,
+                    top_k=0,
+                    top_p=1.0,
+                    max_new_tokens=spec["gen_len"],
+                    min_new_tokens=spec["gen_len"],
+                    pad_token_id=tokenizer.pad_token_id,
+                )
+
     phases, totals, cpu = time_steps(rollout, spec, tracer)
     return phases, totals, cpu, [], rows * spec["gen_len"], config
 
@@ -654,8 +783,10 @@ class FullLengthSession(requests.Session):
             wanted = json["sampling_params"]["max_new_tokens"]
             lengths = [len(answer.get("output_ids", [])) for answer in response.json()]
             if min(lengths, default=wanted) < wanted:
-                raise RuntimeError(f"SGLang answered {min(lengths)} tokens for max_new_tokens {wanted} with "
-                                   "ignore_eos: not full-length work")
+                raise RuntimeError(
+                    f"SGLang answered {min(lengths)} tokens for max_new_tokens {wanted} with "
+                    "ignore_eos: not full-length work"
+                )
         return response
 
 
@@ -664,14 +795,17 @@ def run_sglang_rollouts(spec, tokenizer, tracer):
     workload's weights), with ``FullLengthSession``: the /generate request is the "server" phase, the engine's
     local recomputation of the old log-probs the rest."""
     from trainer.rollout_engine import SGLangRolloutEngine, tokenize_prompts
+
     model, config = load_minimind(spec)
-    engine = SGLangRolloutEngine(model.eval(), tokenizer, spec["url"], spec["tmp_dir"],
-                                 session=FullLengthSession(tracer))
+    engine = SGLangRolloutEngine(
+        model.eval(), tokenizer, spec["url"], spec["tmp_dir"], session=FullLengthSession(tracer)
+    )
     prompt_ids, attention_mask, _ = tokenize_prompts(tokenizer, spec["prompts"], 512, "cpu")
 
     def rollout():
         with tracer.phase("rollout"):
             return engine.rollout(prompt_ids, attention_mask, NUM_GENERATIONS, spec["gen_len"]).completion_ids
+
     phases, totals, cpu = time_steps(rollout, spec, tracer)
     return phases, totals, cpu, [], NUM_PROMPTS * NUM_GENERATIONS * spec["gen_len"], config
 
@@ -695,8 +829,9 @@ def run_trl_ppo(spec, tokenizer, tracer):
     rows = NUM_PROMPTS * NUM_GENERATIONS
     steps = spec["warmup"] + spec["steps"]
     tokenizer.padding_side = "left"
-    dataset = Dataset.from_dict({"input_ids": [tokenizer(p, add_special_tokens=False)["input_ids"]
-                                               for p in spec["ppo_prompts"]]})
+    dataset = Dataset.from_dict(
+        {"input_ids": [tokenizer(p, add_special_tokens=False)["input_ids"] for p in spec["ppo_prompts"]]}
+    )
     folder = spec["qwen3_folder"]
     policy = Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32)
     ref_policy = Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -705,12 +840,30 @@ def run_trl_ppo(spec, tokenizer, tracer):
     for model in (policy, ref_policy, reward_model, value_model):
         model.config.pad_token_id = tokenizer.pad_token_id
     config = PPOConfig(
-        output_dir=spec["tmp_dir"], per_device_train_batch_size=2, gradient_accumulation_steps=rows // 2,
-        num_mini_batches=rows // 2, num_ppo_epochs=2, total_episodes=rows * steps, response_length=spec["gen_len"],
-        temperature=1.0, kl_coef=0.02, vf_coef=0.5, cliprange=0.2, cliprange_value=0.2, gamma=1.0, lam=0.95,
-        learning_rate=1e-5, local_rollout_forward_batch_size=rows, report_to="none",
-        use_cpu=spec["device"] == "cpu", bf16=spec["dtype"] == "bfloat16",
-        gradient_checkpointing=False, num_sample_generations=0, save_strategy="no", seed=0, stop_token=None,
+        output_dir=spec["tmp_dir"],
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=rows // 2,
+        num_mini_batches=rows // 2,
+        num_ppo_epochs=2,
+        total_episodes=rows * steps,
+        response_length=spec["gen_len"],
+        temperature=1.0,
+        kl_coef=0.02,
+        vf_coef=0.5,
+        cliprange=0.2,
+        cliprange_value=0.2,
+        gamma=1.0,
+        lam=0.95,
+        learning_rate=1e-5,
+        local_rollout_forward_batch_size=rows,
+        report_to="none",
+        use_cpu=spec["device"] == "cpu",
+        bf16=spec["dtype"] == "bfloat16",
+        gradient_checkpointing=False,
+        num_sample_generations=0,
+        save_strategy="no",
+        seed=0,
+        stop_token=None,
     )
     generation_config_class = trl_ppo_module.GenerationConfig
 
@@ -721,16 +874,29 @@ def run_trl_ppo(spec, tokenizer, tracer):
     watch_update(tracer)
     tracer.watch(trl_ppo_module.batch_generation, "rollout")
     clock = step_clock(tracer, mark_cpu=True)  # no reward function here to mark the steps
-    trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy, ref_model=ref_policy,
-                         reward_model=reward_model, train_dataset=dataset, value_model=value_model,
-                         callbacks=[clock])
+    trainer = PPOTrainer(
+        args=config,
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=ref_policy,
+        reward_model=reward_model,
+        train_dataset=dataset,
+        value_model=value_model,
+        callbacks=[clock],
+    )
     with tracer.tracing(spec["phases"]):
         trainer.train()
     transformers.logging.set_verbosity_error()
     warmup = spec["warmup"]
     cpu = [b - a for a, b in zip(tracer.cpu_marks, tracer.cpu_marks[1:])]
-    return (tracer.steps[warmup:] if spec["phases"] else None, clock.totals[warmup:], cpu[max(warmup - 1, 0):],
-            tracer.calls_per_step[warmup:] if spec["phases"] else [], rows * spec["gen_len"], policy.config)
+    return (
+        tracer.steps[warmup:] if spec["phases"] else None,
+        clock.totals[warmup:],
+        cpu[max(warmup - 1, 0) :],
+        tracer.calls_per_step[warmup:] if spec["phases"] else [],
+        rows * spec["gen_len"],
+        policy.config,
+    )
 
 
 def worker(spec):
@@ -738,11 +904,12 @@ def worker(spec):
     torch.set_num_threads(spec["threads"])
     torch.manual_seed(0)
     from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
     tracer = PhaseTracer(spec["device"])
     contestant = spec["contestant"]
     if contestant in ("ours_grpo", "ours_ppo"):
-        figures = run_ours(spec, tracer, contestant[len("ours_"):])
+        figures = run_ours(spec, tracer, contestant[len("ours_") :])
     elif contestant == "trl_grpo":
         figures = run_trl_grpo(spec, tokenizer, tracer)
     elif contestant == "trl_ppo":
@@ -759,7 +926,7 @@ def worker(spec):
     if contestant.startswith("ours_") and contestant != "ours_rollout":
         result["run_dir"] = os.path.join(spec["tmp_dir"], "run")
     if torch.device(spec["device"]).type == "cuda":
-        result["peak_gpu_mib"] = torch.cuda.max_memory_allocated(spec["device"]) / 2 ** 20
+        result["peak_gpu_mib"] = torch.cuda.max_memory_allocated(spec["device"]) / 2**20
     print("BENCH_RESULT " + json.dumps(result), flush=True)
 
 
@@ -767,15 +934,21 @@ def worker(spec):
 def contestant_available(name, trl_ppo_path, sglang_python=""):
     """None when the contestant can run here, else the reason it cannot."""
     if name == SGLANG_CONTESTANT:
-        python = sglang_python or os.path.join(os.environ.get("SGLANG_VENV") or os.path.expanduser(
-            os.path.join("~", ".cache", "minimind-rl", "sglang-venv")), "bin", "python")
+        python = sglang_python or os.path.join(
+            os.environ.get("SGLANG_VENV")
+            or os.path.expanduser(os.path.join("~", ".cache", "minimind-rl", "sglang-venv")),
+            "bin",
+            "python",
+        )
         if not os.access(python, os.X_OK):
             return f"no SGLang server python at {python} (bash scripts/setup_sglang_env.sh, or --sglang_python)"
     if name == "trl_grpo" and importlib.util.find_spec("trl") is None:
         return "trl not installed (pip install -r requirements-bench.txt)"
     if name == "trl_ppo" and not os.path.isdir(os.path.join(trl_ppo_path, "trl", "experimental", "ppo")):
-        return (f"TRL {TRL_PPO_VERSION} not in {trl_ppo_path} (pip install --no-deps --target {trl_ppo_path} "
-                f"trl=={TRL_PPO_VERSION})")
+        return (
+            f"TRL {TRL_PPO_VERSION} not in {trl_ppo_path} (pip install --no-deps --target {trl_ppo_path} "
+            f"trl=={TRL_PPO_VERSION})"
+        )
     return None
 
 
@@ -793,32 +966,37 @@ def run_worker(spec, timeout):
         return {"error": f"timed out after {timeout} s"}
     for line in result.stdout.splitlines():
         if line.startswith("BENCH_RESULT "):
-            return json.loads(line[len("BENCH_RESULT "):])
+            return json.loads(line[len("BENCH_RESULT ") :])
     return {"error": (result.stderr.strip().splitlines() or ["no output"])[-1][:300]}
 
 
 def format_table(results, peaks):
     """The results as a plain-text table, one row per workload and contestant, with ours/theirs ratios."""
-    lines = [f"matmul peaks measured in this run: fp32 {peaks['float32']:.1f} GFLOP/s (2048^3), "
-             f"bf16 {peaks['bfloat16']:.1f} GFLOP/s (512^3); each row's MFU is against the peak of its dtype; "
-             "min-max: over the timed steps of one run, or over the runs' medians with --repeats",
-             "", "| workload | contestant | step s (median) | min-max | rollout | reward | ref fwd | policy fwd | "
-             "policy bwd | optimizer | other | rollout tok/s | peak RSS MiB | MFU |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"matmul peaks measured in this run: fp32 {peaks['float32']:.1f} GFLOP/s (2048^3), "
+        f"bf16 {peaks['bfloat16']:.1f} GFLOP/s (512^3); each row's MFU is against the peak of its dtype; "
+        "min-max: over the timed steps of one run, or over the runs' medians with --repeats",
+        "",
+        "| workload | contestant | step s (median) | min-max | rollout | reward | ref fwd | policy fwd | "
+        "policy bwd | optimizer | other | rollout tok/s | peak RSS MiB | MFU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in results:
         r = row["result"]
         if "error" in r or "skipped" in r:
-            lines.append(f"| {row['workload']} | {row['contestant']} | {r.get('error') or r.get('skipped')} |"
-                         + " |" * 11)
+            lines.append(
+                f"| {row['workload']} | {row['contestant']} | {r.get('error') or r.get('skipped')} |" + " |" * 11
+            )
             continue
         p = r["phases_s"]
         tok = f"{r['rollout_tokens_per_s']:.0f}" if r["rollout_tokens_per_s"] else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-"
         lines.append(
             f"| {row['workload']} | {row['contestant']} | {r['step_s_median']:.2f} | "
-            f"{r['step_s_min']:.2f}-{r['step_s_max']:.2f} | " + " | ".join(
-                f"{p[name]:.2f}" if p else "-" for name in (*PHASES, "other"))
-            + f" | {tok} | {r['peak_rss_mib']:.0f} | {mfu} |")
+            f"{r['step_s_min']:.2f}-{r['step_s_max']:.2f} | "
+            + " | ".join(f"{p[name]:.2f}" if p else "-" for name in (*PHASES, "other"))
+            + f" | {tok} | {r['peak_rss_mib']:.0f} | {mfu} |"
+        )
     lines.append("")
     lines.append("| workload | GRPO step ours/TRL | rollout tok/s ours/generate | PPO step ours/TRL |")
     lines.append("|---|---|---|---|")
@@ -853,32 +1031,62 @@ def parse_args(argv=None):
     parser.add_argument("--contestants", default=",".join(CONTESTANTS), help=f"comma list of {', '.join(CONTESTANTS)}")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per contestant")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="worker runs of each contestant, in turn; >1 reports the median of the runs' medians "
-                             "and their min-max")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="auto: float32, and bfloat16 too where the machine has bf16 units (has_bf16_units)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="worker runs of each contestant, in turn; >1 reports the median of the runs' medians and their min-max",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="auto: float32, and bfloat16 too where the machine has bf16 units (has_bf16_units)",
+    )
     parser.add_argument("--device", default="cpu", help="where every contestant runs: cpu or cuda[:N]")
-    parser.add_argument("--ours_flags", default="",
-                        help="extra flags of our training scripts for our step contestants, e.g. \"--shared_prefix 0\" "
-                             "(a lever switched off); TRL's contestants are not affected")
-    parser.add_argument("--natural_eos", action="store_true",
-                        help="our GRPO / PPO steps stop each answer at its EOS (ragged rows, as in training) instead "
-                             "of full length; for comparing our layouts (--ours_flags), not against TRL")
+    parser.add_argument(
+        "--ours_flags",
+        default="",
+        help='extra flags of our training scripts for our step contestants, e.g. "--shared_prefix 0" '
+        "(a lever switched off); TRL's contestants are not affected",
+    )
+    parser.add_argument(
+        "--natural_eos",
+        action="store_true",
+        help="our GRPO / PPO steps stop each answer at its EOS (ragged rows, as in training) instead "
+        "of full length; for comparing our layouts (--ours_flags), not against TRL",
+    )
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads per worker")
-    parser.add_argument("--phases", type=int, default=1, choices=[0, 1],
-                        help="1: trace the phases of every step (sys.settrace); 0: step times only, untraced")
+    parser.add_argument(
+        "--phases",
+        type=int,
+        default=1,
+        choices=[0, 1],
+        help="1: trace the phases of every step (sys.settrace); 0: step times only, untraced",
+    )
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per worker")
     parser.add_argument("--json", default=os.path.join(ROOT, "out", "bench", "bench.json"))
-    parser.add_argument("--work_dir", default="",
-                        help="keep the weights, prompt files and every worker's folder (our runs' metrics.jsonl) "
-                             "here (default: a temporary folder, removed at the end)")
-    parser.add_argument("--trl_ppo_path", default=DEFAULT_TRL_PPO_PATH,
-                        help=f"folder holding TRL {TRL_PPO_VERSION} (for trl_ppo; installed apart from the newer TRL)")
-    parser.add_argument("--sglang_python", default="",
-                        help=f"the server venv's python for {SGLANG_CONTESTANT} (default: launch_sglang.sh's)")
-    parser.add_argument("--tiny", action="store_true",
-                        help="a 2-layer hidden-64 model, 8 tokens, 1 timed step (keeps the script working)")
+    parser.add_argument(
+        "--work_dir",
+        default="",
+        help="keep the weights, prompt files and every worker's folder (our runs' metrics.jsonl) "
+        "here (default: a temporary folder, removed at the end)",
+    )
+    parser.add_argument(
+        "--trl_ppo_path",
+        default=DEFAULT_TRL_PPO_PATH,
+        help=f"folder holding TRL {TRL_PPO_VERSION} (for trl_ppo; installed apart from the newer TRL)",
+    )
+    parser.add_argument(
+        "--sglang_python",
+        default="",
+        help=f"the server venv's python for {SGLANG_CONTESTANT} (default: launch_sglang.sh's)",
+    )
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="a 2-layer hidden-64 model, 8 tokens, 1 timed step (keeps the script working)",
+    )
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.tiny:
@@ -888,8 +1096,9 @@ def parse_args(argv=None):
             parser.error(f"--sizes: unknown size {size!r}; valid: {', '.join(SIZES)}")
     for name in args.contestants.split(","):
         if name not in CONTESTANTS + (SGLANG_CONTESTANT,):
-            parser.error(f"--contestants: unknown contestant {name!r}; valid: "
-                         f"{', '.join(CONTESTANTS + (SGLANG_CONTESTANT,))}")
+            parser.error(
+                f"--contestants: unknown contestant {name!r}; valid: {', '.join(CONTESTANTS + (SGLANG_CONTESTANT,))}"
+            )
     try:
         args.lengths = [int(n) for n in args.lengths.split(",")]
     except ValueError:
@@ -905,16 +1114,26 @@ def main(argv=None):
         worker(json.loads(args.worker))
         return
     from transformers import AutoTokenizer
+
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
     chat_prompts, chat_answers = bench_prompts(tokenizer, os.path.join(ROOT, "dataset", "rlaif_train.jsonl"))
-    peaks = {"float32": measure_matmul_peak(torch.float32, device=args.device),
-             "bfloat16": measure_matmul_peak(torch.bfloat16, 512, 1, device=args.device)}
+    peaks = {
+        "float32": measure_matmul_peak(torch.float32, device=args.device),
+        "bfloat16": measure_matmul_peak(torch.bfloat16, 512, 1, device=args.device),
+    }
     dtypes = [args.dtype] if args.dtype != "auto" else ["float32"] + (["bfloat16"] * has_bf16_units(args.device))
-    machine = {"cpu": cpu_model(), "cores": os.cpu_count(), "bf16_units": has_bf16_units(args.device),
-               "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None}
-    print(f"{machine['cpu']}, {machine['cores']} cores{', GPU ' + machine['gpu'] if machine['gpu'] else ''}; "
-          f"dtypes: {', '.join(dtypes)} (bf16 units here: {machine['bf16_units']})", flush=True)
+    machine = {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "bf16_units": has_bf16_units(args.device),
+        "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None,
+    }
+    print(
+        f"{machine['cpu']}, {machine['cores']} cores{', GPU ' + machine['gpu'] if machine['gpu'] else ''}; "
+        f"dtypes: {', '.join(dtypes)} (bf16 units here: {machine['bf16_units']})",
+        flush=True,
+    )
     results = []
     with tempfile.TemporaryDirectory() as temporary:
         work_dir = os.path.abspath(args.work_dir or temporary)
@@ -922,13 +1141,19 @@ def main(argv=None):
         data_path, ppo_data_path = os.path.join(work_dir, "prompts.jsonl"), os.path.join(work_dir, "prompts_ppo.jsonl")
         write_prompt_file(data_path, chat_prompts, chat_answers)
         rows = NUM_PROMPTS * NUM_GENERATIONS  # PPO: one answer for each of 12 rows, the prompts in turn
-        write_prompt_file(ppo_data_path, [chat_prompts[i % NUM_PROMPTS] for i in range(rows)],
-                          [chat_answers[i % NUM_PROMPTS] for i in range(rows)])
+        write_prompt_file(
+            ppo_data_path,
+            [chat_prompts[i % NUM_PROMPTS] for i in range(rows)],
+            [chat_answers[i % NUM_PROMPTS] for i in range(rows)],
+        )
         prompts, answers = loader_prompts(data_path, tokenizer)  # what our data loader hands our scripts
         ppo_prompts, _ = loader_prompts(ppo_data_path, tokenizer)
         prompt_len = max(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts)
-        print(f"threads {args.threads}, prompts of {prompt_len} tokens, matmul peaks fp32 {peaks['float32']:.1f} / "
-              f"bf16 {peaks['bfloat16']:.1f} GFLOP/s", flush=True)
+        print(
+            f"threads {args.threads}, prompts of {prompt_len} tokens, matmul peaks fp32 {peaks['float32']:.1f} / "
+            f"bf16 {peaks['bfloat16']:.1f} GFLOP/s",
+            flush=True,
+        )
         weights = {size: prepare_weights(size, work_dir, tokenizer) for size in args.sizes.split(",")}
         for size, gen_len, dtype in itertools.product(args.sizes.split(","), args.lengths, dtypes):
             pth, folder = weights[size]
@@ -937,15 +1162,31 @@ def main(argv=None):
             contestants = args.contestants.split(",")
             runs = {contestant: [] for contestant in contestants}
             for repeat, contestant in itertools.product(range(args.repeats), contestants):  # in turn: A B A B
-                spec = dict(contestant=contestant, hidden_size=hidden, num_hidden_layers=layers, pth=pth,
-                            qwen3_folder=folder, gen_len=gen_len, prompts=prompts, answers=answers,
-                            ppo_prompts=ppo_prompts, data_path=data_path, ppo_data_path=ppo_data_path,
-                            prompt_len=prompt_len, steps=args.steps, warmup=args.warmup, dtype=dtype,
-                            threads=args.threads, peaks=peaks,
-                            device=args.device, phases=bool(args.phases),
-                            tmp_dir=os.path.join(work_dir, f"{contestant}_{size}_{gen_len}_{dtype}_{repeat + 1}"),
-                            trl_ppo_path=args.trl_ppo_path, ours_flags=args.ours_flags.split(),
-                            natural_eos=args.natural_eos)
+                spec = dict(
+                    contestant=contestant,
+                    hidden_size=hidden,
+                    num_hidden_layers=layers,
+                    pth=pth,
+                    qwen3_folder=folder,
+                    gen_len=gen_len,
+                    prompts=prompts,
+                    answers=answers,
+                    ppo_prompts=ppo_prompts,
+                    data_path=data_path,
+                    ppo_data_path=ppo_data_path,
+                    prompt_len=prompt_len,
+                    steps=args.steps,
+                    warmup=args.warmup,
+                    dtype=dtype,
+                    threads=args.threads,
+                    peaks=peaks,
+                    device=args.device,
+                    phases=bool(args.phases),
+                    tmp_dir=os.path.join(work_dir, f"{contestant}_{size}_{gen_len}_{dtype}_{repeat + 1}"),
+                    trl_ppo_path=args.trl_ppo_path,
+                    ours_flags=args.ours_flags.split(),
+                    natural_eos=args.natural_eos,
+                )
                 reason = contestant_available(contestant, args.trl_ppo_path, args.sglang_python)
                 if reason and repeat > 0:
                     continue
@@ -960,21 +1201,43 @@ def main(argv=None):
                 else:
                     result = run_worker(spec, args.timeout)
                 runs[contestant].append(result)
-                print(f"{workload} | {contestant} | run {repeat + 1}: " + (
-                    f"{result['step_s_median']:.2f} s/step" if "step_s_median" in result else str(result)),
-                    flush=True)
+                print(
+                    f"{workload} | {contestant} | run {repeat + 1}: "
+                    + (f"{result['step_s_median']:.2f} s/step" if "step_s_median" in result else str(result)),
+                    flush=True,
+                )
             for contestant in contestants:
-                results.append({"workload": workload, "contestant": contestant, "size": size,
-                                "gen_len": gen_len, "dtype": dtype, "result": combine_runs(runs[contestant])})
+                results.append(
+                    {
+                        "workload": workload,
+                        "contestant": contestant,
+                        "size": size,
+                        "gen_len": gen_len,
+                        "dtype": dtype,
+                        "result": combine_runs(runs[contestant]),
+                    }
+                )
     table = format_table(results, peaks)
     print(table)
-    report = {"machine": machine, "torch": torch.__version__, "threads": args.threads, "dtype": args.dtype,
-              "device": args.device, "repeats": args.repeats, "natural_eos": args.natural_eos, "phases": args.phases,
-              "command": shlex.join(["python", "scripts/bench/bench.py", *(sys.argv[1:] if argv is None else argv)]),
-              "prompt_tokens": prompt_len, "prompts": prompts,
-              "num_prompts": NUM_PROMPTS, "num_generations": NUM_GENERATIONS, "matmul_peak_gflops": peaks,
-              "ours_flags": args.ours_flags, "results": results,
-              "table": table}
+    report = {
+        "machine": machine,
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "dtype": args.dtype,
+        "device": args.device,
+        "repeats": args.repeats,
+        "natural_eos": args.natural_eos,
+        "phases": args.phases,
+        "command": shlex.join(["python", "scripts/bench/bench.py", *(sys.argv[1:] if argv is None else argv)]),
+        "prompt_tokens": prompt_len,
+        "prompts": prompts,
+        "num_prompts": NUM_PROMPTS,
+        "num_generations": NUM_GENERATIONS,
+        "matmul_peak_gflops": peaks,
+        "ours_flags": args.ours_flags,
+        "results": results,
+        "table": table,
+    }
     atomic_write({args.json: lambda tmp: write_json(report, tmp)})
     print(f"wrote {args.json}")
 

@@ -15,6 +15,7 @@ Run:
     python scripts/bench/bench_levers.py                      # about 10 minutes on a 2-core CPU
     python scripts/bench/bench_levers.py --steps 3 --repeats 1 --scripts grpo   # a quick look
 """
+
 import argparse
 import json
 import os
@@ -49,9 +50,23 @@ def run_training(script, flags, steps, work_dir, timeout):
     Raises RuntimeError with the end of the output when the run fails.
     """
     run_dir = os.path.join(work_dir, "run")
-    command = [sys.executable, os.path.join(ROOT, "trainer", f"train_{script}.py"), "--max_steps", str(steps),
-               "--eval_interval", "0", "--save_interval", "1000000", "--save_dir", work_dir, "--run_dir", run_dir,
-               "--use_wandb", "0", *flags]
+    command = [
+        sys.executable,
+        os.path.join(ROOT, "trainer", f"train_{script}.py"),
+        "--max_steps",
+        str(steps),
+        "--eval_interval",
+        "0",
+        "--save_interval",
+        "1000000",
+        "--save_dir",
+        work_dir,
+        "--run_dir",
+        run_dir,
+        "--use_wandb",
+        "0",
+        *flags,
+    ]
     env = dict(os.environ, WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
     start = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
@@ -67,15 +82,20 @@ def run_training(script, flags, steps, work_dir, timeout):
 
 def format_table(script, results):
     """One markdown table for a script: a row per variant (results: name -> list of (per-run median, loss))."""
-    lines = [f"| train_{script}.py | s/step, median of {len(next(iter(results.values())))} runs | min-max over runs | "
-             "/ defaults | first loss |", "|---|---|---|---|---|"]
+    lines = [
+        f"| train_{script}.py | s/step, median of {len(next(iter(results.values())))} runs | min-max over runs | "
+        "/ defaults | first loss |",
+        "|---|---|---|---|---|",
+    ]
     baseline = None
     for name, runs in results.items():
         medians = [m for m, _ in runs]
         median = statistics.median(medians)
         baseline = baseline or median
-        lines.append(f"| {name} | {median:.3f} | {min(medians):.3f}-{max(medians):.3f} | {median / baseline:.2f} | "
-                     f"{runs[0][1]:.6f} |")
+        lines.append(
+            f"| {name} | {median:.3f} | {min(medians):.3f}-{max(medians):.3f} | {median / baseline:.2f} | "
+            f"{runs[0][1]:.6f} |"
+        )
     return "\n".join(lines)
 
 
@@ -98,8 +118,11 @@ def main(argv=None):
     args = parse_args(argv)
     with open("/proc/cpuinfo", encoding="utf-8") as f:
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown CPU")
-    print(f"{cpu}, {os.cpu_count()} cores, bf16 units: {has_bf16_units('cpu')}; {args.steps} steps a run, "
-          f"{args.repeats} runs a variant", flush=True)
+    print(
+        f"{cpu}, {os.cpu_count()} cores, bf16 units: {has_bf16_units('cpu')}; {args.steps} steps a run, "
+        f"{args.repeats} runs a variant",
+        flush=True,
+    )
     tables = []
     for script in args.scripts.split(","):
         variants = [(n, f) for n, f in VARIANTS[script] if has_bf16_units("cpu") or "bfloat16" not in f]
@@ -109,8 +132,11 @@ def main(argv=None):
                 with tempfile.TemporaryDirectory() as work_dir:
                     seconds, loss, wall = run_training(script, flags, args.steps, work_dir, args.timeout)
                 results[name].append((statistics.median(seconds), loss))
-                print(f"train_{script} {name} run {repeat + 1}: {statistics.median(seconds):.3f} s/step, "
-                      f"first loss {loss:.6f}, process {wall:.1f} s", flush=True)
+                print(
+                    f"train_{script} {name} run {repeat + 1}: {statistics.median(seconds):.3f} s/step, "
+                    f"first loss {loss:.6f}, process {wall:.1f} s",
+                    flush=True,
+                )
         tables.append(format_table(script, results))
     print("\n\n".join(tables))
 

@@ -85,6 +85,7 @@ Run (on a quiet machine: every figure is a difference of two wall-clock times):
                                                # of each, float32 (what the test runs; its figures are noise)
     python scripts/bench/bench_process.py --sizes default --dtype float32 --short_steps 1 --long_steps 2 --repeats 1
 """
+
 import argparse
 import json
 import os
@@ -125,15 +126,24 @@ def machine_info(device):
     import transformers
 
     from scripts.bench.bench import cpu_model, has_bf16_units
+
     flags = cpu_flags()
     try:
         trl_version = importlib.metadata.version("trl")
     except importlib.metadata.PackageNotFoundError:
         trl_version = None
-    info = {"cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "trl": trl_version, "torch_threads": torch.get_num_threads(),
-            "amx": "amx_bf16" in flags, "avx512_bf16": "avx512_bf16" in flags,
-            "bf16_units": has_bf16_units(device), "device": device}
+    info = {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "trl": trl_version,
+        "torch_threads": torch.get_num_threads(),
+        "amx": "amx_bf16" in flags,
+        "avx512_bf16": "avx512_bf16" in flags,
+        "bf16_units": has_bf16_units(device),
+        "device": device,
+    }
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
@@ -142,10 +152,12 @@ def machine_info(device):
 def describe_machine(info):
     """One line naming the machine of ``machine_info``."""
     yes = {True: "yes", False: "no"}
-    text = (f"Machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}, transformers "
-            f"{info['transformers']}, TRL {info['trl'] or 'not installed'}; AMX {yes[info['amx']]}, AVX512-BF16 "
-            f"{yes[info['avx512_bf16']]} (bf16 units for {info['device']}: {yes[info['bf16_units']]}); torch threads "
-            f"{info['torch_threads']}")
+    text = (
+        f"Machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}, transformers "
+        f"{info['transformers']}, TRL {info['trl'] or 'not installed'}; AMX {yes[info['amx']]}, AVX512-BF16 "
+        f"{yes[info['avx512_bf16']]} (bf16 units for {info['device']}: {yes[info['bf16_units']]}); torch threads "
+        f"{info['torch_threads']}"
+    )
     return text + (f"; GPU {info['gpu']}" if "gpu" in info else "")
 
 
@@ -155,15 +167,27 @@ def ours_command(workload, steps, data_path, save_dir, run_dir):
     answers (``scripts/bench/full_length.py``) and the flags ``scripts/bench/bench.py`` gives its ``ours_grpo``
     (``ours_argv``)."""
     from scripts.bench.bench import ours_argv
-    return [sys.executable, os.path.join(ROOT, "scripts", "bench", "full_length.py"), "grpo",
-            *ours_argv(workload, "grpo", steps, data_path, save_dir, run_dir)]
+
+    return [
+        sys.executable,
+        os.path.join(ROOT, "scripts", "bench", "full_length.py"),
+        "grpo",
+        *ours_argv(workload, "grpo", steps, data_path, save_dir, run_dir),
+    ]
 
 
 def trl_spec(workload, steps, output_dir):
     """The TRL worker's spec (written to SPEC.json) for ``workload`` and ``steps`` steps."""
-    return {"qwen3_folder": workload["qwen3_folder"], "prompts": workload["prompts"], "answers": workload["answers"],
-            "gen_len": workload["gen_len"], "dtype": workload["dtype"], "device": workload["device"],
-            "steps": steps, "output_dir": output_dir}
+    return {
+        "qwen3_folder": workload["qwen3_folder"],
+        "prompts": workload["prompts"],
+        "answers": workload["answers"],
+        "gen_len": workload["gen_len"],
+        "dtype": workload["dtype"],
+        "device": workload["device"],
+        "steps": steps,
+        "output_dir": output_dir,
+    }
 
 
 def files_under(folder):
@@ -190,7 +214,7 @@ def read_own_account(contestant, run_root, log_path):
         return {"elapsed_s": elapsed[-1], "steps_logged": len(elapsed)} if elapsed else {}
     with open(log_path, encoding="utf-8", errors="replace") as f:
         lines = [line for line in f if line.startswith(RESULT_PREFIX)]
-    return json.loads(lines[-1][len(RESULT_PREFIX):]) if lines else {}
+    return json.loads(lines[-1][len(RESULT_PREFIX) :]) if lines else {}
 
 
 def timed_run(contestant, workload, steps, work_dir, name, timeout):
@@ -206,8 +230,9 @@ def timed_run(contestant, workload, steps, work_dir, name, timeout):
     os.makedirs(run_root, exist_ok=True)
     log_path = os.path.join(work_dir, f"{name}.log")
     if contestant == "ours":
-        command = ours_command(workload, steps, workload["data_path"], os.path.join(run_root, "save"),
-                               os.path.join(run_root, "run"))
+        command = ours_command(
+            workload, steps, workload["data_path"], os.path.join(run_root, "save"), os.path.join(run_root, "run")
+        )
         written = os.path.join(run_root, "save")
     else:
         spec_path = os.path.join(work_dir, f"{name}.spec.json")
@@ -226,9 +251,16 @@ def timed_run(contestant, workload, steps, work_dir, name, timeout):
             process.wait()
             returncode = None
         wall = time.perf_counter() - start
-    record = {"contestant": contestant, "steps": steps, "command": shlex.join(command), "wall_s": wall,
-              "returncode": returncode, "own": read_own_account(contestant, run_root, log_path),
-              "files_written": files_under(written), "log": log_path}
+    record = {
+        "contestant": contestant,
+        "steps": steps,
+        "command": shlex.join(command),
+        "wall_s": wall,
+        "returncode": returncode,
+        "own": read_own_account(contestant, run_root, log_path),
+        "files_written": files_under(written),
+        "log": log_path,
+    }
     shutil.rmtree(written, ignore_errors=True)
     if returncode != 0:
         with open(log_path, encoding="utf-8", errors="replace") as f:
@@ -258,22 +290,52 @@ def trl_worker(spec_path):
     steps, rows = spec["steps"], NUM_PROMPTS * NUM_GENERATIONS
     dataset = Dataset.from_dict({"prompt": spec["prompts"] * steps, "answer": spec["answers"] * steps})
     config = GRPOConfig(
-        output_dir=spec["output_dir"], per_device_train_batch_size=rows, gradient_accumulation_steps=1,
-        num_generations=NUM_GENERATIONS, max_completion_length=spec["gen_len"], temperature=1.0, top_k=0, top_p=1.0,
-        beta=0.1, loss_type="cispo", epsilon_high=5.0, learning_rate=TRL_LEARNING_RATE, max_grad_norm=1.0,
-        max_steps=steps, logging_steps=1, report_to="none", use_cpu=spec["device"] == "cpu",
-        bf16=spec["dtype"] == "bfloat16", gradient_checkpointing=False, save_strategy="no", disable_tqdm=True,
-        seed=0, shuffle_dataset=False,  # each step: the two prompts once each, as ours
+        output_dir=spec["output_dir"],
+        per_device_train_batch_size=rows,
+        gradient_accumulation_steps=1,
+        num_generations=NUM_GENERATIONS,
+        max_completion_length=spec["gen_len"],
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        beta=0.1,
+        loss_type="cispo",
+        epsilon_high=5.0,
+        learning_rate=TRL_LEARNING_RATE,
+        max_grad_norm=1.0,
+        max_steps=steps,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=spec["device"] == "cpu",
+        bf16=spec["dtype"] == "bfloat16",
+        gradient_checkpointing=False,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        shuffle_dataset=False,  # each step: the two prompts once each, as ours
         generation_kwargs={"min_new_tokens": spec["gen_len"]},  # EOS never sampled: full-length work
         model_init_kwargs={"dtype": torch.float32},
     )
-    trainer = GRPOTrainer(model=spec["qwen3_folder"], reward_funcs=reward_func, args=config, train_dataset=dataset,
-                          processing_class=tokenizer)
+    trainer = GRPOTrainer(
+        model=spec["qwen3_folder"],
+        reward_funcs=reward_func,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
     output = trainer.train()
     step_times = [entry["step_time"] for entry in trainer.state.log_history if "step_time" in entry]
-    print(RESULT_PREFIX + json.dumps({"train_runtime": output.metrics["train_runtime"],
-                                      "global_step": trainer.state.global_step, "step_time": step_times}),
-          flush=True)
+    print(
+        RESULT_PREFIX
+        + json.dumps(
+            {
+                "train_runtime": output.metrics["train_runtime"],
+                "global_step": trainer.state.global_step,
+                "step_time": step_times,
+            }
+        ),
+        flush=True,
+    )
 
 
 # ----------------------------------------------------------------------------- figures
@@ -329,22 +391,28 @@ def format_spread(figure, digits, missing="-"):
 
 def format_table(workloads, machine, args):
     """The markdown table of the run: one row per size and dtype."""
-    lines = [describe_machine(machine), "",
-             f"{args.gen_len} tokens x {NUM_PROMPTS} prompts x {NUM_GENERATIONS} answers, EOS ignored; per step = "
-             f"(T{args.long_steps} - T{args.short_steps}) / {args.long_steps - args.short_steps}, each T the faster "
-             f"of {args.runs} whole-process runs; median [min-max] over {args.repeats} repeats; in-process step: "
-             "scripts/bench/bench.py's ours_grpo (the loop's own clock); "
-             "command / in-process = ours per step / that step",
-             "", "| size | dtype | ours s/step | TRL s/step | ours/TRL | in-process step s | command / in-process |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        describe_machine(machine),
+        "",
+        f"{args.gen_len} tokens x {NUM_PROMPTS} prompts x {NUM_GENERATIONS} answers, EOS ignored; per step = "
+        f"(T{args.long_steps} - T{args.short_steps}) / {args.long_steps - args.short_steps}, each T the faster "
+        f"of {args.runs} whole-process runs; median [min-max] over {args.repeats} repeats; in-process step: "
+        "scripts/bench/bench.py's ours_grpo (the loop's own clock); "
+        "command / in-process = ours per step / that step",
+        "",
+        "| size | dtype | ours s/step | TRL s/step | ours/TRL | in-process step s | command / in-process |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for w in workloads:
         s = w["summary"]
         trl = w.get("trl_skipped") or "failed"
-        lines.append(f"| {w['size']} (h{w['hidden_size']} x{w['num_hidden_layers']}) | {w['dtype']} | "
-                     f"{format_spread(s['ours_s_per_step'], 3, 'failed')} | "
-                     f"{format_spread(s['trl_s_per_step'], 3, trl)} | "
-                     f"{format_spread(s['ratio_ours_trl'], 2)} | {format_spread(s['bench_step_s'], 3)} | "
-                     f"{format_spread(s['command_over_in_process'], 2)} |")
+        lines.append(
+            f"| {w['size']} (h{w['hidden_size']} x{w['num_hidden_layers']}) | {w['dtype']} | "
+            f"{format_spread(s['ours_s_per_step'], 3, 'failed')} | "
+            f"{format_spread(s['trl_s_per_step'], 3, trl)} | "
+            f"{format_spread(s['ratio_ours_trl'], 2)} | {format_spread(s['bench_step_s'], 3)} | "
+            f"{format_spread(s['command_over_in_process'], 2)} |"
+        )
     return "\n".join(lines)
 
 
@@ -352,9 +420,13 @@ def format_table(workloads, machine, args):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Whole-process GRPO speed: train_grpo.py against TRL's GRPOTrainer")
     parser.add_argument("--sizes", default="default,minimind3", help="comma list of scripts/bench/bench.py's sizes")
-    parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"],
-                        help="auto (the default; float32 with --tiny): float32, and bfloat16 too where the machine "
-                             "has bf16 units (has_bf16_units)")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=["auto", "float32", "bfloat16"],
+        help="auto (the default; float32 with --tiny): float32, and bfloat16 too where the machine "
+        "has bf16 units (has_bf16_units)",
+    )
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both contestants run")
     parser.add_argument("--gen_len", type=int, default=64, help="generated tokens per answer (EOS ignored)")
     parser.add_argument("--short_steps", type=int, default=2, help="steps of the short run")
@@ -362,19 +434,30 @@ def parse_args(argv=None):
     parser.add_argument("--runs", type=int, default=2, help="runs of each step count per repeat; the fastest counts")
     parser.add_argument("--repeats", type=int, default=3, help="the whole measurement, this many times")
     parser.add_argument("--contestants", default=",".join(CONTESTANTS), help=f"comma list of {', '.join(CONTESTANTS)}")
-    parser.add_argument("--bench_steps", type=int, default=3,
-                        help="timed steps of scripts/bench/bench.py's ours_grpo per repeat (0: no in-process figure)")
+    parser.add_argument(
+        "--bench_steps",
+        type=int,
+        default=3,
+        help="timed steps of scripts/bench/bench.py's ours_grpo per repeat (0: no in-process figure)",
+    )
     parser.add_argument("--bench_warmup", type=int, default=1, help="untimed steps of it first")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per run")
     parser.add_argument("--json", default=os.path.join(ROOT, "out", "bench", "process.json"))
-    parser.add_argument("--work_dir", default="",
-                        help="keep every run's log, metrics.jsonl and the prepared weights here (default: a temporary "
-                             "folder, removed at the end)")
-    parser.add_argument("--tiny", action="store_true",
-                        help="a 2-layer hidden-64 model, 8 tokens, steps 1 and 2, one run of each, 1 repeat, "
-                             "1 bench step, float32 unless --dtype says otherwise")
-    parser.add_argument("--trl_worker", default="", metavar="SPEC.json",
-                        help="internal: run the TRL contestant described by SPEC.json")
+    parser.add_argument(
+        "--work_dir",
+        default="",
+        help="keep every run's log, metrics.jsonl and the prepared weights here (default: a temporary "
+        "folder, removed at the end)",
+    )
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="a 2-layer hidden-64 model, 8 tokens, steps 1 and 2, one run of each, 1 repeat, "
+        "1 bench step, float32 unless --dtype says otherwise",
+    )
+    parser.add_argument(
+        "--trl_worker", default="", metavar="SPEC.json", help="internal: run the TRL contestant described by SPEC.json"
+    )
     args = parser.parse_args(argv)
     if args.trl_worker:
         return args
@@ -383,6 +466,7 @@ def parse_args(argv=None):
         args.runs, args.repeats, args.bench_steps = 1, 1, 1
     args.dtype = args.dtype or ("float32" if args.tiny else "auto")
     from scripts.bench.bench import SIZES
+
     for size in args.sizes.split(","):
         if size not in SIZES:
             parser.error(f"--sizes: unknown size {size!r}; valid: {', '.join(SIZES)}")
@@ -404,13 +488,30 @@ def bench_step(workload, args, peaks, work_dir, name):
     import torch
 
     from scripts.bench import bench
-    spec = dict(contestant="ours_grpo", hidden_size=workload["hidden_size"],
-                num_hidden_layers=workload["num_hidden_layers"], pth=workload["pth"],
-                qwen3_folder=workload["qwen3_folder"], gen_len=workload["gen_len"], prompts=workload["prompts"],
-                answers=workload["answers"], data_path=workload["data_path"], prompt_len=workload["prompt_len"],
-                steps=args.bench_steps, warmup=args.bench_warmup, dtype=workload["dtype"],
-                threads=torch.get_num_threads(), peaks=peaks, device=workload["device"], phases=True,
-                tmp_dir=os.path.join(work_dir, name), trl_ppo_path="", ours_flags=[], natural_eos=False)
+
+    spec = dict(
+        contestant="ours_grpo",
+        hidden_size=workload["hidden_size"],
+        num_hidden_layers=workload["num_hidden_layers"],
+        pth=workload["pth"],
+        qwen3_folder=workload["qwen3_folder"],
+        gen_len=workload["gen_len"],
+        prompts=workload["prompts"],
+        answers=workload["answers"],
+        data_path=workload["data_path"],
+        prompt_len=workload["prompt_len"],
+        steps=args.bench_steps,
+        warmup=args.bench_warmup,
+        dtype=workload["dtype"],
+        threads=torch.get_num_threads(),
+        peaks=peaks,
+        device=workload["device"],
+        phases=True,
+        tmp_dir=os.path.join(work_dir, name),
+        trl_ppo_path="",
+        ours_flags=[],
+        natural_eos=False,
+    )
     return bench.run_worker(spec, args.timeout)
 
 
@@ -427,20 +528,34 @@ def measure(workloads, args, peaks, work_dir, contestants):
                         record = timed_run(contestant, w, steps, work_dir, name, args.timeout)
                         record["run"] = run + 1
                         runs.append(record)
-                        print(f"{tag} repeat {repeat + 1} | {contestant} {steps} steps, run {run + 1}: "
-                              f"{record['wall_s']:.2f} s" + (f" FAILED ({record['error'][-300:]})"
-                                                             if record.get("error") else ""), flush=True)
+                        print(
+                            f"{tag} repeat {repeat + 1} | {contestant} {steps} steps, run {run + 1}: "
+                            f"{record['wall_s']:.2f} s"
+                            + (f" FAILED ({record['error'][-300:]})" if record.get("error") else ""),
+                            flush=True,
+                        )
             per_step = {c: per_step_time(runs, c, args.short_steps, args.long_steps) for c in contestants}
             bench_result = bench_step(w, args, peaks, work_dir, f"{tag}_r{repeat + 1}_bench")
             if bench_result:
-                print(f"{tag} repeat {repeat + 1} | in-process step: " + (
-                    f"{bench_result['step_s_median']:.3f} s" if "step_s_median" in bench_result
-                    else str(bench_result)), flush=True)
-            w["repeats"].append({
-                "repeat": repeat + 1, "runs": runs, "per_step_s": per_step, "bench": bench_result,
-                "ratio_ours_trl": divide(per_step.get("ours"), per_step.get("trl")),
-                "command_over_in_process": divide(per_step.get("ours"), bench_result.get("step_s_median")),
-            })
+                print(
+                    f"{tag} repeat {repeat + 1} | in-process step: "
+                    + (
+                        f"{bench_result['step_s_median']:.3f} s"
+                        if "step_s_median" in bench_result
+                        else str(bench_result)
+                    ),
+                    flush=True,
+                )
+            w["repeats"].append(
+                {
+                    "repeat": repeat + 1,
+                    "runs": runs,
+                    "per_step_s": per_step,
+                    "bench": bench_result,
+                    "ratio_ours_trl": divide(per_step.get("ours"), per_step.get("trl")),
+                    "command_over_in_process": divide(per_step.get("ours"), bench_result.get("step_s_median")),
+                }
+            )
         w["summary"] = summarize_workload(w["repeats"])
 
 
@@ -454,6 +569,7 @@ def main(argv=None):
 
     from scripts.bench import bench
     from trainer.infra.files import atomic_write
+
     assert (bench.NUM_PROMPTS, bench.NUM_GENERATIONS) == (NUM_PROMPTS, NUM_GENERATIONS)
     machine = machine_info(args.device)
     print(describe_machine(machine), flush=True)
@@ -465,8 +581,10 @@ def main(argv=None):
         contestants.remove("trl")
     dtypes = [args.dtype] if args.dtype != "auto" else ["float32"] + ["bfloat16"] * bench.has_bf16_units(args.device)
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
-    peaks = {"float32": bench.measure_matmul_peak(torch.float32, device=args.device),
-             "bfloat16": bench.measure_matmul_peak(torch.bfloat16, 512, 1, device=args.device)}
+    peaks = {
+        "float32": bench.measure_matmul_peak(torch.float32, device=args.device),
+        "bfloat16": bench.measure_matmul_peak(torch.bfloat16, 512, 1, device=args.device),
+    }
     with tempfile.TemporaryDirectory() as temporary:
         work_dir = os.path.abspath(args.work_dir or temporary)
         os.makedirs(work_dir, exist_ok=True)
@@ -482,19 +600,42 @@ def main(argv=None):
             pth, folder = bench.prepare_weights(size, work_dir, tokenizer)  # and the tokenizer record
             hidden, layers, source = bench.SIZES[size]
             for dtype in dtypes:
-                workloads.append(dict(size=size, hidden_size=hidden, num_hidden_layers=layers, weights=source,
-                                      dtype=dtype, device=args.device, gen_len=args.gen_len, pth=pth,
-                                      qwen3_folder=folder, data_path=data_path, prompts=prompts, answers=answers,
-                                      prompt_len=prompt_len, trl_skipped=trl_skipped, repeats=[]))
+                workloads.append(
+                    dict(
+                        size=size,
+                        hidden_size=hidden,
+                        num_hidden_layers=layers,
+                        weights=source,
+                        dtype=dtype,
+                        device=args.device,
+                        gen_len=args.gen_len,
+                        pth=pth,
+                        qwen3_folder=folder,
+                        data_path=data_path,
+                        prompts=prompts,
+                        answers=answers,
+                        prompt_len=prompt_len,
+                        trl_skipped=trl_skipped,
+                        repeats=[],
+                    )
+                )
         measure(workloads, args, peaks, work_dir, contestants)
     table = format_table(workloads, machine, args)
     print(table)
     for w in workloads:  # the prompts once, at the top
         del w["prompts"], w["answers"]
-    report = {"machine": machine, "args": {k: v for k, v in vars(args).items() if k != "trl_worker"},
-              "num_prompts": NUM_PROMPTS, "num_generations": NUM_GENERATIONS, "prompt_tokens": prompt_len,
-              "prompts": prompts, "answers": answers, "matmul_peak_gflops": peaks, "workloads": workloads,
-              "table": table}
+    report = {
+        "machine": machine,
+        "args": {k: v for k, v in vars(args).items() if k != "trl_worker"},
+        "num_prompts": NUM_PROMPTS,
+        "num_generations": NUM_GENERATIONS,
+        "prompt_tokens": prompt_len,
+        "prompts": prompts,
+        "answers": answers,
+        "matmul_peak_gflops": peaks,
+        "workloads": workloads,
+        "table": table,
+    }
     atomic_write({args.json: lambda tmp: bench.write_json(report, tmp)})
     print(f"wrote {args.json}")
 

@@ -7,6 +7,7 @@ rewarded text and the loss still end at the first EOS (they read the tokenizer's
 
     python scripts/bench/full_length.py {grpo|ppo} [flags of trainer/train_{grpo|ppo}.py]
 """
+
 import contextlib
 import importlib
 import os

@@ -16,6 +16,7 @@ Prints one table: peak RSS (MiB) and the median seconds per update step after th
 full; a configuration whose memory passes 90 % of what the machine had available is stopped and reads "did not fit
 (> X)", X its resident memory when it was stopped, a lower bound of its peak (and LoRA / full reads "< X / Y").
 """
+
 import argparse
 import json
 import os
@@ -34,8 +35,15 @@ if ROOT not in sys.path:
 SHAPES = {  # MiniMindConfig fields
     "tiny": dict(hidden_size=64, num_hidden_layers=2),
     "768x8": dict(hidden_size=768, num_hidden_layers=8),  # upstream MiniMind-3
-    "qwen3-0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                       head_dim=128, intermediate_size=3072, vocab_size=151936),  # Qwen3-0.6B's config.json
+    "qwen3-0.6b": dict(
+        hidden_size=1024,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+        vocab_size=151936,
+    ),  # Qwen3-0.6B's config.json
 }
 
 
@@ -88,9 +96,13 @@ def run_worker(spec):
     torch.manual_seed(0)
     config = MiniMindConfig(**SHAPES[spec["shape"]])
     policy = MiniMindForCausalLM(config)
-    lora = argparse.Namespace(lora_rank=spec["lora_rank"], lora_alpha=2.0 * spec["lora_rank"], lora_dropout=0.0,
-                              lora_target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                   "down_proj"), from_weight="none")  # random weights
+    lora = argparse.Namespace(
+        lora_rank=spec["lora_rank"],
+        lora_alpha=2.0 * spec["lora_rank"],
+        lora_dropout=0.0,
+        lora_target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        from_weight="none",
+    )  # random weights
     ref_model = None if lora.lora_rank else copy.deepcopy(policy).eval().requires_grad_(False)
     policy, ref_model = with_adapters(policy, ref_model, lora)
     optimizer = build_policy_optimizer(policy, 2e-5, 0.0, 2e-2)
@@ -112,7 +124,7 @@ def run_worker(spec):
         with torch.no_grad(), autocast:
             old = compute_per_token_logps(policy, input_ids, completion_len).per_token_logps  # [N, R]
             ref = compute_per_token_logps(ref_model, input_ids, completion_len).per_token_logps
-            old_values = critic(input_ids).values[:, -completion_len - 1:-1] if critic is not None else None
+            old_values = critic(input_ids).values[:, -completion_len - 1 : -1] if critic is not None else None
         with autocast:
             logps = compute_per_token_logps(policy, input_ids, completion_len).per_token_logps  # [N, R]
             if critic is None:
@@ -120,7 +132,7 @@ def run_worker(spec):
             else:
                 token_advantages = advantages.unsqueeze(1).expand(-1, completion_len)  # [N, R]
                 loss = ppo_policy_loss(logps, old, ref, token_advantages, mask)[0]
-                values = critic(input_ids).values[:, -completion_len - 1:-1]  # [N, R]
+                values = critic(input_ids).values[:, -completion_len - 1 : -1]  # [N, R]
                 loss = loss + 0.5 * ppo_value_loss(values, old_values, old_values + token_advantages, mask)[0]
         loss.backward()
         for model, opt in ((policy, optimizer), (critic, critic_optimizer)):
@@ -131,9 +143,14 @@ def run_worker(spec):
         times.append(time.perf_counter() - start)
     trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     critic_trainable = sum(p.numel() for p in critic.parameters() if p.requires_grad) if critic is not None else 0
-    return {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "baseline_mib": baseline,
-            "step_s": times, "policy_parameters": sum(p.numel() for p in policy.parameters()),
-            "trainable_policy_parameters": trainable, "trainable_critic_parameters": critic_trainable}
+    return {
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "baseline_mib": baseline,
+        "step_s": times,
+        "policy_parameters": sum(p.numel() for p in policy.parameters()),
+        "trainable_policy_parameters": trainable,
+        "trainable_critic_parameters": critic_trainable,
+    }
 
 
 def run_watched(spec, share=0.9):
@@ -143,8 +160,13 @@ def run_watched(spec, share=0.9):
     memory."""
     limit_kib = share * status_kib("MemAvailable", "/proc/meminfo")
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        worker = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)],
-                                  stdout=out, stderr=err, text=True, cwd=ROOT)
+        worker = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)],
+            stdout=out,
+            stderr=err,
+            text=True,
+            cwd=ROOT,
+        )
         stopped, largest_kib = False, 0
         while worker.poll() is None:
             try:
@@ -163,6 +185,7 @@ def run_watched(spec, share=0.9):
 
 def table_row(row):
     """One line of the table; a configuration killed for memory reads "did not fit (> its memory at the stop)"."""
+
     def peak(result):
         if "stopped_at_mib" in result:
             return f"did not fit (> {result['stopped_at_mib']:,.0f})"
@@ -170,6 +193,7 @@ def table_row(row):
 
     def step(result):
         return f"{statistics.median(result['step_s'][1:]):.2f}" if "step_s" in result else "-"
+
     full, lora = (row[name].get("peak_rss_mib") for name in ("full", "lora"))
     if full and lora:
         ratio = f"{lora / full:.2f}"
@@ -177,8 +201,10 @@ def table_row(row):
         ratio = f"< {lora / row['full']['stopped_at_mib']:.2f}"
     else:
         ratio = "-"
-    return (f"| {row['shape']} | {row['script']} | {row['dtype']} | {peak(row['full'])} | {peak(row['lora'])} | "
-            f"{ratio} | {step(row['full'])} | {step(row['lora'])} |")
+    return (
+        f"| {row['shape']} | {row['script']} | {row['dtype']} | {peak(row['full'])} | {peak(row['lora'])} | "
+        f"{ratio} | {step(row['full'])} | {step(row['lora'])} |"
+    )
 
 
 def main(argv=None):
@@ -187,17 +213,26 @@ def main(argv=None):
         print(json.dumps(run_worker(json.loads(args.worker))))
         return
     import torch
+
     results = []
-    print("| shape | script | dtype | peak RSS full (MiB) | peak RSS LoRA (MiB) | LoRA / full | s per step full | "
-          "s per step LoRA |")
+    print(
+        "| shape | script | dtype | peak RSS full (MiB) | peak RSS LoRA (MiB) | LoRA / full | s per step full | "
+        "s per step LoRA |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
     for shape in args.shapes.split(","):
         for script in args.scripts.split(","):
             for dtype in args.dtypes.split(","):
                 row = {"shape": shape, "script": script, "dtype": dtype}
                 for name, rank in (("full", 0), ("lora", args.lora_rank)):
-                    spec = dict(row, lora_rank=rank, rows=args.rows, prompt_len=args.prompt_len,
-                                completion_len=args.completion_len, steps=args.steps)
+                    spec = dict(
+                        row,
+                        lora_rank=rank,
+                        rows=args.rows,
+                        prompt_len=args.prompt_len,
+                        completion_len=args.completion_len,
+                        steps=args.steps,
+                    )
                     returncode, stdout, stderr, largest_mib = run_watched(spec)
                     if returncode is None:  # the configuration does not fit in this machine's memory
                         row[name] = {"stopped_at_mib": largest_mib}
@@ -207,8 +242,12 @@ def main(argv=None):
                     row[name] = json.loads(stdout.strip().splitlines()[-1])
                 results.append(row)
                 print(table_row(row), flush=True)
-    machine = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-               "torch": torch.__version__, "threads": torch.get_num_threads()}
+    machine = {
+        "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as f:
             json.dump({"settings": vars(args), **machine, "results": results}, f, indent=1)

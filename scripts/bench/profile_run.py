@@ -18,6 +18,7 @@ entry and return of chosen functions; nothing is replaced). It prints three tabl
 
 With ``--json FILE`` the figures are also written there. ``scripts/check_gpu.py`` runs it with ``--device cuda``.
 """
+
 import argparse
 import json
 import os
@@ -64,6 +65,7 @@ def decode_profile(module, args, device):
     from dataset.lm_dataset import RLAIFDataset
     from trainer.infra.weights import build_config, load_policy, load_tokenizer, weight_path
     from trainer.rollout_engine import TorchRolloutEngine, tokenize_prompts
+
     start_weight = weight_path(args.from_weight, args.save_dir, args.hidden_size, args.use_moe)
     tokenizer = load_tokenizer(args.tokenizer_path, start_weight, args.tokenizer_path_named)
     dataset = RLAIFDataset(args.data_path, tokenizer, thinking_ratio=args.thinking_ratio, seed=args.seed)
@@ -84,14 +86,19 @@ def decode_profile(module, args, device):
         if torch.device(device).type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - began
-    return {"rows": prompt_ids.size(0) * answers, "decode_steps": decode_steps,
-            "operator_calls": counter.calls, "operator_calls_per_decode_step": counter.calls / max(decode_steps, 1),
-            "ms_per_decode_step": 1000 * seconds / max(timed.completion_ids.size(1), 1)}
+    return {
+        "rows": prompt_ids.size(0) * answers,
+        "decode_steps": decode_steps,
+        "operator_calls": counter.calls,
+        "operator_calls_per_decode_step": counter.calls / max(decode_steps, 1),
+        "ms_per_decode_step": 1000 * seconds / max(timed.completion_ids.size(1), 1),
+    }
 
 
 def main(argv=None):
     options = parse_args(argv)
     from scripts.bench.bench import PhaseTracer, forward_phase, watch_update
+
     module = __import__(f"trainer.train_{options.script}", fromlist=["main"])
     from trainer.evaluation import HeldOutEvaluator
     from trainer.infra.checkpoints import save_checkpoint
@@ -101,6 +108,7 @@ def main(argv=None):
     from trainer.rollout_engine import TorchRolloutEngine, compute_per_token_logps
     from trainer.trainer_utils import calculate_rewards
     from model.model_minimind import CriticModel
+
     imports_done = time.perf_counter()
 
     tmp = tempfile.mkdtemp(prefix=f"profile_{options.script}_")
@@ -125,6 +133,7 @@ def main(argv=None):
 
     def forward_kind(frame):
         return "policy forward" if forward_phase(frame) == "policy_forward" else "reference and old log-probs"
+
     tracer.watch(forward, forward_kind)
     tracer.watch(CriticModel.forward, "critic forwards")
     tracer.watch(StepLog.write, "logging")
@@ -145,23 +154,37 @@ def main(argv=None):
     for phases in tracer.steps:
         for name, seconds in phases.items():
             totals[name] = totals.get(name, 0.0) + seconds
-    command = {"imports": imports_done - START,
-               "set-up": step_starts[0] - main_start - setup_phases.get("evaluations", 0.0),
-               "evaluations": totals.get("evaluations", 0.0), "saves": totals.get("saves", 0.0),
-               "end": totals.get("end", 0.0)}
-    command["steps"] = (main_end - main_start) - command["set-up"] - command["evaluations"] - command["saves"] \
-        - command["end"]
+    command = {
+        "imports": imports_done - START,
+        "set-up": step_starts[0] - main_start - setup_phases.get("evaluations", 0.0),
+        "evaluations": totals.get("evaluations", 0.0),
+        "saves": totals.get("saves", 0.0),
+        "end": totals.get("end", 0.0),
+    }
+    command["steps"] = (
+        (main_end - main_start) - command["set-up"] - command["evaluations"] - command["saves"] - command["end"]
+    )
     command["whole command"] = main_end - START
-    step_names = ["rollout decode", "reward (rule + reward model)", "reference and old log-probs", "critic forwards",
-                  "policy forward", "policy_backward", "optimizer", "logging"]
+    step_names = [
+        "rollout decode",
+        "reward (rule + reward model)",
+        "reference and old log-probs",
+        "critic forwards",
+        "policy forward",
+        "policy_backward",
+        "optimizer",
+        "logging",
+    ]
     num_steps = len(step_phases)
     per_step = {name: sum(p.get(name, 0.0) for p in step_phases) / num_steps for name in step_names}
     per_step["other"] = command["steps"] / num_steps - sum(per_step.values())
     decode = decode_profile(module, args, args.device or device)
     shutil.rmtree(tmp, ignore_errors=True)  # the run's checkpoints and metrics (its figures are printed)
 
-    print(f"{options.script}: {' '.join(script_argv[2:]) or 'the defaults'}, {num_steps} steps, device {device}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"{options.script}: {' '.join(script_argv[2:]) or 'the defaults'}, {num_steps} steps, device {device}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     print("\n| the whole command | seconds | share |\n| --- | --- | --- |")
     whole = command["whole command"]
     for name in ("imports", "set-up", "evaluations", "steps", "saves", "end", "whole command"):
@@ -171,14 +194,26 @@ def main(argv=None):
     for name, seconds in per_step.items():
         print(f"| {name.replace('policy_backward', 'backward')} | {seconds:.3f} | {100 * seconds / step_mean:.0f} % |")
     print(f"| the step | {step_mean:.3f} | 100 % |")
-    print(f"\n| decode | rows | decode steps | operator calls per decode step | ms per decode step |\n"
-          f"| --- | --- | --- | --- | --- |\n| one rollout | {decode['rows']} | {decode['decode_steps']} | "
-          f"{decode['operator_calls_per_decode_step']:.0f} | {decode['ms_per_decode_step']:.1f} |")
+    print(
+        f"\n| decode | rows | decode steps | operator calls per decode step | ms per decode step |\n"
+        f"| --- | --- | --- | --- | --- |\n| one rollout | {decode['rows']} | {decode['decode_steps']} | "
+        f"{decode['operator_calls_per_decode_step']:.0f} | {decode['ms_per_decode_step']:.1f} |"
+    )
     if options.json:
         with open(options.json, "w") as f:
-            json.dump({"script": options.script, "argv": script_argv[2:], "steps": num_steps, "command": command,
-                       "per_step": per_step, "decode": decode,
-                       "step_seconds_median": statistics.median([sum(p.values()) for p in step_phases])}, f, indent=1)
+            json.dump(
+                {
+                    "script": options.script,
+                    "argv": script_argv[2:],
+                    "steps": num_steps,
+                    "command": command,
+                    "per_step": per_step,
+                    "decode": decode,
+                    "step_seconds_median": statistics.median([sum(p.values()) for p in step_phases]),
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ same command runs there and here (one thread, wandb off), and every key of every
 
 Prints one line per script and exits 1 when any number differs (the first differences are printed).
 """
+
 import argparse
 import json
 import os
@@ -29,8 +30,17 @@ def run_metrics(checkout, script, max_steps, extra_flags, work_dir):
     """
     run_dir = os.path.join(work_dir, "run")
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    command = [sys.executable, os.path.join(checkout, "trainer", f"train_{script}.py"), "--max_steps", str(max_steps),
-               *extra_flags, "--save_dir", work_dir, "--run_dir", run_dir]
+    command = [
+        sys.executable,
+        os.path.join(checkout, "trainer", f"train_{script}.py"),
+        "--max_steps",
+        str(max_steps),
+        *extra_flags,
+        "--save_dir",
+        work_dir,
+        "--run_dir",
+        run_dir,
+    ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, cwd=checkout)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed in {checkout}:\n{result.stdout[-2000:]}{result.stderr[-3000:]}")
@@ -57,15 +67,17 @@ def compare_rows(expected_rows, rows, allow_new_keys=False):
         if list(row) != list(expected):
             differences.append(f"{where}: keys {list(row)} instead of {list(expected)}")
             continue
-        differences += [f"{where} {key}: {row[key]!r} instead of {expected[key]!r}"
-                        for key in expected if row[key] != expected[key]]
+        differences += [
+            f"{where} {key}: {row[key]!r} instead of {expected[key]!r}" for key in expected if row[key] != expected[key]
+        ]
     return differences
 
 
 def checkout_revision(revision, path):
     """A detached git worktree of ``revision`` at ``path`` (removed by ``remove_worktree``)."""
-    subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", path, revision], check=True,
-                   capture_output=True, text=True)
+    subprocess.run(
+        ["git", "-C", ROOT, "worktree", "add", "--detach", path, revision], check=True, capture_output=True, text=True
+    )
 
 
 def remove_worktree(path):
@@ -75,11 +87,19 @@ def remove_worktree(path):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--against", required=True, help="git revision to compare with (a branch, tag or commit)")
-    parser.add_argument("--scripts", nargs="+", default=["grpo", "ppo"], choices=["grpo", "ppo", "agent"],
-                        help="which training scripts to run")
+    parser.add_argument(
+        "--scripts",
+        nargs="+",
+        default=["grpo", "ppo"],
+        choices=["grpo", "ppo", "agent"],
+        help="which training scripts to run",
+    )
     parser.add_argument("--max_steps", type=int, default=5, help="steps of each run (step 0 is the evaluation)")
-    parser.add_argument("--allow_new_keys", action="store_true",
-                        help="rows here may hold new metrics; every metric of the revision must be identical")
+    parser.add_argument(
+        "--allow_new_keys",
+        action="store_true",
+        help="rows here may hold new metrics; every metric of the revision must be identical",
+    )
     parser.add_argument("flags", nargs="*", help="more flags for both runs, after --")
     args = parser.parse_args(argv)
     failed = False
@@ -99,8 +119,10 @@ def main(argv=None):
                     for line in differences[:20]:
                         print(f"  {line}")
                 else:
-                    print(f"{script}: identical to {args.against} ({len(rows)} rows, {keys} numbers and keys)"
-                          + (f"; new here: {', '.join(new_keys)}" if new_keys else ""))
+                    print(
+                        f"{script}: identical to {args.against} ({len(rows)} rows, {keys} numbers and keys)"
+                        + (f"; new here: {', '.join(new_keys)}" if new_keys else "")
+                    )
         finally:
             remove_worktree(base)
     return 1 if failed else 0

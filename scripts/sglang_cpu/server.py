@@ -1,6 +1,7 @@
 """Start and stop an SGLang server on a CPU from Python: ``scripts/launch_sglang.sh`` at a free port, and the
 server's process group stopped. Used by scripts/bench/bench.py, scripts/check_sglang.py and tests/test_sglang_server.py.
 """
+
 import os
 import signal
 import socket
@@ -30,8 +31,11 @@ def launch_cpu_server(folder, work_dir, sglang_python="", port=None, extra_args=
     """
     port = port or free_port()
     pid_file = os.path.join(os.environ.get("SGLANG_PID_DIR") or work_dir, f"sglang-{port}.pid")
-    env = dict(os.environ if env is None else env, SGLANG_PID_FILE=pid_file,
-               SGLANG_LOG=os.path.join(work_dir, f"sglang-{port}.log"))
+    env = dict(
+        os.environ if env is None else env,
+        SGLANG_PID_FILE=pid_file,
+        SGLANG_LOG=os.path.join(work_dir, f"sglang-{port}.log"),
+    )
     if sglang_python:
         env["SGLANG_PYTHON"] = sglang_python
     if timeout_s:
@@ -39,8 +43,10 @@ def launch_cpu_server(folder, work_dir, sglang_python="", port=None, extra_args=
     command = ["bash", LAUNCH_SCRIPT, folder, str(port), *extra_args]
     done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"scripts/launch_sglang.sh could not start a server (exit {done.returncode}; its "
-                           f"messages are above): {' '.join(command)}")
+        raise RuntimeError(
+            f"scripts/launch_sglang.sh could not start a server (exit {done.returncode}; its "
+            f"messages are above): {' '.join(command)}"
+        )
     with open(pid_file, encoding="utf-8") as f:
         return done.stdout.strip().splitlines()[-1], int(f.read())
 

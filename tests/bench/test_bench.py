@@ -1,6 +1,7 @@
 """scripts/bench/bench.py: its FLOP count against torch's own counter, its phase tracer against the wall clock, its tiny
 mode end to end (step times against the runs' own metrics.jsonl; no speed asserted), and that the benchmarks run
 the training code as it is (no patching, no copy of the update)."""
+
 import ast
 import contextlib
 import json
@@ -34,8 +35,13 @@ def test_forward_flops_equal_torch_flop_counter():
 def test_tiny_bench_runs_every_contestant(tmp_path, tokenizer):
     require_trl()
     out, work_dir = tmp_path / "bench.json", tmp_path / "work"
-    result = subprocess.run([sys.executable, "scripts/bench/bench.py", "--tiny", "--json", str(out), "--work_dir",
-                             str(work_dir)], cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    result = subprocess.run(
+        [sys.executable, "scripts/bench/bench.py", "--tiny", "--json", str(out), "--work_dir", str(work_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["matmul_peak_gflops"]["float32"] > 0
@@ -63,8 +69,13 @@ def test_tiny_bench_runs_every_contestant(tmp_path, tokenizer):
         assert not os.path.exists(os.path.join(os.path.dirname(figures["run_dir"]), "save"))  # checkpoints removed
     for name in ("ours_grpo", "trl_grpo", "ours_ppo"):  # the traced phases of a step
         phases = by_name[name]["phases_s"]
-        assert min(phases[p] for p in ("rollout", "reference_forward", "policy_forward", "policy_backward",
-                                       "optimizer", "reward")) > 0, (name, phases)
+        assert (
+            min(
+                phases[p]
+                for p in ("rollout", "reference_forward", "policy_forward", "policy_backward", "optimizer", "reward")
+            )
+            > 0
+        ), (name, phases)
         assert by_name[name]["python_calls_per_step"] > 0
     assert "| tiny (h64 x2), 8 tok, float32 | ours_grpo |" in result.stdout
     # --dtype auto: fp32 always, bf16 as well only where the CPU lists bf16 matrix units
@@ -75,16 +86,41 @@ def test_tiny_bench_runs_every_contestant(tmp_path, tokenizer):
 def test_untraced_worker_reports_the_loops_step_times_only(tmp_path, tokenizer):
     """--phases 0: our GRPO run without the trace function, its step times still metrics.jsonl's differences."""
     from scripts.bench.bench import loader_prompts, prepare_weights, run_worker, write_prompt_file
+
     data_path = str(tmp_path / "prompts.jsonl")
-    write_prompt_file(data_path, ["<|im_start|>user\n1+1?<|im_end|>\n<|im_start|>assistant\n",
-                                  "<|im_start|>user\n2+3?<|im_end|>\n<|im_start|>assistant\n"], ["2", "5"])
+    write_prompt_file(
+        data_path,
+        [
+            "<|im_start|>user\n1+1?<|im_end|>\n<|im_start|>assistant\n",
+            "<|im_start|>user\n2+3?<|im_end|>\n<|im_start|>assistant\n",
+        ],
+        ["2", "5"],
+    )
     prompts, answers = loader_prompts(data_path, tokenizer)
     assert all(p.endswith("<think>\n") for p in prompts) and answers == ["2", "5"]
     pth, folder = prepare_weights("tiny", str(tmp_path), tokenizer)
-    spec = dict(contestant="ours_grpo", hidden_size=64, num_hidden_layers=2, pth=pth, qwen3_folder=folder,
-                gen_len=4, prompts=prompts, answers=answers, data_path=data_path, prompt_len=16, steps=2, warmup=1,
-                dtype="float32", threads=1, peaks={"float32": 1.0}, device="cpu",
-                phases=False, tmp_dir=str(tmp_path / "worker"), ours_flags=[], natural_eos=False)
+    spec = dict(
+        contestant="ours_grpo",
+        hidden_size=64,
+        num_hidden_layers=2,
+        pth=pth,
+        qwen3_folder=folder,
+        gen_len=4,
+        prompts=prompts,
+        answers=answers,
+        data_path=data_path,
+        prompt_len=16,
+        steps=2,
+        warmup=1,
+        dtype="float32",
+        threads=1,
+        peaks={"float32": 1.0},
+        device="cpu",
+        phases=False,
+        tmp_dir=str(tmp_path / "worker"),
+        ours_flags=[],
+        natural_eos=False,
+    )
     figures = run_worker(spec, 600)
     assert "error" not in figures, figures
     with open(tmp_path / "worker" / "run" / "metrics.jsonl", encoding="utf-8") as f:
@@ -122,15 +158,24 @@ def test_phase_tracer_times_watched_calls_and_leaves_them_in_place():
     trained, frozen = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).requires_grad_(False)
     codes = [f.__code__ for f in (leaf, outer, decorated, forward, failing)]
     tracer = PhaseTracer()
-    for function, phase in ((leaf, "leaf"), (outer, "outer"), (decorated, "decorated"), (forward, forward_phase),
-                            (failing, "failing")):
+    for function, phase in (
+        (leaf, "leaf"),
+        (outer, "outer"),
+        (decorated, "decorated"),
+        (forward, forward_phase),
+        (failing, "failing"),
+    ):
         tracer.watch(function, phase)
     tracer.at_entry(step_end, tracer.end_step)
     before = sys.gettrace()
     walls = {}
     with tracer.tracing():
-        for name, call in (("outer", outer), ("leaf", lambda: leaf(0.02)), ("decorated", decorated),
-                           ("policy_forward", lambda: forward(trained))):
+        for name, call in (
+            ("outer", outer),
+            ("leaf", lambda: leaf(0.02)),
+            ("decorated", decorated),
+            ("policy_forward", lambda: forward(trained)),
+        ):
             start = time.perf_counter()
             call()
             walls[name] = time.perf_counter() - start
@@ -149,8 +194,14 @@ def test_phase_tracer_times_watched_calls_and_leaves_them_in_place():
     assert [f.__code__ for f in (leaf, outer, decorated, forward, failing)] == codes  # nothing replaced
     phases, empty = tracer.steps
     assert empty == {} and set(phases) == set(walls)
-    lower = {"outer": 0.05, "leaf": 0.02, "decorated": 0.01, "policy_forward": 0.01, "reference_forward": 0.02,
-             "failing": 0.01}
+    lower = {
+        "outer": 0.05,
+        "leaf": 0.02,
+        "decorated": 0.01,
+        "policy_forward": 0.01,
+        "reference_forward": 0.02,
+        "failing": 0.01,
+    }
     for name, seconds in phases.items():
         assert lower[name] <= seconds <= walls[name], (name, seconds, walls[name])
     assert tracer.calls_per_step[0] >= 7  # at least the calls above
@@ -161,12 +212,16 @@ def imported_training_names(tree):
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names.update((a.asname or a.name).split(".")[0] for a in node.names
-                         if a.name.split(".")[0] in ("trainer", "model"))
+            names.update(
+                (a.asname or a.name).split(".")[0] for a in node.names if a.name.split(".")[0] in ("trainer", "model")
+            )
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ("trainer", "model"):
             names.update(a.asname or a.name for a in node.names)
-        elif (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
-              and ast.unparse(node.value.func) == "importlib.import_module"):
+        elif (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Call)
+            and ast.unparse(node.value.func) == "importlib.import_module"
+        ):
             names.update(t.id for t in node.targets if isinstance(t, ast.Name))
     return names
 
@@ -177,10 +232,16 @@ def root_name(node):
     return node.id if isinstance(node, ast.Name) else None
 
 
-@pytest.mark.parametrize("script, replaced", [
-    ("bench.py", []), ("bench_process.py", []), ("bench_levers.py", []), ("profile_run.py", []),
-    ("full_length.py", ["MiniMindForCausalLM.generate"] * 2),  # set, then restored
-])
+@pytest.mark.parametrize(
+    "script, replaced",
+    [
+        ("bench.py", []),
+        ("bench_process.py", []),
+        ("bench_levers.py", []),
+        ("profile_run.py", []),
+        ("full_length.py", ["MiniMindForCausalLM.generate"] * 2),  # set, then restored
+    ],
+)
 def test_benchmarks_patch_no_training_module_and_copy_no_update(script, replaced):
     """No assignment, setattr or del on anything imported from trainer/ or model/ (but ``generate`` in
     scripts/bench/full_length.py), and no call of the update's operations (backward, optimizer / scheduler step,
@@ -196,10 +257,16 @@ def test_benchmarks_patch_no_training_module_and_copy_no_update(script, replaced
             targets = [node.target]
         elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("setattr", "delattr") and node.args:
             targets = [ast.Attribute(value=node.args[0], attr="?")]
-        patched += [ast.unparse(t) for t in targets
-                    if isinstance(t, (ast.Attribute, ast.Subscript)) and root_name(t) in training]
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in (
-                "backward", "step", "clip_grad_norm_", "zero_grad"):
+        patched += [
+            ast.unparse(t)
+            for t in targets
+            if isinstance(t, (ast.Attribute, ast.Subscript)) and root_name(t) in training
+        ]
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("backward", "step", "clip_grad_norm_", "zero_grad")
+        ):
             update_calls.append(ast.unparse(node))
     assert patched == replaced and update_calls == []
 
@@ -211,6 +278,7 @@ def test_full_length_answers_sample_to_the_limit_and_keep_the_mask(policy, token
     from model.model_minimind import MiniMindForCausalLM
     from scripts.bench.full_length import full_length_answers
     from trainer.rollout_engine import TorchRolloutEngine, tokenize_prompts
+
     own_generate = MiniMindForCausalLM.generate
     eos_bias = torch.zeros(policy.config.vocab_size)  # [V]
     eos_bias[tokenizer.eos_token_id] = 8.0  # p(EOS) ~ 30% per token: every row emits EOS within the limit
@@ -225,8 +293,12 @@ def test_full_length_answers_sample_to_the_limit_and_keep_the_mask(policy, token
     plain, full = results
     assert MiniMindForCausalLM.generate is own_generate
     assert full.completion_ids.size(1) == 24 and plain.completion_ids.size(1) < 24
-    assert torch.equal(full.completion_mask, torch.cat(
-        [plain.completion_mask, plain.completion_mask.new_zeros((8, 24 - plain.completion_ids.size(1)))], dim=1))
+    assert torch.equal(
+        full.completion_mask,
+        torch.cat(
+            [plain.completion_mask, plain.completion_mask.new_zeros((8, 24 - plain.completion_ids.size(1)))], dim=1
+        ),
+    )
     mask = plain.completion_mask.bool()  # [8, R]
     width = plain.completion_ids.size(1)
     assert 0 < (~mask).sum() and torch.equal(full.completion_ids[:, :width][mask], plain.completion_ids[mask])
@@ -239,12 +311,16 @@ def test_bf16_units_are_read_from_the_cpu_flags(tmp_path, monkeypatch):
     import builtins
 
     real_open = builtins.open
-    for flags, expected in (("fpu avx2 avx512f", False), ("fpu avx512f avx512_bf16", True),
-                            ("fpu amx_tile amx_bf16 amx_int8", True)):
+    for flags, expected in (
+        ("fpu avx2 avx512f", False),
+        ("fpu avx512f avx512_bf16", True),
+        ("fpu amx_tile amx_bf16 amx_int8", True),
+    ):
         cpuinfo = tmp_path / "cpuinfo"
         cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
-        monkeypatch.setattr(builtins, "open", lambda path, *a, **k: real_open(
-            cpuinfo if path == "/proc/cpuinfo" else path, *a, **k))
+        monkeypatch.setattr(
+            builtins, "open", lambda path, *a, **k: real_open(cpuinfo if path == "/proc/cpuinfo" else path, *a, **k)
+        )
         assert has_bf16_units("cpu") is expected, flags
     monkeypatch.setattr(builtins, "open", real_open)
 
@@ -253,9 +329,22 @@ def test_bench_levers_layouts_give_the_same_first_loss(tiny_weights, tmp_path):
     """scripts/bench/bench_levers.py's runs: every forward layout computes step 1's loss from the same rollout, so the
     losses agree to float rounding (the bf16 variant is left out: it rounds differently)."""
     from scripts.bench.bench_levers import VARIANTS, format_table, run_training
+
     save_dir, name = tiny_weights
-    tiny = ["--from_weight", os.path.join(save_dir, f"{name}_64.pth"), "--hidden_size", "64",
-            "--num_hidden_layers", "2", "--batch_size", "2", "--num_generations", "3", "--max_gen_len", "8"]
+    tiny = [
+        "--from_weight",
+        os.path.join(save_dir, f"{name}_64.pth"),
+        "--hidden_size",
+        "64",
+        "--num_hidden_layers",
+        "2",
+        "--batch_size",
+        "2",
+        "--num_generations",
+        "3",
+        "--max_gen_len",
+        "8",
+    ]
     results = {}
     for i, (variant, flags) in enumerate(VARIANTS["grpo"][:2]):
         seconds, loss, wall = run_training("grpo", tiny + flags, 2, str(tmp_path / str(i)), 600)
@@ -272,10 +361,20 @@ def test_bench_levers_layouts_give_the_same_first_loss(tiny_weights, tmp_path):
 
 def test_combine_runs_takes_the_median_of_the_run_medians():
     from scripts.bench.bench import combine_runs
-    runs = [{"step_s_median": s, "step_s_min": s - 0.1, "step_s_max": s + 0.1, "phases_s": {"rollout": r},
-             "rollout_tokens_per_s": t, "mfu": None, "peak_rss_mib": m, "cpu_s_median": c}
-            for s, r, t, m, c in ((2.0, 1.0, 10.0, 500.0, 0.5), (1.0, 0.4, 30.0, 700.0, 0.3),
-                                  (4.0, 2.0, 20.0, 600.0, 0.9))]
+
+    runs = [
+        {
+            "step_s_median": s,
+            "step_s_min": s - 0.1,
+            "step_s_max": s + 0.1,
+            "phases_s": {"rollout": r},
+            "rollout_tokens_per_s": t,
+            "mfu": None,
+            "peak_rss_mib": m,
+            "cpu_s_median": c,
+        }
+        for s, r, t, m, c in ((2.0, 1.0, 10.0, 500.0, 0.5), (1.0, 0.4, 30.0, 700.0, 0.3), (4.0, 2.0, 20.0, 600.0, 0.9))
+    ]
     combined = combine_runs(runs)
     assert (combined["step_s_median"], combined["step_s_min"], combined["step_s_max"]) == (2.0, 1.0, 4.0)
     assert combined["phases_s"] == {"rollout": 1.0} and combined["rollout_tokens_per_s"] == 20.0
@@ -290,6 +389,7 @@ def test_combine_runs_takes_the_median_of_the_run_medians():
 
 def test_ratio_pairs_the_runs():
     from scripts.bench.bench import ratio
+
     ours = {"step_s_median": 2.0, "run_medians": [1.0, 2.0, 4.0]}
     theirs = {"step_s_median": 4.0, "run_medians": [4.0, 2.0, 5.0]}
     assert ratio(ours, theirs, "step_s_median") == "0.80 (0.25-1.00)"  # pairs 0.25, 1.00, 0.80
@@ -303,19 +403,57 @@ def test_profile_run_times_a_short_run_phase_by_phase(tiny_weights, small_data, 
     """scripts/bench/profile_run.py on 3 steps of a tiny run: the steps, rows and decode steps the flags ask for, every
     step phase seen, the phases of a step within its time, the evaluations and saves of the run found."""
     from scripts.bench.profile_run import main
+
     save_dir, name = tiny_weights
     out = tmp_path / "profile.json"
-    main(["--script", "grpo", "--json", str(out), "--", "--from_weight", os.path.join(save_dir, f"{name}_64.pth"),
-          "--hidden_size", "64", "--num_hidden_layers", "2", "--max_steps", "3", "--batch_size", "2",
-          "--num_generations", "2", "--max_gen_len", "8", "--reward_model_path", "none", "--data_path", small_data,
-          "--eval_data_path", small_data, "--eval_interval", "2", "--eval_num_prompts", "4",
-          "--run_dir", str(tmp_path / "run")])
+    main(
+        [
+            "--script",
+            "grpo",
+            "--json",
+            str(out),
+            "--",
+            "--from_weight",
+            os.path.join(save_dir, f"{name}_64.pth"),
+            "--hidden_size",
+            "64",
+            "--num_hidden_layers",
+            "2",
+            "--max_steps",
+            "3",
+            "--batch_size",
+            "2",
+            "--num_generations",
+            "2",
+            "--max_gen_len",
+            "8",
+            "--reward_model_path",
+            "none",
+            "--data_path",
+            small_data,
+            "--eval_data_path",
+            small_data,
+            "--eval_interval",
+            "2",
+            "--eval_num_prompts",
+            "4",
+            "--run_dir",
+            str(tmp_path / "run"),
+        ]
+    )
     result = json.loads(out.read_text())
     assert result["steps"] == 3
     assert result["decode"]["rows"] == 4 and result["decode"]["decode_steps"] == 8  # random weights: no EOS in 8
     assert result["decode"]["operator_calls_per_decode_step"] > 50
-    for phase in ("rollout decode", "reward (rule + reward model)", "reference and old log-probs", "policy forward",
-                  "policy_backward", "optimizer", "logging"):
+    for phase in (
+        "rollout decode",
+        "reward (rule + reward model)",
+        "reference and old log-probs",
+        "policy forward",
+        "policy_backward",
+        "optimizer",
+        "logging",
+    ):
         assert result["per_step"][phase] > 0, phase
     assert result["per_step"]["other"] >= 0  # the watched phases fit inside the steps' time
     assert result["command"]["evaluations"] > 0 and result["command"]["saves"] > 0  # steps 0, 2, 3; saved at 3

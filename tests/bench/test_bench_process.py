@@ -1,6 +1,7 @@
 """scripts/bench/bench_process.py --tiny end to end: its per-step figures against its raw times, each run's wall time
 against the run's own record of its steps, the prompts against the data loader, the table's rows (no timing
 asserted)."""
+
 import json
 import os
 import shlex
@@ -18,17 +19,26 @@ def tiny_run(tmp_path_factory):
     require_trl()
     folder = tmp_path_factory.mktemp("bench_process")
     out, work_dir = folder / "process.json", folder / "runs"
-    result = subprocess.run([sys.executable, "scripts/bench/bench_process.py", "--tiny", "--work_dir", str(work_dir),
-                             "--json", str(out)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [sys.executable, "scripts/bench/bench_process.py", "--tiny", "--work_dir", str(work_dir), "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return json.loads(out.read_text(encoding="utf-8")), result.stdout, str(work_dir)
 
 
 def contestant_runs(report, contestant):
     """Every raw run record of ``contestant`` in the report."""
-    return [run for workload in report["workloads"] for repeat in workload["repeats"] for run in repeat["runs"]
-            if run["contestant"] == contestant]
+    return [
+        run
+        for workload in report["workloads"]
+        for repeat in workload["repeats"]
+        for run in repeat["runs"]
+        if run["contestant"] == contestant
+    ]
 
 
 def flag_value(command, flag):
@@ -45,7 +55,8 @@ def test_per_step_times_are_the_difference_of_the_fastest_runs(tiny_run):
     for workload in report["workloads"]:
         for repeat in workload["repeats"]:
             assert [(r["contestant"], r["steps"]) for r in repeat["runs"]] == [
-                (c, s) for s in (1, 2) for c in contestants]  # in turn: ours 1, TRL 1, ours 2, TRL 2
+                (c, s) for s in (1, 2) for c in contestants
+            ]  # in turn: ours 1, TRL 1, ours 2, TRL 2
             for contestant in contestants:
                 fastest = {}
                 for run in repeat["runs"]:
@@ -74,9 +85,15 @@ def test_ours_wall_time_covers_its_own_metrics_and_the_final_save(tiny_run):
     for run in runs:
         command = run["command"]
         assert shlex.split(command)[1:3] == [os.path.join(ROOT, "scripts", "bench", "full_length.py"), "grpo"]
-        for flag, value in (("--thinking_ratio", "1"), ("--eval_interval", "0"),
-                            ("--loss_type", "cispo"), ("--reward_model_path", "none"), ("--dtype", "float32"),
-                            ("--max_gen_len", "8"), ("--max_steps", str(run["steps"]))):
+        for flag, value in (
+            ("--thinking_ratio", "1"),
+            ("--eval_interval", "0"),
+            ("--loss_type", "cispo"),
+            ("--reward_model_path", "none"),
+            ("--dtype", "float32"),
+            ("--max_gen_len", "8"),
+            ("--max_steps", str(run["steps"])),
+        ):
             assert flag_value(command, flag) == value, (flag, command)
         assert int(flag_value(command, "--save_interval")) > run["steps"]
         with open(os.path.join(flag_value(command, "--run_dir"), "metrics.jsonl"), encoding="utf-8") as f:
@@ -108,6 +125,7 @@ def test_trl_wall_time_covers_its_own_log(tiny_run):
 
 def test_every_contestant_gets_the_prompts_the_data_loader_renders(tiny_run, tokenizer):
     from dataset.lm_dataset import RLAIFDataset
+
     report, _, work_dir = tiny_run
     data_path = os.path.join(work_dir, "prompts.jsonl")
     runs = contestant_runs(report, "ours")

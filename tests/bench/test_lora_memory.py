@@ -1,5 +1,6 @@
 """scripts/bench/lora_memory.py on the tiny shape: every configuration runs, and LoRA trains the hand-counted
 adapter parameters of rank 16 plus the final norm's gain."""
+
 import json
 import math
 
@@ -8,14 +9,37 @@ from scripts.bench.lora_memory import main, table_row
 
 def test_the_tiny_shape_runs_full_and_lora_for_both_scripts(tmp_path, capsys):
     out = tmp_path / "lora_memory.json"
-    main(["--shapes", "tiny", "--dtypes", "float32", "--steps", "2", "--rows", "2", "--prompt_len", "8",
-          "--completion_len", "4", "--json_out", str(out)])
+    main(
+        [
+            "--shapes",
+            "tiny",
+            "--dtypes",
+            "float32",
+            "--steps",
+            "2",
+            "--rows",
+            "2",
+            "--prompt_len",
+            "8",
+            "--completion_len",
+            "4",
+            "--json_out",
+            str(out),
+        ]
+    )
     results = json.loads(out.read_text())["results"]
     assert [(row["script"], row["dtype"]) for row in results] == [("grpo", "float32"), ("ppo", "float32")]
     hidden, heads, kv_heads, head_dim, layers = 64, 8, 4, 8, 2  # MiniMindConfig's defaults at hidden 64
     intermediate = math.ceil(hidden * math.pi / 64) * 64
-    shapes = [(hidden, heads * head_dim), (hidden, kv_heads * head_dim), (hidden, kv_heads * head_dim),
-              (heads * head_dim, hidden), (hidden, intermediate), (hidden, intermediate), (intermediate, hidden)]
+    shapes = [
+        (hidden, heads * head_dim),
+        (hidden, kv_heads * head_dim),
+        (hidden, kv_heads * head_dim),
+        (heads * head_dim, hidden),
+        (hidden, intermediate),
+        (hidden, intermediate),
+        (intermediate, hidden),
+    ]
     adapters = layers * sum(16 * (fan_in + fan_out) for fan_in, fan_out in shapes)  # r (in + out) per projection
     for row in results:
         assert row["full"]["trainable_policy_parameters"] == row["full"]["policy_parameters"]
@@ -31,6 +55,11 @@ def test_the_tiny_shape_runs_full_and_lora_for_both_scripts(tmp_path, capsys):
 
 
 def test_a_full_run_stopped_for_memory_gives_an_upper_bound_of_the_ratio():
-    row = {"shape": "qwen3-0.6b", "script": "ppo", "dtype": "float32", "full": {"stopped_at_mib": 18000.0},
-           "lora": {"peak_rss_mib": 9000.0, "step_s": [3.0, 2.0, 4.0]}}
+    row = {
+        "shape": "qwen3-0.6b",
+        "script": "ppo",
+        "dtype": "float32",
+        "full": {"stopped_at_mib": 18000.0},
+        "lora": {"peak_rss_mib": 9000.0, "step_s": [3.0, 2.0, 4.0]},
+    }
     assert table_row(row) == "| qwen3-0.6b | ppo | float32 | did not fit (> 18,000) | 9,000 | < 0.50 | - | 3.00 |"

@@ -5,6 +5,7 @@
 Each rank takes its own rows (``rank_data``), computes the logged means and extremes over both processes, and runs
 a dapo accumulation window of two steps through DDP the way train_grpo.py's loop does; it writes OUT_DIR/rank{r}.json.
 """
+
 import json
 import os
 import sys
@@ -49,8 +50,11 @@ def main():
     local_rank, device = init_distributed_mode()
     rank = dist.get_rank()
     offsets, _, _, mask = rank_data(rank, 0)
-    result = {"mean": global_masked_mean(offsets, mask), "per_sequence": global_masked_mean(offsets, mask, True),
-              "extremes": list(global_extremes(offsets, mask))}
+    result = {
+        "mean": global_masked_mean(offsets, mask),
+        "per_sequence": global_masked_mean(offsets, mask, True),
+        "extremes": list(global_extremes(offsets, mask)),
+    }
     model = TokenLogps()
     ddp_model = wrap_ddp(model, device, local_rank)
     window, window_num_items = 2, 0.0

@@ -5,6 +5,7 @@
 
 Each rank writes OUT_DIR/rank{r}.json with what it ended with.
 """
+
 import argparse
 import json
 import os
@@ -56,18 +57,40 @@ def ppo_one_rank_kl(local_rank, device, early_stop_kl):
         per_token_logps = compute_per_token_logps(actor, output_ids, gen_len, full_mask).per_token_logps  # [B, R]
     offset = 2.0 if dist.get_rank() == 0 else 0.0
     data = PPORolloutBatch(
-        output_ids=output_ids, full_mask=full_mask, completion_mask=completion_mask,
-        old_per_token_logps=per_token_logps + offset, ref_per_token_logps=per_token_logps,
+        output_ids=output_ids,
+        full_mask=full_mask,
+        completion_mask=completion_mask,
+        old_per_token_logps=per_token_logps + offset,
+        ref_per_token_logps=per_token_logps,
         advantages=torch.randn(batch, gen_len, generator=generator),
-        returns=torch.randn(batch, gen_len, generator=generator), old_resp_values=torch.zeros(batch, gen_len),
+        returns=torch.randn(batch, gen_len, generator=generator),
+        old_resp_values=torch.zeros(batch, gen_len),
     )
-    args = argparse.Namespace(ppo_update_iters=2, mini_batch_size=2, temperature=1.0, clip_epsilon=0.2, kl_coef=0.02,
-                              early_stop_kl=early_stop_kl, cliprange_value=0.2, vf_coef=0.5,
-                              minibatch_accumulation_steps=1, kl_placement="loss", grad_clip=1.0, dtype="float32")
-    result = ppo_update(data, ddp_actor, ddp_critic, (actor_optimizer, critic_optimizer),
-                        (build_cosine_scheduler(actor_optimizer, 10), build_cosine_scheduler(critic_optimizer, 10)),
-                        args, device, torch.Generator().manual_seed(0),
-                        autocast_context(device, args.dtype))
+    args = argparse.Namespace(
+        ppo_update_iters=2,
+        mini_batch_size=2,
+        temperature=1.0,
+        clip_epsilon=0.2,
+        kl_coef=0.02,
+        early_stop_kl=early_stop_kl,
+        cliprange_value=0.2,
+        vf_coef=0.5,
+        minibatch_accumulation_steps=1,
+        kl_placement="loss",
+        grad_clip=1.0,
+        dtype="float32",
+    )
+    result = ppo_update(
+        data,
+        ddp_actor,
+        ddp_critic,
+        (actor_optimizer, critic_optimizer),
+        (build_cosine_scheduler(actor_optimizer, 10), build_cosine_scheduler(critic_optimizer, 10)),
+        args,
+        device,
+        torch.Generator().manual_seed(0),
+        autocast_context(device, args.dtype),
+    )
     return {"early_stop": result["early_stop"], "optimizer_steps": result["optimizer_steps"]}
 
 

@@ -5,6 +5,7 @@ itself: the script's modules are imported once per test session instead of once 
 about the process (signals, exit by SIGKILL, torchrun, a traceback or its absence on the real command line) keep
 ``subprocess``.
 """
+
 import contextlib
 import importlib
 import io

@@ -7,6 +7,7 @@ gets the same reply, built from one well-formed SGLang answer (output_ids [5, 2]
 stopped on EOS 2). ``/hang/generate`` takes the request and never answers; ``/html/generate`` answers an HTML page
 with 200. ``/health`` and ``/update_weights_from_disk`` answer as a healthy server does, in every mode.
 """
+
 import json
 import sys
 import time
@@ -14,10 +15,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 def good_answer():
-    return {"text": "", "output_ids": [5, 2],
-            "meta_info": {"finish_reason": {"type": "stop", "matched": 2}, "prompt_tokens": 3, "completion_tokens": 2,
-                          "output_token_logprobs": [[-0.25, 5, None], [-0.5, 2, None]],
-                          "weight_version": "default"}}
+    return {
+        "text": "",
+        "output_ids": [5, 2],
+        "meta_info": {
+            "finish_reason": {"type": "stop", "matched": 2},
+            "prompt_tokens": 3,
+            "completion_tokens": 2,
+            "output_token_logprobs": [[-0.25, 5, None], [-0.5, 2, None]],
+            "weight_version": "default",
+        },
+    }
 
 
 def broken_answer(mode):

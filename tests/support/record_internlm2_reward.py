@@ -18,6 +18,7 @@ AutoTokenizer builds the remote fast tokenizer from tokenizer.model with it; hug
     /tmp/tf457/bin/python tests/support/record_internlm2_reward.py --minimind /tmp/minimind \\
         --out tests/support/reference_internlm2_reward.json
 """
+
 import argparse
 import json
 import os
@@ -32,15 +33,20 @@ SOURCE = os.path.join(os.path.dirname(ROOT), "shared", "compat", "internlm2-1_8b
 
 def chat_prompt(turns):
     """A prompt in the chat format of MiniMind's RLAIFDataset: closed turns, then the open assistant turn."""
-    return "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in turns) + \
-        "<|im_start|>assistant\n"
+    return "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in turns) + "<|im_start|>assistant\n"
 
 
 # GRPO cases: 2 prompts x 3 generations; PPO cases: one answer per prompt
 PROMPTS = [
     chat_prompt([("user", "What is 2 + 3?")]),
-    chat_prompt([("system", "You are a helpful assistant."), ("user", "Hi"), ("assistant", "Hello!"),
-                 ("user", "请计算 12 * 3，并说明理由。")]),
+    chat_prompt(
+        [
+            ("system", "You are a helpful assistant."),
+            ("user", "Hi"),
+            ("assistant", "Hello!"),
+            ("user", "请计算 12 * 3，并说明理由。"),
+        ]
+    ),
 ]
 RESPONSES = [
     " The answer is 5.\n",  # no </think>: upstream scores it with its spaces
@@ -72,9 +78,15 @@ def main():
     folder = build_tiny_internlm2_reward(opts.source, os.path.join(tempfile.mkdtemp(), "tiny_reward"))
     reward_model = LMForRewardModel(folder, device="cpu", dtype=torch.float32)  # upstream's class
     prompts_grpo = [p for p in PROMPTS for _ in range(NUM_GENERATIONS)]
-    record = {"transformers": transformers.__version__, "torch": torch.__version__,
-              "weights_sha256": weights_digest(folder), "dtype": "float32", "prompts": PROMPTS,
-              "responses": RESPONSES, "num_generations": NUM_GENERATIONS}
+    record = {
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "weights_sha256": weights_digest(folder),
+        "dtype": "float32",
+        "prompts": PROMPTS,
+        "responses": RESPONSES,
+        "num_generations": NUM_GENERATIONS,
+    }
 
     # upstream's GRPO and PPO rewards (rule parts + the clipped reward-model score); they read a global ``args``
     train_grpo.args = argparse.Namespace(device="cpu", num_generations=NUM_GENERATIONS)
@@ -85,8 +97,7 @@ def main():
     # the reward-model part alone: upstream's LMForRewardModel.get_score on upstream's answer text
     answers = [r.split("</think>", 1)[1].strip() if "</think>" in r else r for r in RESPONSES]  # as calculate_rewards
     turn = re.compile(r"<\|im_start\|>(system|user|assistant)\s+(.*?)<\|im_end\|>", re.DOTALL)  # upstream's
-    messages = [[{"role": role, "content": content.strip()} for role, content in turn.findall(p)]
-                for p in prompts_grpo]
+    messages = [[{"role": role, "content": content.strip()} for role, content in turn.findall(p)] for p in prompts_grpo]
     record["reward_model_scores"] = [reward_model.get_score(m, a) for m, a in zip(messages, answers)]
 
     # upstream's own precision, float16 (its LMForRewardModel's default)
@@ -99,12 +110,16 @@ def main():
     history = "\n".join(f"{m['role']}: {m['content']}" for m in messages[3][:-1])
     conversations = [
         [{"role": "user", "content": messages[0][-1]["content"]}, {"role": "assistant", "content": answers[0]}],
-        [{"role": "user", "content": f"{history}\n以上是对话历史。我的新问题是：\n{messages[3][-1]['content']}"},
-         {"role": "assistant", "content": answers[3]}],
+        [
+            {"role": "user", "content": f"{history}\n以上是对话历史。我的新问题是：\n{messages[3][-1]['content']}"},
+            {"role": "assistant", "content": answers[3]},
+        ],
     ]
     record["conversations"] = conversations
-    record["conversation_ids"] = [tokenizer.encode(tokenizer.apply_chat_template(c, tokenize=False),
-                                                   add_special_tokens=False) for c in conversations]
+    record["conversation_ids"] = [
+        tokenizer.encode(tokenizer.apply_chat_template(c, tokenize=False), add_special_tokens=False)
+        for c in conversations
+    ]
     record["get_score"] = [model.get_score(tokenizer, c) for c in conversations]
     record["get_scores_two"] = model.get_scores(tokenizer, conversations)
     record["get_scores_one"] = model.get_scores(tokenizer, conversations[:1])  # a bare float

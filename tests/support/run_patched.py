@@ -15,6 +15,7 @@ Harness flags:
     --kill_during_save N   SIGKILL this process in the middle of writing the resume file of step N
     --kill_before_step N   SIGKILL this process when the loop asks for step N's batch (step N-1 logged and done)
 """
+
 import argparse
 import hashlib
 import json
@@ -34,11 +35,10 @@ from trainer import train_agent, train_grpo, train_ppo
 
 def text_rewards(prompts, responses, answers, reward_model, answer_reward_weight):
     """Reward in [0, 1) from the sha256 of the answer text (same keys as calculate_rewards)."""
-    values = [int(hashlib.sha256(r.encode()).hexdigest()[:8], 16) / 16 ** 8 for r in responses]
+    values = [int(hashlib.sha256(r.encode()).hexdigest()[:8], 16) / 16**8 for r in responses]
     rewards = torch.tensor(values, dtype=torch.float32)
     zeros = torch.zeros_like(rewards)
-    return {"rewards": rewards, "rule_rewards": rewards.clone(), "reward_model_scores": zeros,
-            "answer_rewards": zeros}
+    return {"rewards": rewards, "rule_rewards": rewards.clone(), "reward_model_scores": zeros, "answer_rewards": zeros}
 
 
 def binary_text_rewards(prompts, responses, answers, reward_model, answer_reward_weight):
@@ -52,17 +52,30 @@ def binary_text_rewards(prompts, responses, answers, reward_model, answer_reward
 def agent_text_rewards(messages, rollout, gts, reward_model, gt_weight):
     """Rewards in [0, 1) from the sha256 of the turns (unequal on a random tiny model), with the agent's keys (same
     arguments and keys as trainer.agent.rewards.calculate_agent_rewards)."""
-    values = [int(hashlib.sha256("|".join(texts).encode()).hexdigest()[:8], 16) / 16 ** 8
-              for texts in rollout.turn_texts]
+    values = [int(hashlib.sha256("|".join(texts).encode()).hexdigest()[:8], 16) / 16**8 for texts in rollout.turn_texts]
     rewards = torch.tensor(values, dtype=torch.float32)  # [N]
-    parts = {key: torch.zeros_like(rewards) for key in (
-        "rule_rewards", "reward_model_scores", "answer_rewards", "call_rewards", "tag_penalties",
-        "unfinished_penalties", "repetition_penalties", "accuracy", "called")}
+    parts = {
+        key: torch.zeros_like(rewards)
+        for key in (
+            "rule_rewards",
+            "reward_model_scores",
+            "answer_rewards",
+            "call_rewards",
+            "tag_penalties",
+            "unfinished_penalties",
+            "repetition_penalties",
+            "accuracy",
+            "called",
+        )
+    }
     return dict(parts, rewards=rewards)
 
 
-SCRIPTS = {"grpo": (train_grpo, text_rewards), "ppo": (train_ppo, text_rewards),
-           "agent": (train_agent, agent_text_rewards)}  # name -> (module, its --text_reward function)
+SCRIPTS = {
+    "grpo": (train_grpo, text_rewards),
+    "ppo": (train_ppo, text_rewards),
+    "agent": (train_agent, agent_text_rewards),
+}  # name -> (module, its --text_reward function)
 
 
 def main():
@@ -77,7 +90,7 @@ def main():
     harness_argv, script_argv = sys.argv[1:], []
     if "--" in harness_argv:
         i = harness_argv.index("--")
-        harness_argv, script_argv = harness_argv[:i], harness_argv[i + 1:]
+        harness_argv, script_argv = harness_argv[:i], harness_argv[i + 1 :]
     opts = parser.parse_args(harness_argv)
     module, script_text_rewards = SCRIPTS[opts.script]
     real_torch_save, real_batches, real_save_checkpoint = torch.save, module.resumable_batches, module.save_checkpoint

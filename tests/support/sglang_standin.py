@@ -22,6 +22,7 @@ It generates with the project's own ``MiniMindForCausalLM`` (one full forward pe
 "stray_prompt_tokens": k (prepend the last k prompt ids to ``output_ids``, as older SGLang versions did),
 "abort": True (finish_reason abort), "unavailable": n (answer the next n requests with HTTP 503).
 """
+
 import json
 import os
 import threading
@@ -34,8 +35,15 @@ from transformers import AutoTokenizer
 from model.hf_qwen3 import load_qwen3_folder
 from model.model_minimind import MiniMindForCausalLM
 
-SGLANG_DEFAULTS = {"max_new_tokens": 128, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "stop_token_ids": None,
-                   "ignore_eos": False, "skip_special_tokens": True}
+SGLANG_DEFAULTS = {
+    "max_new_tokens": 128,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "stop_token_ids": None,
+    "ignore_eos": False,
+    "skip_special_tokens": True,
+}
 
 
 def filter_top_k_top_p(probs, top_k, top_p):
@@ -129,8 +137,12 @@ class SGLangStandin:
             "text": self.tokenizer.decode(output_ids, skip_special_tokens=params["skip_special_tokens"]),
             "output_ids": reported_ids,
             "meta_info": {
-                "id": uuid.uuid4().hex, "finish_reason": finish_reason, "prompt_tokens": len(input_ids),
-                "completion_tokens": len(output_ids), "cached_tokens": 0, "weight_version": self.weight_version,
+                "id": uuid.uuid4().hex,
+                "finish_reason": finish_reason,
+                "prompt_tokens": len(input_ids),
+                "completion_tokens": len(output_ids),
+                "cached_tokens": 0,
+                "weight_version": self.weight_version,
                 "output_token_logprobs": triples,
             },
         }
@@ -153,8 +165,11 @@ class SGLangStandin:
                 if payload.get("weight_version") is not None:
                     self.weight_version = payload["weight_version"]
         except (OSError, ValueError, RuntimeError) as err:
-            return 400, {"success": False, "message": f"Failed to update weights: {err}.\nRolling back to original "
-                                                     f"weights.", "num_paused_requests": 0}
+            return 400, {
+                "success": False,
+                "message": f"Failed to update weights: {err}.\nRolling back to original weights.",
+                "num_paused_requests": 0,
+            }
         self.loaded_paths.append(path)
         return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
 

@@ -10,6 +10,7 @@ a fixed order, so the folder is the same on every machine; ``weights_digest`` fi
 Needs numpy and safetensors only (no torch, no transformers), so the recording script can run it under another
 transformers release (``tests/support/record_internlm2_reward.py``).
 """
+
 import hashlib
 import json
 import os
@@ -18,11 +19,22 @@ import shutil
 import numpy as np
 from safetensors.numpy import save_file
 
-COPIED_FILES = ("configuration_internlm2.py", "modeling_internlm2.py", "tokenization_internlm2.py",
-                "tokenization_internlm2_fast.py", "tokenizer.model", "tokenizer_config.json",
-                "special_tokens_map.json")
-TINY_DIMS = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-             "num_key_value_heads": 2}
+COPIED_FILES = (
+    "configuration_internlm2.py",
+    "modeling_internlm2.py",
+    "tokenization_internlm2.py",
+    "tokenization_internlm2_fast.py",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
+TINY_DIMS = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 
 
 def tiny_shape(name, config):
@@ -30,11 +42,18 @@ def tiny_shape(name, config):
     hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     head_dim = hidden // config["num_attention_heads"]
     qkv_rows = (config["num_attention_heads"] + 2 * config["num_key_value_heads"]) * head_dim
-    suffix_shapes = {"attention.wqkv.weight": (qkv_rows, hidden), "attention.wo.weight": (hidden, hidden),
-                     "feed_forward.w1.weight": (inter, hidden), "feed_forward.w3.weight": (inter, hidden),
-                     "feed_forward.w2.weight": (hidden, inter), "attention_norm.weight": (hidden,),
-                     "ffn_norm.weight": (hidden,), "model.norm.weight": (hidden,),
-                     "model.tok_embeddings.weight": (vocab, hidden), "v_head.weight": (1, hidden)}
+    suffix_shapes = {
+        "attention.wqkv.weight": (qkv_rows, hidden),
+        "attention.wo.weight": (hidden, hidden),
+        "feed_forward.w1.weight": (inter, hidden),
+        "feed_forward.w3.weight": (inter, hidden),
+        "feed_forward.w2.weight": (hidden, inter),
+        "attention_norm.weight": (hidden,),
+        "ffn_norm.weight": (hidden,),
+        "model.norm.weight": (hidden,),
+        "model.tok_embeddings.weight": (vocab, hidden),
+        "v_head.weight": (1, hidden),
+    }
     for suffix, shape in suffix_shapes.items():
         if name.endswith(suffix):
             return shape
@@ -57,6 +76,7 @@ def random_weight(rng, name, shape):
 def weights_digest(folder):
     """sha256 of every weight (name, shape, fp16 bytes), in sorted name order, over the folder's shards."""
     from safetensors.numpy import load_file
+
     with open(os.path.join(folder, "model.safetensors.index.json"), encoding="utf-8") as f:
         weight_map = json.load(f)["weight_map"]
     tensors = {}
@@ -85,16 +105,21 @@ def build_tiny_internlm2_reward(source, target, seed=0):
         json.dump(config, f, indent=2)
     with open(os.path.join(source, "model.safetensors.index.json"), encoding="utf-8") as f:
         weight_map = json.load(f)["weight_map"]
-    kept = {name: shard for name, shard in weight_map.items()
-            if not name.startswith("model.layers.") or int(name.split(".")[2]) < config["num_hidden_layers"]}
+    kept = {
+        name: shard
+        for name, shard in weight_map.items()
+        if not name.startswith("model.layers.") or int(name.split(".")[2]) < config["num_hidden_layers"]
+    }
     rng = np.random.RandomState(seed)
     shards = {}
     for name in sorted(kept):
         shards.setdefault(kept[name], {})[name] = random_weight(rng, name, tiny_shape(name, config))
     for shard, tensors in shards.items():
         save_file(tensors, os.path.join(target, shard), metadata={"format": "pt"})
-    index = {"metadata": {"total_size": sum(t.nbytes for s in shards.values() for t in s.values())},
-             "weight_map": dict(sorted(kept.items()))}
+    index = {
+        "metadata": {"total_size": sum(t.nbytes for s in shards.values() for t in s.values())},
+        "weight_map": dict(sorted(kept.items())),
+    }
     with open(os.path.join(target, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
         json.dump(index, f, indent=2)
     return target

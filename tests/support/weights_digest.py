@@ -1,4 +1,5 @@
 """A digest of a model's weights, for tests that compare weights across processes and checkpoints."""
+
 import hashlib
 
 import torch

@@ -5,6 +5,7 @@ The calls are counted once, by the rollout (``rollout.take_turn``: ``num_tool_ca
 rewards read those counts. Without a call an answer earns the chapter's rule reward (8.3) and the reward model's score;
 with calls it earns the call count's match, the ground-truth values found in the final answer, and penalties.
 """
+
 import re
 
 import torch
@@ -16,12 +17,27 @@ CALL_COUNT_REWARD = 0.5  # +0.5 when the valid calls match len(gt), else -0.5 pe
 UNFINISHED_PENALTY = 0.5  # the last turn still called a tool
 REWARD_CLIP = 3.0
 NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:\.\d+)?(?![\w.])")
-REWARD_PARTS = ("tag_penalty", "rule_reward", "reward_model_score", "call_reward", "answer_reward",
-                "unfinished_penalty", "repetition_penalty")
-REWARD_KEYS = {"rewards": "reward", "rule_rewards": "rule_reward", "reward_model_scores": "reward_model_score",
-               "answer_rewards": "answer_reward", "call_rewards": "call_reward", "tag_penalties": "tag_penalty",
-               "unfinished_penalties": "unfinished_penalty", "repetition_penalties": "repetition_penalty",
-               "accuracy": "accuracy", "called": "called"}  # calculate_agent_rewards' key -> agent_reward's
+REWARD_PARTS = (
+    "tag_penalty",
+    "rule_reward",
+    "reward_model_score",
+    "call_reward",
+    "answer_reward",
+    "unfinished_penalty",
+    "repetition_penalty",
+)
+REWARD_KEYS = {
+    "rewards": "reward",
+    "rule_rewards": "rule_reward",
+    "reward_model_scores": "reward_model_score",
+    "answer_rewards": "answer_reward",
+    "call_rewards": "call_reward",
+    "tag_penalties": "tag_penalty",
+    "unfinished_penalties": "unfinished_penalty",
+    "repetition_penalties": "repetition_penalty",
+    "accuracy": "accuracy",
+    "called": "called",
+}  # calculate_agent_rewards' key -> agent_reward's
 
 
 def tag_penalty(turn_answers):
@@ -105,6 +121,10 @@ def calculate_agent_rewards(messages, rollout, gts, reward_model, gt_weight):
         prompts = [[{"role": t["role"], "content": t["content"]} for t in messages[i]] for i in no_call]
         for i, score in zip(no_call, reward_model.get_scores(prompts, [rollout.turn_texts[i][-1] for i in no_call])):
             scores[i] = score
-    rows = [agent_reward(texts, gt, calls, valid, bool(done), score, gt_weight) for texts, gt, calls, valid, done, score
-            in zip(rollout.turn_texts, gts, num_calls, num_valid, rollout.unfinished.tolist(), scores)]
+    rows = [
+        agent_reward(texts, gt, calls, valid, bool(done), score, gt_weight)
+        for texts, gt, calls, valid, done, score in zip(
+            rollout.turn_texts, gts, num_calls, num_valid, rollout.unfinished.tolist(), scores
+        )
+    ]
     return {name: torch.tensor([row[key] for row in rows], dtype=torch.float32) for name, key in REWARD_KEYS.items()}

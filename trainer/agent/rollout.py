@@ -23,6 +23,7 @@ Here nothing after the prompt is ever cut: a prompt is cut from the left to its 
 max_new_tokens`` tokens (``metrics["prompts_cut"]``); a turn stops at the room left under ``max_total_len``; a
 conversation whose observation leaves no room for one more token ends there, unfinished (``metrics["length_stops"]``).
 """
+
 import copy
 import json
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from trainer.infra.sglang_client import check_sglang_prompts, sglang_sampling_pa
 @dataclass
 class AgentRolloutResult:
     """What ``agent_rollout`` returns: N = B * num_generations conversations, P prompt and R completion tokens."""
+
     output_ids: torch.Tensor  # long [N, P + R], prompts (left-padded) then completions (right-padded)
     completion_ids: torch.Tensor  # long [N, R], model turns and observations in order
     old_per_token_logps: torch.Tensor  # fp32 [N, R], log pi_old of the model's tokens, 0 elsewhere
@@ -56,7 +58,7 @@ class AgentRolloutResult:
     @property
     def prompt_mask(self):
         """long [N, P]: the prompts' attention mask."""
-        return self.attention_mask[:, :self.output_ids.size(1) - self.completion_ids.size(1)]
+        return self.attention_mask[:, : self.output_ids.size(1) - self.completion_ids.size(1)]
 
 
 class Conversation:
@@ -91,8 +93,9 @@ class Conversation:
 
 def render(tokenizer, messages, tools, add_generation_prompt, chat_template_kwargs):
     """The chat template's text of ``messages`` with ``tools`` (None: no tools block)."""
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt, **chat_template_kwargs)
+    return tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **chat_template_kwargs
+    )
 
 
 def observation_ids(tokenizer, conversation, ended_with_eos):
@@ -106,15 +109,17 @@ def observation_ids(tokenizer, conversation, ended_with_eos):
     messages, eos = conversation.messages, tokenizer.eos_token
     last_assistant = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
     kwargs = conversation.template_kwargs
-    partial = render(tokenizer, messages[:last_assistant + 1], conversation.tools, False, kwargs)
+    partial = render(tokenizer, messages[: last_assistant + 1], conversation.tools, False, kwargs)
     full = render(tokenizer, messages, conversation.tools, True, kwargs)
     close = partial.rfind(eos)
     if not full.startswith(partial) or close < 0:
-        raise InputError(f"agent_rollout needs a chat template that only appends to earlier turns and closes an "
-                         f"assistant turn with {eos!r}; this one renders {partial[-60:]!r} then {full[-60:]!r}")
+        raise InputError(
+            f"agent_rollout needs a chat template that only appends to earlier turns and closes an "
+            f"assistant turn with {eos!r}; this one renders {partial[-60:]!r} then {full[-60:]!r}"
+        )
     start = close + len(eos) if ended_with_eos else close
     ids = tokenizer(full[start:], add_special_tokens=False)["input_ids"]
-    retokenized = tokenizer(full, add_special_tokens=False)["input_ids"][conversation.prompt_cut:]
+    retokenized = tokenizer(full, add_special_tokens=False)["input_ids"][conversation.prompt_cut :]
     return ids, retokenized == conversation.token_ids + ids
 
 
@@ -124,7 +129,6 @@ def cut_turn(ids, logps, budget, eos_token_id):
     ids, logps = list(ids[:budget]), list(logps[:budget])
     end = ids.index(eos_token_id) + 1 if eos_token_id in ids else len(ids)
     return ids[:end], logps[:end]
-
 
 
 @torch.no_grad()
@@ -140,14 +144,24 @@ def generate_turn(model, contexts, budgets, temperature, eos_token_id, pad_token
     input_ids = torch.full((len(contexts), width), pad_token_id, dtype=torch.long)  # [A, L]
     attention_mask = torch.zeros((len(contexts), width), dtype=torch.long)  # [A, L]
     for row, ids in enumerate(contexts):
-        input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
-        attention_mask[row, width - len(ids):] = 1
+        input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[row, width - len(ids) :] = 1
     output_ids, per_token_logps = model.generate(
-        input_ids.to(device), attention_mask=attention_mask.to(device), max_new_tokens=max(budgets), do_sample=True,
-        temperature=temperature, top_p=1.0, top_k=0, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-        generator=generator)  # [A, L + T], [A, T]
-    return [cut_turn(output_ids[row, width:].tolist(), per_token_logps[row].tolist(), budget, eos_token_id)
-            for row, budget in enumerate(budgets)]
+        input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        max_new_tokens=max(budgets),
+        do_sample=True,
+        temperature=temperature,
+        top_p=1.0,
+        top_k=0,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        generator=generator,
+    )  # [A, L + T], [A, T]
+    return [
+        cut_turn(output_ids[row, width:].tolist(), per_token_logps[row].tolist(), budget, eos_token_id)
+        for row, budget in enumerate(budgets)
+    ]
 
 
 @torch.no_grad()
@@ -164,20 +178,38 @@ def server_turn(engine, contexts, budgets, temperature=1.0):
     (``check_sglang_prompts``) and RuntimeError for answers that fail ``SGLangClient``'s checks.
     """
     vocab_size = unwrap_model(engine.policy_model).config.vocab_size
-    padded = torch.nn.utils.rnn.pad_sequence([torch.tensor(ids, dtype=torch.long) for ids in contexts],
-                                             batch_first=True)  # [A, L], right-padded with 0
+    padded = torch.nn.utils.rnn.pad_sequence(
+        [torch.tensor(ids, dtype=torch.long) for ids in contexts], batch_first=True
+    )  # [A, L], right-padded with 0
     lengths = torch.tensor([len(ids) for ids in contexts])  # [A]
     check_sglang_prompts(padded, (torch.arange(padded.size(1)) < lengths.unsqueeze(1)).long(), vocab_size)
-    sampling_params = [sglang_sampling_params(temperature, engine.sampling["top_p"], engine.sampling["top_k"], budget,
-                                              engine.tokenizer.eos_token_id) for budget in budgets]  # per row
+    sampling_params = [
+        sglang_sampling_params(
+            temperature, engine.sampling["top_p"], engine.sampling["top_k"], budget, engine.tokenizer.eos_token_id
+        )
+        for budget in budgets
+    ]  # per row
     answers = engine.client.generate([list(ids) for ids in contexts], sampling_params)
-    return [cut_turn(ids, logps, budget, engine.tokenizer.eos_token_id)
-            for (ids, logps), budget in zip(answers, budgets)]
+    return [
+        cut_turn(ids, logps, budget, engine.tokenizer.eos_token_id) for (ids, logps), budget in zip(answers, budgets)
+    ]
 
 
 @torch.no_grad()
-def agent_rollout(model, tokenizer, conversations, num_generations, *, max_new_tokens, max_total_len,
-                  temperature=1.0, max_turns=3, generator=None, chat_template_kwargs=None, server=None):
+def agent_rollout(
+    model,
+    tokenizer,
+    conversations,
+    num_generations,
+    *,
+    max_new_tokens,
+    max_total_len,
+    temperature=1.0,
+    max_turns=3,
+    generator=None,
+    chat_template_kwargs=None,
+    server=None,
+):
     """Roll out ``num_generations`` multi-turn tool-using answers to each conversation, all rows batched per turn.
 
     model: a MiniMind causal LM (or DDP wrapper) with ``generate``; tokenizer: a chat template taking ``tools``.
@@ -193,19 +225,28 @@ def agent_rollout(model, tokenizer, conversations, num_generations, *, max_new_t
     conversations or tools (``start_conversations``), no conversations, a count < 1, ``max_total_len`` <=
     ``max_new_tokens``, a list of kwargs of another length than B; RuntimeError for the server's (``SGLangClient``).
     """
-    if not conversations or num_generations < 1 or max_turns < 1 or max_new_tokens < 1 \
-            or max_total_len <= max_new_tokens:
-        raise ValueError(f"need conversations, num_generations >= 1, max_turns >= 1, max_new_tokens >= 1 and "
-                         f"max_total_len > max_new_tokens, got {len(conversations)} conversations, "
-                         f"{num_generations}, {max_turns}, {max_new_tokens}, {max_total_len}")
+    if (
+        not conversations
+        or num_generations < 1
+        or max_turns < 1
+        or max_new_tokens < 1
+        or max_total_len <= max_new_tokens
+    ):
+        raise ValueError(
+            f"need conversations, num_generations >= 1, max_turns >= 1, max_new_tokens >= 1 and "
+            f"max_total_len > max_new_tokens, got {len(conversations)} conversations, "
+            f"{num_generations}, {max_turns}, {max_new_tokens}, {max_total_len}"
+        )
     if not isinstance(chat_template_kwargs, list):
         chat_template_kwargs = [chat_template_kwargs or {}] * len(conversations)
     if len(chat_template_kwargs) != len(conversations):
-        raise ValueError(f"chat_template_kwargs: {len(chat_template_kwargs)} dicts for {len(conversations)} "
-                         f"conversations")
+        raise ValueError(
+            f"chat_template_kwargs: {len(chat_template_kwargs)} dicts for {len(conversations)} conversations"
+        )
     metrics = {"prefix_mismatches": 0, "prompts_cut": 0, "length_stops": 0}
-    rows = start_conversations(tokenizer, conversations, num_generations, max_total_len - max_new_tokens,
-                               chat_template_kwargs, metrics)
+    rows = start_conversations(
+        tokenizer, conversations, num_generations, max_total_len - max_new_tokens, chat_template_kwargs, metrics
+    )
     generating_model = unwrap_model(model)
     was_training = generating_model.training
     generating_model.eval()
@@ -216,14 +257,25 @@ def agent_rollout(model, tokenizer, conversations, num_generations, *, max_new_t
                 break
             budgets = [min(max_new_tokens, max_total_len - len(rows[i].token_ids)) for i in active]
             contexts = [rows[i].token_ids for i in active]
-            generated = server_turn(server, contexts, budgets, temperature) if server is not None else \
-                generate_turn(generating_model, contexts, budgets, temperature, tokenizer.eos_token_id,
-                              tokenizer.pad_token_id, generator)
+            generated = (
+                server_turn(server, contexts, budgets, temperature)
+                if server is not None
+                else generate_turn(
+                    generating_model,
+                    contexts,
+                    budgets,
+                    temperature,
+                    tokenizer.eos_token_id,
+                    tokenizer.pad_token_id,
+                    generator,
+                )
+            )
             still_active = []
             for i, budget, (ids, logps) in zip(active, budgets, generated):
                 cut_at_room = budget < max_new_tokens and len(ids) == budget and ids[-1] != tokenizer.eos_token_id
-                if take_turn(tokenizer, rows[i], ids, logps, cut_at_room, turn == max_turns - 1, max_total_len,
-                             metrics):
+                if take_turn(
+                    tokenizer, rows[i], ids, logps, cut_at_room, turn == max_turns - 1, max_total_len, metrics
+                ):
                     still_active.append(i)
             active = still_active
     finally:
@@ -231,8 +283,13 @@ def agent_rollout(model, tokenizer, conversations, num_generations, *, max_new_t
     result = batch_conversations(rows, tokenizer.pad_token_id, next(generating_model.parameters()).device, metrics)
     if server is not None:  # the server's log-probs -> the trainer's (or the server's, checked) on the model's tokens
         old_per_token_logps, gap_metrics = server.old_per_token_logps(
-            generating_model, result.output_ids, result.attention_mask, result.completion_mask,
-            result.old_per_token_logps, temperature)  # [N, R]
+            generating_model,
+            result.output_ids,
+            result.attention_mask,
+            result.completion_mask,
+            result.old_per_token_logps,
+            temperature,
+        )  # [N, R]
         result.sampling_per_token_logps = result.old_per_token_logps * result.completion_mask  # the server's
         result.old_per_token_logps = old_per_token_logps * result.completion_mask
         result.metrics.update(gap_metrics)
@@ -247,13 +304,17 @@ def start_conversations(tokenizer, conversations, num_generations, max_prompt_le
     rows = []
     for index, (messages, kwargs) in enumerate(zip(conversations, chat_template_kwargs)):
         if not messages or messages[-1].get("role") == "assistant":
-            raise ValueError(f"conversation {index} is empty or ends with an assistant turn: pass the prompt turns "
-                             f"(upstream's AgentRLDataset drops a row's last turn)")
+            raise ValueError(
+                f"conversation {index} is empty or ends with an assistant turn: pass the prompt turns "
+                f"(upstream's AgentRLDataset drops a row's last turn)"
+            )
         messages, tools = conversation_tools(messages)
         prompt = render(tokenizer, messages, tools, True, kwargs)
         if tools and not all(json.dumps(tool["function"]["name"]) in prompt for tool in tools):
-            raise ValueError(f"the tokenizer's chat template does not render the tools of conversation {index}: "
-                             f"use a template that takes tools= (upstream MiniMind's tokenizer has one)")
+            raise ValueError(
+                f"the tokenizer's chat template does not render the tools of conversation {index}: "
+                f"use a template that takes tools= (upstream MiniMind's tokenizer has one)"
+            )
         prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         cut = max(len(prompt_ids) - max_prompt_len, 0)
         metrics["prompts_cut"] += int(cut > 0) * num_generations
@@ -298,20 +359,27 @@ def batch_conversations(rows, pad_token_id, device, metrics):
     old_per_token_logps = torch.zeros((len(rows), width), dtype=torch.float32)  # [N, R]
     for n, row in enumerate(rows):
         start, length = prompt_width - len(row.prompt_ids), len(row.completion_ids)
-        output_ids[n, start:prompt_width + length] = torch.tensor(row.token_ids, dtype=torch.long)
-        attention_mask[n, start:prompt_width + length] = 1
+        output_ids[n, start : prompt_width + length] = torch.tensor(row.token_ids, dtype=torch.long)
+        attention_mask[n, start : prompt_width + length] = 1
         completion_mask[n, :length] = torch.tensor(row.completion_mask, dtype=torch.long)
         old_per_token_logps[n, :length] = torch.tensor(row.old_per_token_logps, dtype=torch.float32)
-    counts = torch.tensor([[row.num_tool_calls, row.num_valid_calls, len(row.turn_texts)] for row in rows],
-                          dtype=torch.long)  # [N, 3]
+    counts = torch.tensor(
+        [[row.num_tool_calls, row.num_valid_calls, len(row.turn_texts)] for row in rows], dtype=torch.long
+    )  # [N, 3]
     return AgentRolloutResult(
-        output_ids=output_ids.to(device), completion_ids=output_ids[:, prompt_width:].to(device),
-        old_per_token_logps=old_per_token_logps.to(device), completion_mask=completion_mask.to(device),
-        attention_mask=attention_mask.to(device), final_answers=[row.turn_texts[-1] for row in rows],
-        turn_texts=[list(row.turn_texts) for row in rows], num_tool_calls=counts[:, 0].to(device),
-        num_valid_calls=counts[:, 1].to(device), num_turns=counts[:, 2].to(device),
+        output_ids=output_ids.to(device),
+        completion_ids=output_ids[:, prompt_width:].to(device),
+        old_per_token_logps=old_per_token_logps.to(device),
+        completion_mask=completion_mask.to(device),
+        attention_mask=attention_mask.to(device),
+        final_answers=[row.turn_texts[-1] for row in rows],
+        turn_texts=[list(row.turn_texts) for row in rows],
+        num_tool_calls=counts[:, 0].to(device),
+        num_valid_calls=counts[:, 1].to(device),
+        num_turns=counts[:, 2].to(device),
         unfinished=torch.tensor([row.unfinished for row in rows], dtype=torch.bool, device=device),
-        metrics=metrics)
+        metrics=metrics,
+    )
 
 
 def template_kwargs(open_thinking):

@@ -11,6 +11,7 @@ Adding a tool: write a plain function whose keyword arguments are the schema's p
 JSON-serialisable value (or raising ToolError with a message for the model), and decorate it with
 ``@register_tool(schema)``. docs/agent_tools.md lists the tools and the bounds.
 """
+
 import ast
 import copy
 import json
@@ -31,7 +32,7 @@ MAX_EXPRESSION_CHARS = 200
 MAX_PAREN_DEPTH = 20
 MAX_NODE_DEPTH = 100  # operators nested in the parsed tree (a 100-term sum is 99 deep)
 MAX_DIGITS = 100
-MAX_ABS = 10 ** MAX_DIGITS  # every operand, intermediate value and result: |x| <= 10**100
+MAX_ABS = 10**MAX_DIGITS  # every operand, intermediate value and result: |x| <= 10**100
 
 
 class ToolError(Exception):
@@ -40,6 +41,7 @@ class ToolError(Exception):
 
 class ToolCall(NamedTuple):
     """One ``<tool_call>`` block: ``name`` and ``arguments`` when it parsed, else ``error`` (the others None)."""
+
     name: str | None
     arguments: dict | None
     error: str | None
@@ -47,6 +49,7 @@ class ToolCall(NamedTuple):
 
 class Tool(NamedTuple):
     """A registered tool: the plain function and its OpenAI function-calling schema."""
+
     function: Callable
     schema: dict
 
@@ -66,15 +69,21 @@ def register_tool(schema: dict) -> Callable:
     parameters = spec.get("parameters") if isinstance(spec, dict) else None
     properties = parameters.get("properties") if isinstance(parameters, dict) else None
     required = parameters.get("required", []) if isinstance(parameters, dict) else None
-    if not isinstance(properties, dict) or parameters.get("type") != "object" \
-            or not isinstance(spec.get("name"), str) or not spec["name"] \
-            or not all(isinstance(p, dict) for p in properties.values()) \
-            or not isinstance(required, list) or not set(required) <= set(properties):
+    if (
+        not isinstance(properties, dict)
+        or parameters.get("type") != "object"
+        or not isinstance(spec.get("name"), str)
+        or not spec["name"]
+        or not all(isinstance(p, dict) for p in properties.values())
+        or not isinstance(required, list)
+        or not set(required) <= set(properties)
+    ):
         raise ValueError(f"not an OpenAI function-calling schema with parameters of type object: {schema!r}")
 
     def register(function: Callable) -> Callable:
         REGISTRY[spec["name"]] = Tool(function, copy.deepcopy(schema))
         return function
+
     return register
 
 
@@ -96,7 +105,7 @@ def _show(value, limit: int = 40) -> str:
 
 
 def _bounded(text: str, marker: str = " ...(truncated)") -> str:
-    return text if len(text) <= MAX_REPLY_CHARS else text[:MAX_REPLY_CHARS - len(marker)] + marker
+    return text if len(text) <= MAX_REPLY_CHARS else text[: MAX_REPLY_CHARS - len(marker)] + marker
 
 
 def tool_error(message: str) -> str:
@@ -110,8 +119,14 @@ def tool_error(message: str) -> str:
 
 
 # ----------------------------------------------------------------------------- argument checks
-_JSON_TYPES = {"string": (str,), "number": (int, float), "integer": (int,), "boolean": (bool,),
-               "object": (dict,), "array": (list,)}
+_JSON_TYPES = {
+    "string": (str,),
+    "number": (int, float),
+    "integer": (int,),
+    "boolean": (bool,),
+    "object": (dict,),
+    "array": (list,),
+}
 
 
 def check_arguments(name, arguments) -> str | None:
@@ -142,8 +157,9 @@ def check_arguments(name, arguments) -> str | None:
             return f"argument {key} of {name} must be a {kind}, got {_show(value)}"
         if kind == "string" and not value.strip():
             return f"argument {key} of {name} must not be empty"
-        if kind in ("number", "integer") and (not (isinstance(value, int) or math.isfinite(value))
-                                              or abs(value) > MAX_ABS):
+        if kind in ("number", "integer") and (
+            not (isinstance(value, int) or math.isfinite(value)) or abs(value) > MAX_ABS
+        ):
             return f"argument {key} of {name} must be a finite number of magnitude at most 10**{MAX_DIGITS}"
     return None
 
@@ -159,6 +175,7 @@ def _run_with_time_limit(function: Callable, arguments: dict, timeout_s: float):
             outcome["value"] = function(**arguments)
         except BaseException as error:  # every failure, SystemExit included, becomes a tool error
             outcome["raised"] = error
+
     worker = threading.Thread(target=target, daemon=True, name="agent-tool")
     worker.start()
     worker.join(timeout_s)
@@ -249,14 +266,20 @@ def parse_tool_calls(text: str) -> list:
         if start < 0:
             return calls
         if len(calls) == MAX_CALLS_PER_TURN:
-            calls.append(ToolCall(None, None, f"more than {MAX_CALLS_PER_TURN} tool calls in one turn; "
-                                              f"the calls past the {MAX_CALLS_PER_TURN}th are ignored"))
+            calls.append(
+                ToolCall(
+                    None,
+                    None,
+                    f"more than {MAX_CALLS_PER_TURN} tool calls in one turn; "
+                    f"the calls past the {MAX_CALLS_PER_TURN}th are ignored",
+                )
+            )
             return calls
         end = text.find(TOOL_CALL_CLOSE, start + len(TOOL_CALL_OPEN))
         if end < 0:
             calls.append(ToolCall(None, None, f"{TOOL_CALL_OPEN} without {TOOL_CALL_CLOSE}"))
             return calls
-        calls.append(_parse_block(text[start + len(TOOL_CALL_OPEN):end].strip()))
+        calls.append(_parse_block(text[start + len(TOOL_CALL_OPEN) : end].strip()))
         position = end + len(TOOL_CALL_CLOSE)
 
 
@@ -277,8 +300,10 @@ def conversation_tools(messages):
                 tools = json.loads(tools)
             except ValueError as error:
                 raise ValueError(f"the system turn's tools are not JSON ({error}): {tools[:80]!r}") from error
-        if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("function"), dict)
-                                                  and isinstance(t["function"].get("name"), str) for t in tools):
+        if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
+            for t in tools
+        ):
             raise ValueError(f"the system turn's tools must be a list of function schemas, got {str(tools)[:80]!r}")
         unknown = [t["function"]["name"] for t in tools if t["function"]["name"] not in REGISTRY]
         if unknown:
@@ -289,8 +314,10 @@ def conversation_tools(messages):
 def count_valid_calls(calls, allowed) -> int:
     """How many of ``calls`` (``parse_tool_calls``' entries of one turn) parsed, name a tool of ``allowed`` and have
     arguments that pass ``check_arguments``: the valid calls of agent RL's reward and metrics."""
-    return sum(call.error is None and call.name in allowed and check_arguments(call.name, call.arguments) is None
-               for call in calls)
+    return sum(
+        call.error is None and call.name in allowed and check_arguments(call.name, call.arguments) is None
+        for call in calls
+    )
 
 
 def _parse_block(body: str) -> ToolCall:
@@ -307,14 +334,22 @@ def _parse_block(body: str) -> ToolCall:
         if error:
             return ToolCall(None, None, error)
     if not isinstance(arguments, dict):
-        return ToolCall(None, None, f"the arguments of {_show(name)} must be a JSON object, "
-                                    f"got {type(arguments).__name__}")
+        return ToolCall(
+            None, None, f"the arguments of {_show(name)} must be a JSON object, got {type(arguments).__name__}"
+        )
     return ToolCall(name, arguments, None)
 
 
 # ----------------------------------------------------------------------------- the calculator
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 # spellings upstream's calculator accepts, mapped to Python's operators
 _SPELLINGS = {"^": "**", "×": "*", "÷": "/", "−": "-", "（": "(", "）": ")"}
@@ -398,32 +433,75 @@ def calculate(expression) -> int | float:
 
 # ----------------------------------------------------------------------------- upstream's six tools
 # Canned data, as upstream's train_agent.py holds it (its answers are the values its agent RL data expects).
-WEATHER = {"北京": ("28°C", "晴"), "上海": ("15°C", "多云"), "广州": ("32°C", "闷热"), "深圳": ("30°C", "晴"),
-           "杭州": ("22°C", "阴"), "成都": ("18°C", "小雨"), "武汉": ("25°C", "多云"), "南京": ("20°C", "晴"),
-           "西安": ("16°C", "大风"), "重庆": ("26°C", "阴"), "Tokyo": ("12°C", "晴"), "New York": ("8°C", "多云"),
-           "London": ("5°C", "小雨"), "Paris": ("10°C", "阴"), "Sydney": ("25°C", "晴朗")}
+WEATHER = {
+    "北京": ("28°C", "晴"),
+    "上海": ("15°C", "多云"),
+    "广州": ("32°C", "闷热"),
+    "深圳": ("30°C", "晴"),
+    "杭州": ("22°C", "阴"),
+    "成都": ("18°C", "小雨"),
+    "武汉": ("25°C", "多云"),
+    "南京": ("20°C", "晴"),
+    "西安": ("16°C", "大风"),
+    "重庆": ("26°C", "阴"),
+    "Tokyo": ("12°C", "晴"),
+    "New York": ("8°C", "多云"),
+    "London": ("5°C", "小雨"),
+    "Paris": ("10°C", "阴"),
+    "Sydney": ("25°C", "晴朗"),
+}
 WEATHER_DEFAULT, HUMIDITY = ("22°C", "晴"), "65%"
-TIMES = {"Asia/Shanghai": "2025-03-07 14:30:00", "America/New_York": "2025-03-07 01:30:00",
-         "Europe/London": "2025-03-07 06:30:00", "Asia/Tokyo": "2025-03-07 15:30:00",
-         "Europe/Paris": "2025-03-07 07:30:00", "Australia/Sydney": "2025-03-07 17:30:00"}
+TIMES = {
+    "Asia/Shanghai": "2025-03-07 14:30:00",
+    "America/New_York": "2025-03-07 01:30:00",
+    "Europe/London": "2025-03-07 06:30:00",
+    "Asia/Tokyo": "2025-03-07 15:30:00",
+    "Europe/Paris": "2025-03-07 07:30:00",
+    "Australia/Sydney": "2025-03-07 17:30:00",
+}
 TIME_DEFAULT = "2025-03-07 14:30:00"
-EXCHANGE_RATES = {("USD", "CNY"): 7.21, ("EUR", "CNY"): 7.85, ("GBP", "CNY"): 9.12, ("JPY", "CNY"): 0.048,
-                  ("USD", "EUR"): 0.92, ("USD", "GBP"): 0.79, ("CNY", "JPY"): 20.83, ("AUD", "CNY"): 4.72}
+EXCHANGE_RATES = {
+    ("USD", "CNY"): 7.21,
+    ("EUR", "CNY"): 7.85,
+    ("GBP", "CNY"): 9.12,
+    ("JPY", "CNY"): 0.048,
+    ("USD", "EUR"): 0.92,
+    ("USD", "GBP"): 0.79,
+    ("CNY", "JPY"): 20.83,
+    ("AUD", "CNY"): 4.72,
+}
 RATE_DEFAULT = 1.0
-TRANSLATIONS = {("你好世界", "english"): "Hello World", ("Good morning", "chinese"): "早上好",
-                ("今天天气真好", "english"): "The weather is nice today",
-                ("I love programming", "chinese"): "我喜欢编程",
-                ("机器学习很有趣", "english"): "Machine learning is interesting",
-                ("Happy birthday", "chinese"): "生日快乐"}
+TRANSLATIONS = {
+    ("你好世界", "english"): "Hello World",
+    ("Good morning", "chinese"): "早上好",
+    ("今天天气真好", "english"): "The weather is nice today",
+    ("I love programming", "chinese"): "我喜欢编程",
+    ("机器学习很有趣", "english"): "Machine learning is interesting",
+    ("Happy birthday", "chinese"): "生日快乐",
+}
 # a multiplying factor per "from_to" pair (upstream's table: temperatures too are a factor, not an affine map)
-UNIT_FACTORS = {"km_miles": 0.621371, "miles_km": 1.60934, "kg_pounds": 2.20462, "pounds_kg": 0.453592,
-                "meters_feet": 3.28084, "feet_meters": 0.3048, "celsius_fahrenheit": 1.8, "fahrenheit_celsius": 0.5556}
+UNIT_FACTORS = {
+    "km_miles": 0.621371,
+    "miles_km": 1.60934,
+    "kg_pounds": 2.20462,
+    "pounds_kg": 0.453592,
+    "meters_feet": 3.28084,
+    "feet_meters": 0.3048,
+    "celsius_fahrenheit": 1.8,
+    "fahrenheit_celsius": 0.5556,
+}
 UNIT_DEFAULT = 1
 
 
 def _schema(name: str, description: str, properties: dict, required: list) -> dict:
-    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
-        "type": "object", "properties": properties, "required": required}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {"type": "object", "properties": properties, "required": required},
+        },
+    }
 
 
 def _lookup(table: dict, key, default):
@@ -432,8 +510,9 @@ def _lookup(table: dict, key, default):
         return key, table[key]
     folded = tuple(part.casefold() for part in key) if isinstance(key, tuple) else key.casefold()
     for candidate, value in table.items():
-        candidate_folded = tuple(p.casefold() for p in candidate) if isinstance(candidate, tuple) \
-            else candidate.casefold()
+        candidate_folded = (
+            tuple(p.casefold() for p in candidate) if isinstance(candidate, tuple) else candidate.casefold()
+        )
         if candidate_folded == folded:
             return candidate, value
     return key, default
@@ -446,8 +525,14 @@ def calculate_math(expression: str) -> dict:
     return {"result": str(calculate(expression))}
 
 
-@register_tool(_schema("unit_converter", "单位换算", {"value": {"type": "number"}, "from_unit": {"type": "string"},
-                                                  "to_unit": {"type": "string"}}, ["value", "from_unit", "to_unit"]))
+@register_tool(
+    _schema(
+        "unit_converter",
+        "单位换算",
+        {"value": {"type": "number"}, "from_unit": {"type": "string"}, "to_unit": {"type": "string"}},
+        ["value", "from_unit", "to_unit"],
+    )
+)
 def unit_converter(value, from_unit: str, to_unit: str) -> dict:
     """{"result": round(value * factor, 4)}, factor from UNIT_FACTORS["from_to"] (lower case; 1 if unknown)."""
     factor = UNIT_FACTORS.get(f"{from_unit.strip().lower()}_{to_unit.strip().lower()}", UNIT_DEFAULT)
@@ -461,26 +546,37 @@ def get_current_weather(location: str) -> dict:
     return {"city": city, "temperature": temperature, "humidity": HUMIDITY, "condition": condition}
 
 
-@register_tool(_schema("get_current_time", "获取时间", {"timezone": {"type": "string", "default": "Asia/Shanghai"}},
-                       []))
+@register_tool(
+    _schema("get_current_time", "获取时间", {"timezone": {"type": "string", "default": "Asia/Shanghai"}}, [])
+)
 def get_current_time(timezone: str = "Asia/Shanghai") -> dict:
     """{"datetime", "timezone"} from TIMES (TIME_DEFAULT for other zones); a fixed clock, not the machine's."""
     zone, stamp = _lookup(TIMES, timezone.strip(), TIME_DEFAULT)
     return {"datetime": stamp, "timezone": zone}
 
 
-@register_tool(_schema("get_exchange_rate", "查询汇率", {"from_currency": {"type": "string"},
-                                                      "to_currency": {"type": "string"}},
-                       ["from_currency", "to_currency"]))
+@register_tool(
+    _schema(
+        "get_exchange_rate",
+        "查询汇率",
+        {"from_currency": {"type": "string"}, "to_currency": {"type": "string"}},
+        ["from_currency", "to_currency"],
+    )
+)
 def get_exchange_rate(from_currency: str, to_currency: str) -> dict:
     """{"from", "to", "rate"} from EXCHANGE_RATES, codes in upper case (RATE_DEFAULT for other pairs)."""
     pair = (from_currency.strip().upper(), to_currency.strip().upper())
     return {"from": pair[0], "to": pair[1], "rate": EXCHANGE_RATES.get(pair, RATE_DEFAULT)}
 
 
-@register_tool(_schema("translate_text", "翻译文本", {"text": {"type": "string"},
-                                                   "target_language": {"type": "string"}},
-                       ["text", "target_language"]))
+@register_tool(
+    _schema(
+        "translate_text",
+        "翻译文本",
+        {"text": {"type": "string"}, "target_language": {"type": "string"}},
+        ["text", "target_language"],
+    )
+)
 def translate_text(text: str, target_language: str) -> dict:
     """{"translated_text"} from TRANSLATIONS (the text itself for pairs it does not hold)."""
     _, translated = _lookup(TRANSLATIONS, (text.strip(), target_language.strip().lower()), text)

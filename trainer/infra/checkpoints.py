@@ -3,6 +3,7 @@ every state a run needs to continue bit for bit, the random states of every rank
 
 Infrastructure, not RL: a learner can skip this file.
 """
+
 import fcntl
 import functools
 import hashlib
@@ -39,9 +40,22 @@ FIXED_ON_RESUME = {
 # flags whose new value moves the learning-rate schedule: it is rebuilt from the flags at the resumed update
 SCHEDULE_FLAGS = ("learning_rate", "final_norm_learning_rate", "critic_learning_rate", "max_steps", "epochs")
 # flags that never change what is trained
-UNCHECKED_FLAGS = ("from_resume", "run_dir", "use_wandb", "tracker", "wandb_project", "device", "num_workers",
-                   "log_interval", "debug_mode", "debug_interval", "sglang_url", "tokenizer_path_named",
-                   "allow_data_change", "sglang_timeout")
+UNCHECKED_FLAGS = (
+    "from_resume",
+    "run_dir",
+    "use_wandb",
+    "tracker",
+    "wandb_project",
+    "device",
+    "num_workers",
+    "log_interval",
+    "debug_mode",
+    "debug_interval",
+    "sglang_url",
+    "tokenizer_path_named",
+    "allow_data_change",
+    "sglang_timeout",
+)
 
 
 def get_rng_state():
@@ -82,7 +96,6 @@ def gather_rng_states():
     return states
 
 
-
 def save_checkpoint(args, script, lm_config, objects, progress, weights):
     """Save at a safe point: the policy (and critic) weights as MiniMind fp16 ``.pth`` files with their tokenizer
     records, and the resume file with everything ``start_or_resume`` needs, all replaced together (``atomic_write``:
@@ -112,8 +125,9 @@ def save_checkpoint(args, script, lm_config, objects, progress, weights):
             "format_version": RESUME_FORMAT_VERSION,
             "script": script,
             "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},
-            "progress": dict(progress, world_size=world_size, run_dir=relative_run_dir(progress["run_dir"],
-                                                                                        args.save_dir)),
+            "progress": dict(
+                progress, world_size=world_size, run_dir=relative_run_dir(progress["run_dir"], args.save_dir)
+            ),
             "data": data_digest(args.data_path),  # checked on resume (check_resume_data)
             "rng_states": rng_states,
             "states": states,
@@ -145,8 +159,10 @@ def load_resume(path, script, args, mmap=False):
         found = checkpoint.get("format_version") if isinstance(checkpoint, dict) else type(checkpoint).__name__
         raise InputError(f"{path} has resume format {found!r}, this code reads format {RESUME_FORMAT_VERSION}")
     if checkpoint["script"] != script:
-        raise InputError(f"{path} was written by train_{checkpoint['script']}.py, not train_{script}.py; "
-                         f"use another --save_weight or --save_dir for this run")
+        raise InputError(
+            f"{path} was written by train_{checkpoint['script']}.py, not train_{script}.py; "
+            f"use another --save_weight or --save_dir for this run"
+        )
     check_resume_flags(path, checkpoint["args"], args)
     return checkpoint
 
@@ -182,19 +198,25 @@ def check_resume_flags(path, saved_args, args):
     """
     for flag in ARCHITECTURE_FLAGS:
         if saved_args.get(flag) != getattr(args, flag):
-            raise InputError(f"{path} was saved with --{flag} {saved_args.get(flag)} but this run has "
-                             f"--{flag} {getattr(args, flag)}; pass --{flag} {saved_args.get(flag)} to resume it")
+            raise InputError(
+                f"{path} was saved with --{flag} {saved_args.get(flag)} but this run has "
+                f"--{flag} {getattr(args, flag)}; pass --{flag} {saved_args.get(flag)} to resume it"
+            )
     saved_rank, rank = saved_args.get("lora_rank", 0), getattr(args, "lora_rank", 0)
     if saved_rank != rank:  # a file of every weight, or of adapters (infra/lora.py)
         what = f"adapters of rank {saved_rank}" if saved_rank else "every weight of the policy (no LoRA)"
-        raise InputError(f"{path} holds {what} but this run has --lora_rank {rank}: pass --lora_rank {saved_rank} "
-                         f"to resume it, or start a new run (another --save_dir or --save_weight)")
+        raise InputError(
+            f"{path} holds {what} but this run has --lora_rank {rank}: pass --lora_rank {saved_rank} "
+            f"to resume it, or start a new run (another --save_dir or --save_weight)"
+        )
     for flag, reason in FIXED_ON_RESUME.items():
         if flag in saved_args and hasattr(args, flag) and saved_args[flag] != getattr(args, flag):
-            raise InputError(f"{path} was saved with --{flag} {saved_args[flag]} but this run has --{flag} "
-                             f"{getattr(args, flag)}, which a resume cannot take ({reason}): pass --{flag} "
-                             f"{saved_args[flag]} to resume, or start a new run (another --save_dir or "
-                             f"--save_weight) from the saved weights")
+            raise InputError(
+                f"{path} was saved with --{flag} {saved_args[flag]} but this run has --{flag} "
+                f"{getattr(args, flag)}, which a resume cannot take ({reason}): pass --{flag} "
+                f"{saved_args[flag]} to resume, or start a new run (another --save_dir or "
+                f"--save_weight) from the saved weights"
+            )
 
 
 def resume_progress(checkpoint, world_size, steps_per_epoch, rank, batch_size):
@@ -263,8 +285,9 @@ def training_states(objects):
         elif isinstance(obj, torch.nn.Module):
             module = unwrap_model(obj)
             states[name] = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
-            states[f"{name}_grads"] = {k: p.grad.detach().cpu().clone() for k, p in module.named_parameters()
-                                       if p.grad is not None}
+            states[f"{name}_grads"] = {
+                k: p.grad.detach().cpu().clone() for k, p in module.named_parameters() if p.grad is not None
+            }
         elif hasattr(obj, "resume_state"):  # a rollout engine
             states[name] = obj.resume_state()
         else:
@@ -283,10 +306,13 @@ def load_optimizer_state(optimizer, state):
     """
     saved_groups = state["param_groups"]
     if len(saved_groups) == len(optimizer.param_groups):
-        own_settings = [{key: value for key, value in group.items() if key not in ("params", "initial_lr")}
-                        for group in optimizer.param_groups]
-        state = dict(state, param_groups=[dict(saved, **settings)
-                                          for saved, settings in zip(saved_groups, own_settings)])
+        own_settings = [
+            {key: value for key, value in group.items() if key not in ("params", "initial_lr")}
+            for group in optimizer.param_groups
+        ]
+        state = dict(
+            state, param_groups=[dict(saved, **settings) for saved, settings in zip(saved_groups, own_settings)]
+        )
     optimizer.load_state_dict(state)
 
 
@@ -310,9 +336,11 @@ def load_training_states(objects, states, path):
             except RuntimeError as err:  # other keys or shapes: a file of another version of the scripts
                 lines = str(err).splitlines()  # "Error(s) in loading state_dict for ...:", then the differences
                 first = lines[1].strip() if len(lines) > 1 else str(err)
-                raise InputError(f"{path}: its {name!r} does not fit this run's ({first[:300]}); it was written by "
-                                 f"another version of the scripts: start a new run (--from_resume 0) from its "
-                                 f"weights") from None
+                raise InputError(
+                    f"{path}: its {name!r} does not fit this run's ({first[:300]}); it was written by "
+                    f"another version of the scripts: start a new run (--from_resume 0) from its "
+                    f"weights"
+                ) from None
             grads = states.get(f"{name}_grads", {})
             for param_name, param in module.named_parameters():
                 param.grad = grads[param_name].to(param.device) if param_name in grads else None
@@ -324,7 +352,7 @@ def load_training_states(objects, states, path):
 
 def lock_path(args):
     """``{save_dir}/{save_weight}_{hidden}[_moe].lock``: the lock of the run that writes these checkpoint files."""
-    return resume_path(args.save_weight, args.save_dir, args.hidden_size, args.use_moe)[:-len("_resume.pth")] + ".lock"
+    return resume_path(args.save_weight, args.save_dir, args.hidden_size, args.use_moe)[: -len("_resume.pth")] + ".lock"
 
 
 def claim_save_dir(args, script, total_steps):
@@ -353,17 +381,29 @@ def claim_save_dir(args, script, total_steps):
 
     def claim():
         path = lock_path(args)
-        claimed["locks"] = [take_lock(path, lambda holder: (
-            f"{args.save_dir} is in use by another run writing {args.save_weight} checkpoints ({holder}, lock "
-            f"{path}): two runs would overwrite each other's weights and resume file; wait for it, or give this run "
-            f"another --save_dir or --save_weight"))]
+        claimed["locks"] = [
+            take_lock(
+                path,
+                lambda holder: (
+                    f"{args.save_dir} is in use by another run writing {args.save_weight} checkpoints ({holder}, "
+                    f"lock {path}): two runs would overwrite each other's weights and resume file; wait for it, or "
+                    f"give this run another --save_dir or --save_weight"
+                ),
+            )
+        ]
         if getattr(args, "rollout_engine", "torch") == "sglang":
             folder = os.path.abspath(sglang_folder(args))
             os.makedirs(os.path.dirname(folder), exist_ok=True)
-            claimed["locks"].append(take_lock(folder + ".lock", lambda holder: (
-                f"--sglang_shared_path {folder} is in use by another run ({holder}): each run's server would load "
-                f"the other run's weights; give each run its own --sglang_shared_path (the default "
-                f"{{save_dir}}/sglang_NAME_HIDDEN is one per --save_weight)")))
+            claimed["locks"].append(
+                take_lock(
+                    folder + ".lock",
+                    lambda holder: (
+                        f"--sglang_shared_path {folder} is in use by another run ({holder}): each run's server would "
+                        f"load the other run's weights; give each run its own --sglang_shared_path (the default "
+                        f"{{save_dir}}/sglang_NAME_HIDDEN is one per --save_weight)"
+                    ),
+                )
+            )
         check_start_weights_kept(args)
         data_digest(args.data_path)  # the data this run reads, as its checkpoints will record it
         path = resume_path(args.save_weight, args.save_dir, args.hidden_size, args.use_moe)
@@ -380,9 +420,11 @@ def claim_save_dir(args, script, total_steps):
         if checkpoint is not None and not run_finished(checkpoint):
             progress = checkpoint["progress"]
             of = f" of {progress['total_steps']}" if "total_steps" in progress else ""
-            raise InputError(f"{path} holds an unfinished run (step {progress['step']}{of}) that this fresh run would "
-                             f"replace: resume it with --from_resume 1, start this run elsewhere (another --save_dir "
-                             f"or --save_weight), or delete that file to start over")
+            raise InputError(
+                f"{path} holds an unfinished run (step {progress['step']}{of}) that this fresh run would "
+                f"replace: resume it with --from_resume 1, start this run elsewhere (another --save_dir "
+                f"or --save_weight), or delete that file to start over"
+            )
 
     try:
         run_on_rank0(claim, f"claiming {args.save_dir}")
@@ -427,7 +469,7 @@ def sglang_folder(args):
     ``{save_dir}/sglang_{save_weight}_{hidden}[_moe]``, one per checkpoint files (so one per run: ``lock_path``)."""
     if args.sglang_shared_path:
         return args.sglang_shared_path
-    return os.path.join(args.save_dir, "sglang_" + os.path.basename(lock_path(args))[:-len(".lock")])
+    return os.path.join(args.save_dir, "sglang_" + os.path.basename(lock_path(args))[: -len(".lock")])
 
 
 def check_fresh_run_dir(run_dir):
@@ -435,9 +477,11 @@ def check_fresh_run_dir(run_dir):
     to that run's, and the curves of both would be mixed. Raises ValueError naming the file and the ways on."""
     metrics_path = os.path.join(run_dir, "metrics.jsonl") if run_dir else None
     if metrics_path and os.path.isfile(metrics_path) and os.path.getsize(metrics_path) > 0:
-        raise InputError(f"--run_dir {run_dir} already holds another run's metrics ({metrics_path}): this fresh run "
-                         f"would append its rows to that run's; give a new --run_dir (or none: "
-                         f"{{save_dir}}/runs/NAME-TIME), resume that run with --from_resume 1, or delete the file")
+        raise InputError(
+            f"--run_dir {run_dir} already holds another run's metrics ({metrics_path}): this fresh run "
+            f"would append its rows to that run's; give a new --run_dir (or none: "
+            f"{{save_dir}}/runs/NAME-TIME), resume that run with --from_resume 1, or delete the file"
+        )
 
 
 def check_start_weights_kept(args):
@@ -450,9 +494,11 @@ def check_start_weights_kept(args):
     saved = weight_path(args.save_weight, args.save_dir, args.hidden_size, args.use_moe, allow_file=False)
     same = os.path.isfile(start) and os.path.isfile(saved) and os.path.samefile(start, saved)
     if same or os.path.abspath(start) == os.path.abspath(saved):
-        raise InputError(f"--from_weight {args.from_weight} is {start}, the file this run saves its policy to "
-                         f"(--save_weight {args.save_weight}): the run's first save would overwrite its starting "
-                         f"weights; give this run another --save_weight (or start from a copy of that file)")
+        raise InputError(
+            f"--from_weight {args.from_weight} is {start}, the file this run saves its policy to "
+            f"(--save_weight {args.save_weight}): the run's first save would overwrite its starting "
+            f"weights; give this run another --save_weight (or start from a copy of that file)"
+        )
 
 
 def check_resume_run_dir(args, path, checkpoint):
@@ -467,9 +513,11 @@ def check_resume_run_dir(args, path, checkpoint):
         return
     metrics_path = os.path.join(args.run_dir, "metrics.jsonl")
     if os.path.isfile(metrics_path) and os.path.getsize(metrics_path) > 0:
-        raise InputError(f"--run_dir {args.run_dir} holds another run's metrics ({metrics_path}); the run saved in "
-                         f"{path} writes its metrics to {saved or 'no recorded folder'}: drop --run_dir to resume "
-                         f"into its own folder, or give a --run_dir without metrics")
+        raise InputError(
+            f"--run_dir {args.run_dir} holds another run's metrics ({metrics_path}); the run saved in "
+            f"{path} writes its metrics to {saved or 'no recorded folder'}: drop --run_dir to resume "
+            f"into its own folder, or give a --run_dir without metrics"
+        )
 
 
 @functools.lru_cache(maxsize=8)
@@ -477,7 +525,7 @@ def file_digest(path, size, mtime_ns):
     """(size, sha256 hex) of the file at ``path``; ``size`` and ``mtime_ns`` key the cache (a file is read once)."""
     sha = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(2 ** 20), b""):
+        for chunk in iter(lambda: f.read(2**20), b""):
             sha.update(chunk)
     return size, sha.hexdigest()
 
@@ -499,15 +547,22 @@ def check_resume_data(args, path, checkpoint):
     current = data_digest(args.data_path)
     if current == dict(saved):
         return
-    what = (f"{saved['size']} -> {current['size']} bytes" if saved["size"] != current["size"] else
-            f"same size, sha256 {saved['sha256'][:12]}... -> {current['sha256'][:12]}...")
+    what = (
+        f"{saved['size']} -> {current['size']} bytes"
+        if saved["size"] != current["size"]
+        else f"same size, sha256 {saved['sha256'][:12]}... -> {current['sha256'][:12]}..."
+    )
     if getattr(args, "allow_data_change", 0):
-        Logger(f"warning: --data_path {args.data_path} changed since {path} was saved ({what}); "
-               f"--allow_data_change 1: the run continues at the saved position, counted in prompts of this file")
+        Logger(
+            f"warning: --data_path {args.data_path} changed since {path} was saved ({what}); "
+            f"--allow_data_change 1: the run continues at the saved position, counted in prompts of this file"
+        )
         return
-    raise InputError(f"--data_path {args.data_path} changed since {path} was saved ({what}): the saved data position "
-                     f"and the sample indices of the metrics count prompts of the saved file. Put that file back to "
-                     f"resume exactly, or pass --allow_data_change 1 to continue at the same position in this one")
+    raise InputError(
+        f"--data_path {args.data_path} changed since {path} was saved ({what}): the saved data position "
+        f"and the sample indices of the metrics count prompts of the saved file. Put that file back to "
+        f"resume exactly, or pass --allow_data_change 1 to continue at the same position in this one"
+    )
 
 
 def check_work_left(args, path, checkpoint, total_steps, world_size):
@@ -522,29 +577,37 @@ def check_work_left(args, path, checkpoint, total_steps, world_size):
         return
     at = f"step {step}"
     if step != progress["step"]:
-        at = (f"step {progress['step']} of {saved_prompts} prompts per step, which is step {step} at this run's "
-              f"{prompts} (--batch_size {args.batch_size} x {world_size} processes)")
-    raise InputError(f"nothing to resume: {path} is at {at} and this run has {total_steps} steps. To train further "
-                     f"pass a --max_steps above {step} (or more --epochs; the schedule is rebuilt); for a new run "
-                     f"give another --save_weight or --save_dir")
+        at = (
+            f"step {progress['step']} of {saved_prompts} prompts per step, which is step {step} at this run's "
+            f"{prompts} (--batch_size {args.batch_size} x {world_size} processes)"
+        )
+    raise InputError(
+        f"nothing to resume: {path} is at {at} and this run has {total_steps} steps. To train further "
+        f"pass a --max_steps above {step} (or more --epochs; the schedule is rebuilt); for a new run "
+        f"give another --save_weight or --save_dir"
+    )
 
 
 def check_other_resume_files(args, path):
     """``--from_resume 1`` without a resume file at ``path``: refuse when ``--save_dir`` holds other runs' resume
     files (a mistyped name would start at step 0 beside them). Raises ValueError naming each file with the flags
     that resume it, and ``--from_resume 0``."""
-    others = sorted(name for name in os.listdir(args.save_dir)
-                    if name.endswith("_resume.pth") and name != os.path.basename(path))
+    others = sorted(
+        name for name in os.listdir(args.save_dir) if name.endswith("_resume.pth") and name != os.path.basename(path)
+    )
     if not others:
         return
     described = []
     for name in others:
         match = re.fullmatch(r"(.+)_(\d+)(_moe)?_resume\.pth", name)
-        flags = (f" (--save_weight {match[1]} --hidden_size {match[2]}{' --use_moe 1' if match[3] else ''})"
-                 if match else "")
+        flags = (
+            f" (--save_weight {match[1]} --hidden_size {match[2]}{' --use_moe 1' if match[3] else ''})" if match else ""
+        )
         described.append(f"{name}{flags}")
-    raise InputError(f"--from_resume 1: there is no {path}, but {args.save_dir} holds {', '.join(described)}: pass "
-                     f"the flags of the run to resume, or --from_resume 0 to start this run at step 0")
+    raise InputError(
+        f"--from_resume 1: there is no {path}, but {args.save_dir} holds {', '.join(described)}: pass "
+        f"the flags of the run to resume, or --from_resume 0 to start this run at step 0"
+    )
 
 
 def peek_resume(path):
@@ -581,8 +644,15 @@ def start_or_resume(args, script, objects, steps_per_epoch, device, rank, world_
         ValueError: a resume file from another script, format or architecture (see ``load_resume``), a
             ``--from_weight`` that is the saved policy, or ranks at different steps.
     """
-    progress = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "lr_schedule_step": 0, "run_dir": None,
-                "wandb_id": None, "bad_steps_in_a_row": 0}
+    progress = {
+        "step": 0,
+        "epoch": 0,
+        "batch_in_epoch": 0,
+        "lr_schedule_step": 0,
+        "run_dir": None,
+        "wandb_id": None,
+        "bad_steps_in_a_row": 0,
+    }
     if not args.from_resume:
         return progress, {}
     path = resume_path(args.save_weight, args.save_dir, args.hidden_size, args.use_moe)
@@ -591,15 +661,16 @@ def start_or_resume(args, script, objects, steps_per_epoch, device, rank, world_
     if checkpoint is None:
         Logger(f"--from_resume 1: no resume file at {path}, starting at step 0")
     else:
-        progress = restore_from_checkpoint(args, objects, steps_per_epoch, path, checkpoint, progress, rank,
-                                           world_size)
+        progress = restore_from_checkpoint(args, objects, steps_per_epoch, path, checkpoint, progress, rank, world_size)
         rollout_engine_state = checkpoint["states"].get("rollout_engine", {})
     if dist.is_initialized():  # every rank must have read the same file (multi-node: a shared --save_dir)
         steps = torch.tensor([progress["step"], -progress["step"]], dtype=torch.float64, device=device)
         dist.all_reduce(steps, op=dist.ReduceOp.MAX)
         if steps[0].item() != -steps[1].item():
-            raise InputError(f"ranks would resume from different steps (up to {int(steps[0].item())}, this one "
-                             f"{progress['step']}): every node needs the same {path} (a shared --save_dir)")
+            raise InputError(
+                f"ranks would resume from different steps (up to {int(steps[0].item())}, this one "
+                f"{progress['step']}): every node needs the same {path} (a shared --save_dir)"
+            )
     return progress, rollout_engine_state
 
 
@@ -609,9 +680,11 @@ def restore_from_checkpoint(args, objects, steps_per_epoch, path, checkpoint, pr
     start_weights = weight_path(args.from_weight, args.save_dir, args.hidden_size, args.use_moe)
     saved_weights = weight_path(args.save_weight, args.save_dir, args.hidden_size, args.use_moe, allow_file=False)
     if os.path.abspath(start_weights) == os.path.abspath(saved_weights):
-        raise InputError(f"--from_weight {args.from_weight} is {saved_weights}, the file this run saves its policy "
-                         f"to, so on resume the reference model would be the step-{checkpoint['progress']['step']} "
-                         f"policy, not the starting one; start runs from a copy (another --save_weight)")
+        raise InputError(
+            f"--from_weight {args.from_weight} is {saved_weights}, the file this run saves its policy "
+            f"to, so on resume the reference model would be the step-{checkpoint['progress']['step']} "
+            f"policy, not the starting one; start runs from a copy (another --save_weight)"
+        )
     load_training_states(objects, checkpoint["states"], path)
     for line in changed_flags(checkpoint["args"], args):
         Logger(line)
@@ -624,14 +697,20 @@ def restore_from_checkpoint(args, objects, steps_per_epoch, path, checkpoint, pr
     else:
         saved_world_size = checkpoint["progress"]["world_size"]
         setup_seed(args.seed + rank + 1000 * progress["step"])
-        Logger(f"world size changed from {saved_world_size} to {world_size}: random states reseeded, so this resume "
-               f"is not bit-exact")
+        Logger(
+            f"world size changed from {saved_world_size} to {world_size}: random states reseeded, so this resume "
+            f"is not bit-exact"
+        )
     if progress["step"] != checkpoint["progress"]["step"]:
-        Logger(f"prompts per step changed: step and learning-rate schedules rescaled to {progress['step']}, data "
-               f"position to batch {progress['batch_in_epoch']} of epoch {progress['epoch']} (the prompts seen stay "
-               f"the same)")
-    Logger(f"resumed from {path} at step {progress['step']} (epoch {progress['epoch']}, "
-           f"batch {progress['batch_in_epoch']})")
+        Logger(
+            f"prompts per step changed: step and learning-rate schedules rescaled to {progress['step']}, data "
+            f"position to batch {progress['batch_in_epoch']} of epoch {progress['epoch']} (the prompts seen stay "
+            f"the same)"
+        )
+    Logger(
+        f"resumed from {path} at step {progress['step']} (epoch {progress['epoch']}, "
+        f"batch {progress['batch_in_epoch']})"
+    )
     return progress
 
 
@@ -639,6 +718,13 @@ def checkpoint_progress(step, total_steps, position, scheduler, run_dir, writer,
     """What a checkpoint saves of the run's progress, the same in the three RL scripts: the step, the data position
     ({"epoch", "batch_in_epoch"}), the schedule's step, the metrics folder and wandb id, the skipped updates in a
     row, and (``optimizer_step``: an ``OptimizerStep``) its open accumulation window. -> dict."""
-    progress = {"step": step, "total_steps": total_steps, **position, "lr_schedule_step": scheduler.last_epoch,
-                "run_dir": run_dir, "wandb_id": writer.wandb_id, "bad_steps_in_a_row": guard.in_a_row}
+    progress = {
+        "step": step,
+        "total_steps": total_steps,
+        **position,
+        "lr_schedule_step": scheduler.last_epoch,
+        "run_dir": run_dir,
+        "wandb_id": writer.wandb_id,
+        "bad_steps_in_a_row": guard.in_a_row,
+    }
     return {**progress, **(optimizer_step.state() if optimizer_step is not None else {})}

@@ -4,6 +4,7 @@ through (DistributedDataParallel, torch.compile), and the few values ranks agree
 Infrastructure, not RL: a learner can skip this file. Without torchrun every function is the single-process
 identity (``mean_over_ranks`` returns its input, ``any_rank`` the plain bool).
 """
+
 import os
 import random
 
@@ -73,7 +74,7 @@ def shutdown_distributed():
 def setup_seed(seed):
     """Seed the Python, NumPy and torch (CPU and CUDA) RNGs."""
     random.seed(seed)
-    np.random.seed(seed % 2 ** 32)
+    np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
     torch.cuda.manual_seed_all(seed)
 
@@ -84,8 +85,9 @@ def wrap_ddp(model, device, local_rank):
         return model
     # MoE experts that received no token on a rank get no gradient there: DDP must be told to expect that.
     use_moe = bool(getattr(getattr(model, "config", None), "use_moe", False))
-    return DistributedDataParallel(model, device_ids=[local_rank] if device.startswith("cuda") else None,
-                                   find_unused_parameters=use_moe)
+    return DistributedDataParallel(
+        model, device_ids=[local_rank] if device.startswith("cuda") else None, find_unused_parameters=use_moe
+    )
 
 
 def unwrap_model(model):

@@ -2,6 +2,7 @@
 
 Infrastructure, not RL: a learner can skip this file.
 """
+
 import contextlib
 
 import torch

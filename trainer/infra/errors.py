@@ -7,6 +7,7 @@ file that is not there) names its path. ``run_script`` runs a script's ``main`` 
 line on stderr, in argparse's form (``train_grpo.py: error: ...``), and exit status 1, without a traceback. Anything
 else is a bug and keeps its traceback; ``--debug_mode 1`` keeps the traceback of both.
 """
+
 import errno
 import os
 import sys

@@ -3,6 +3,7 @@
 
 Infrastructure, not RL: a learner can skip this file.
 """
+
 import errno
 import glob
 import os
@@ -86,8 +87,11 @@ def move_into_place(tmp, path):
 
 def fsync_tree(path):
     """fsync the file at ``path``, or every file of the folder at ``path``."""
-    files = [path] if os.path.isfile(path) else [os.path.join(root, name) for root, _, names in os.walk(path)
-                                                 for name in names]
+    files = (
+        [path]
+        if os.path.isfile(path)
+        else [os.path.join(root, name) for root, _, names in os.walk(path) for name in names]
+    )
     for file_path in files:
         with open(file_path, "rb") as f:
             os.fsync(f.fileno())
@@ -101,7 +105,7 @@ def remove(path):
         os.remove(path)
 
 
-def describe_failure(err, folder, full_below_bytes=64 * 2 ** 20):
+def describe_failure(err, folder, full_below_bytes=64 * 2**20):
     """The reason of a failed write in words: "the disk is full (12.0 MiB free in FOLDER; ...)" when the error is
     ENOSPC or the folder's file system has less than ``full_below_bytes`` left (a full disk surfaces as ENOSPC or,
     from torch's zip writer, as EIO "unexpected pos"), else the error's own text."""
@@ -111,7 +115,7 @@ def describe_failure(err, folder, full_below_bytes=64 * 2 ** 20):
     except OSError:
         return reason
     if getattr(err, "errno", None) == errno.ENOSPC or free < full_below_bytes:
-        return f"the disk is full ({free / 2 ** 20:.1f} MiB free in {folder}; {reason})"
+        return f"the disk is full ({free / 2**20:.1f} MiB free in {folder}; {reason})"
     return reason
 
 

@@ -4,6 +4,7 @@ its own flags to the same groups.
 
 Infrastructure, not RL: a learner can skip this file; ``python trainer/train_grpo.py --help`` lists every flag.
 """
+
 import argparse
 import math
 import os
@@ -95,125 +96,240 @@ def add_common_rl_args(groups):
     data, rollout, rewards, algorithm = groups["data"], groups["rollout"], groups["rewards"], groups["algorithm"]
     engine, memory, run, tracking = groups["engine"], groups["memory"], groups["run"], groups["tracking"]
 
-    data.add_argument("--data_path", default=BUNDLED_TRAIN_DATA,
-                      help="RL prompts, MiniMind's RLAIF JSONL (the assistant turn, if any, is the reference answer)")
-    data.add_argument("--tokenizer_path", default=None,
-                      help="tokenizer folder (default: the bundled model/); one named here is trusted for starting "
-                           "weights that have no record of their tokenizer")
+    data.add_argument(
+        "--data_path",
+        default=BUNDLED_TRAIN_DATA,
+        help="RL prompts, MiniMind's RLAIF JSONL (the assistant turn, if any, is the reference answer)",
+    )
+    data.add_argument(
+        "--tokenizer_path",
+        default=None,
+        help="tokenizer folder (default: the bundled model/); one named here is trusted for starting "
+        "weights that have no record of their tokenizer",
+    )
     data.add_argument("--from_weight", default="full_sft", help="name in save_dir ({name}_{hidden}.pth) or a path")
     data.add_argument("--hidden_size", type=int, default=256, help="model width (MiniMind: 512, 768)")
     data.add_argument("--num_hidden_layers", type=int, default=4, help="model depth")
     add_bool_flag(data, "--use_moe", help="1: mixture-of-experts MLPs")
-    data.add_argument("--max_seq_len", type=int, default=256, action=AT_LEAST_1,
-                      help="prompt tokens kept (from the right)")
-    data.add_argument("--thinking_ratio", type=float, default=0.9, action=UNIT_INTERVAL,
-                      help="share of prompts that open <think>")
-    data.add_argument("--num_workers", type=int, default=0, action=NON_NEGATIVE,
-                      help="DataLoader worker processes that read the prompts (0 = in the training process)")
+    data.add_argument(
+        "--max_seq_len", type=int, default=256, action=AT_LEAST_1, help="prompt tokens kept (from the right)"
+    )
+    data.add_argument(
+        "--thinking_ratio", type=float, default=0.9, action=UNIT_INTERVAL, help="share of prompts that open <think>"
+    )
+    data.add_argument(
+        "--num_workers",
+        type=int,
+        default=0,
+        action=NON_NEGATIVE,
+        help="DataLoader worker processes that read the prompts (0 = in the training process)",
+    )
 
     rollout.add_argument("--batch_size", type=int, default=4, action=AT_LEAST_1, help="prompts per step and rank")
-    rollout.add_argument("--max_gen_len", type=int, default=96, action=AT_LEAST_1,
-                         help="most tokens generated per answer")
-    rollout.add_argument("--temperature", type=float, default=1.0, action=POSITIVE,
-                         help="sampling temperature of the rollout")
-    rollout.add_argument("--top_p", type=float, default=1.0, action=in_range("in (0, 1]", lambda v: 0 < v <= 1),
-                         help="nucleus sampling (1.0 = off)")
-    rollout.add_argument("--top_k", type=int, default=0, action=in_range(">= 0 (0 = off)", lambda v: v >= 0),
-                         help="top-k sampling (0 = off)")
+    rollout.add_argument(
+        "--max_gen_len", type=int, default=96, action=AT_LEAST_1, help="most tokens generated per answer"
+    )
+    rollout.add_argument(
+        "--temperature", type=float, default=1.0, action=POSITIVE, help="sampling temperature of the rollout"
+    )
+    rollout.add_argument(
+        "--top_p",
+        type=float,
+        default=1.0,
+        action=in_range("in (0, 1]", lambda v: 0 < v <= 1),
+        help="nucleus sampling (1.0 = off)",
+    )
+    rollout.add_argument(
+        "--top_k",
+        type=int,
+        default=0,
+        action=in_range(">= 0 (0 = off)", lambda v: v >= 0),
+        help="top-k sampling (0 = off)",
+    )
 
-    rewards.add_argument("--reward_model_path", default=DEFAULT_REWARD_MODEL_PATH,
-                         help="reward model folder (sequence classification, or get_score remote code), or none")
-    rewards.add_argument("--reward_batch_size", type=int, default=16, action=AT_LEAST_1,
-                         help="answers per reward-model forward")
+    rewards.add_argument(
+        "--reward_model_path",
+        default=DEFAULT_REWARD_MODEL_PATH,
+        help="reward model folder (sequence classification, or get_score remote code), or none",
+    )
+    rewards.add_argument(
+        "--reward_batch_size", type=int, default=16, action=AT_LEAST_1, help="answers per reward-model forward"
+    )
     rewards.add_argument("--reward_device", default="", help="device of the reward model (default: the policy's)")
-    rewards.add_argument("--reward_dtype", default="", choices=["", *DTYPES],
-                         help="dtype of the reward model (default: float16 on a GPU, as upstream MiniMind; the "
-                              "policy's weights' dtype on the CPU)")
-    add_bool_flag(rewards, "--trust_remote_code",
-                  help="allow a reward model that runs its own Python code (e.g. internlm2-1_8b-reward)")
-    rewards.add_argument("--answer_reward_weight", type=float, default=2.0, action=NON_NEGATIVE,
-                         help="weight of the 0/1 reward for a correct final number")
+    rewards.add_argument(
+        "--reward_dtype",
+        default="",
+        choices=["", *DTYPES],
+        help="dtype of the reward model (default: float16 on a GPU, as upstream MiniMind; the "
+        "policy's weights' dtype on the CPU)",
+    )
+    add_bool_flag(
+        rewards,
+        "--trust_remote_code",
+        help="allow a reward model that runs its own Python code (e.g. internlm2-1_8b-reward)",
+    )
+    rewards.add_argument(
+        "--answer_reward_weight",
+        type=float,
+        default=2.0,
+        action=NON_NEGATIVE,
+        help="weight of the 0/1 reward for a correct final number",
+    )
 
-    algorithm.add_argument("--learning_rate", type=float, default=2e-5, action=POSITIVE,
-                           help="AdamW learning rate of the policy")
-    algorithm.add_argument("--final_norm_learning_rate", type=float, default=1e-2,
-                           action=in_range(">= 0 (0 = --learning_rate)", lambda v: v >= 0),
-                           help="learning rate of the policy's final RMSNorm gain, which sets how sharp its output "
-                                "distribution is (0 = --learning_rate, one group)")
+    algorithm.add_argument(
+        "--learning_rate", type=float, default=2e-5, action=POSITIVE, help="AdamW learning rate of the policy"
+    )
+    algorithm.add_argument(
+        "--final_norm_learning_rate",
+        type=float,
+        default=1e-2,
+        action=in_range(">= 0 (0 = --learning_rate)", lambda v: v >= 0),
+        help="learning rate of the policy's final RMSNorm gain, which sets how sharp its output "
+        "distribution is (0 = --learning_rate, one group)",
+    )
     algorithm.add_argument("--weight_decay", type=float, default=0.0, help="AdamW weight decay")
     algorithm.add_argument("--grad_clip", type=float, default=1.0, action=POSITIVE, help="gradient-norm clipping")
 
     engine.add_argument("--rollout_engine", default="torch", help=f"one of {', '.join(ROLLOUT_ENGINES)}")
-    engine.add_argument("--sglang_url", "--sglang_base_url", default="http://127.0.0.1:30000",
-                        help="server of --rollout_engine sglang (--sglang_base_url: upstream MiniMind's name)")
-    engine.add_argument("--sglang_shared_path", default="",
-                        help="folder the trainer writes synced weights to and the server reads "
-                             "(default {save_dir}/sglang_{save_weight}_{hidden}: one per run; one run per folder)")
-    engine.add_argument("--sglang_timeout", type=float, default=120.0,
-                        action=in_range("> 0 seconds", lambda v: v > 0),
-                        help="seconds a request to the SGLang server may take before the run stops naming the server "
-                             "(a CPU server answers a default batch in about 1 s and loads weights in a few)")
-    engine.add_argument("--sglang_logprobs", default="recompute", choices=SGLANG_LOGPROB_MODES,
-                        help="old log-probs: recomputed by the local policy, or the server's (checked at batch 1)")
-    engine.add_argument("--rollout_correction", default="none", choices=ROLLOUT_CORRECTIONS,
-                        help="with --sglang_logprobs server: weight each token's loss by pi_trainer / pi_server, per "
-                             "token or per answer, truncated at the cap or masked beyond it (TRL's "
-                             "vllm_importance_sampling_mode; docs/sglang.md)")
-    engine.add_argument("--rollout_correction_cap", type=float, default=DEFAULT_ROLLOUT_CORRECTION_CAP,
-                        action=FINITE_POSITIVE,
-                        help="the weight's upper bound C (TRL's vllm_importance_sampling_clip_max, 3.0): *_truncate "
-                             "clips at C, *_mask sets weights above C to 0")
-    engine.add_argument("--sglang_sync_interval", type=int, default=1, action=AT_LEAST_1,
-                        help="push weights to SGLang every N policy updates (N > 1: rollouts up to N-1 updates old)")
-    engine.add_argument("--sglang_export_dtype", default="float32", choices=sorted(DTYPES),
-                        help="dtype of the weights synced to SGLang")
+    engine.add_argument(
+        "--sglang_url",
+        "--sglang_base_url",
+        default="http://127.0.0.1:30000",
+        help="server of --rollout_engine sglang (--sglang_base_url: upstream MiniMind's name)",
+    )
+    engine.add_argument(
+        "--sglang_shared_path",
+        default="",
+        help="folder the trainer writes synced weights to and the server reads "
+        "(default {save_dir}/sglang_{save_weight}_{hidden}: one per run; one run per folder)",
+    )
+    engine.add_argument(
+        "--sglang_timeout",
+        type=float,
+        default=120.0,
+        action=in_range("> 0 seconds", lambda v: v > 0),
+        help="seconds a request to the SGLang server may take before the run stops naming the server "
+        "(a CPU server answers a default batch in about 1 s and loads weights in a few)",
+    )
+    engine.add_argument(
+        "--sglang_logprobs",
+        default="recompute",
+        choices=SGLANG_LOGPROB_MODES,
+        help="old log-probs: recomputed by the local policy, or the server's (checked at batch 1)",
+    )
+    engine.add_argument(
+        "--rollout_correction",
+        default="none",
+        choices=ROLLOUT_CORRECTIONS,
+        help="with --sglang_logprobs server: weight each token's loss by pi_trainer / pi_server, per "
+        "token or per answer, truncated at the cap or masked beyond it (TRL's "
+        "vllm_importance_sampling_mode; docs/sglang.md)",
+    )
+    engine.add_argument(
+        "--rollout_correction_cap",
+        type=float,
+        default=DEFAULT_ROLLOUT_CORRECTION_CAP,
+        action=FINITE_POSITIVE,
+        help="the weight's upper bound C (TRL's vllm_importance_sampling_clip_max, 3.0): *_truncate "
+        "clips at C, *_mask sets weights above C to 0",
+    )
+    engine.add_argument(
+        "--sglang_sync_interval",
+        type=int,
+        default=1,
+        action=AT_LEAST_1,
+        help="push weights to SGLang every N policy updates (N > 1: rollouts up to N-1 updates old)",
+    )
+    engine.add_argument(
+        "--sglang_export_dtype", default="float32", choices=sorted(DTYPES), help="dtype of the weights synced to SGLang"
+    )
 
     add_lora_args(groups["lora"])  # --lora_rank R: adapters on the policy, the reference without them (infra/lora.py)
 
-    memory.add_argument("--dtype", default="auto",
-                        help="autocast dtype of the policy/critic forwards (weights and log-softmax stay fp32): "
-                             f"{', '.join(DTYPE_CHOICES)}; auto = bfloat16 on a CUDA GPU that supports it, float32 "
-                             "elsewhere")
-    memory.add_argument("--device", default="",
-                        help="e.g. cuda:1 or cpu (default: the first GPU if there is one; under torchrun each "
-                             "process takes the GPU of its LOCAL_RANK, and cpu keeps them all on the CPU)")
-    add_bool_flag(memory, "--use_compile",
-                  help="1: torch.compile the training forwards (policy; PPO's critic too), not the rollout's decode")
+    memory.add_argument(
+        "--dtype",
+        default="auto",
+        help="autocast dtype of the policy/critic forwards (weights and log-softmax stay fp32): "
+        f"{', '.join(DTYPE_CHOICES)}; auto = bfloat16 on a CUDA GPU that supports it, float32 "
+        "elsewhere",
+    )
+    memory.add_argument(
+        "--device",
+        default="",
+        help="e.g. cuda:1 or cpu (default: the first GPU if there is one; under torchrun each "
+        "process takes the GPU of its LOCAL_RANK, and cpu keeps them all on the CPU)",
+    )
+    add_bool_flag(
+        memory,
+        "--use_compile",
+        help="1: torch.compile the training forwards (policy; PPO's critic too), not the rollout's decode",
+    )
 
     run.add_argument("--save_dir", default=DEFAULT_SAVE_DIR, help="where weights and runs are written")
-    run.add_argument("--epochs", type=int, default=1, action=AT_LEAST_1,
-                     help="passes over the prompts (when --max_steps is 0)")
-    run.add_argument("--max_steps", type=int, default=300, action=NON_NEGATIVE,
-                     help="stop after this many steps (0 = whole epochs)")
-    run.add_argument("--save_interval", type=int, default=50, action=AT_LEAST_1,
-                     help="checkpoint and resume file every N steps")
+    run.add_argument(
+        "--epochs", type=int, default=1, action=AT_LEAST_1, help="passes over the prompts (when --max_steps is 0)"
+    )
+    run.add_argument(
+        "--max_steps", type=int, default=300, action=NON_NEGATIVE, help="stop after this many steps (0 = whole epochs)"
+    )
+    run.add_argument(
+        "--save_interval", type=int, default=50, action=AT_LEAST_1, help="checkpoint and resume file every N steps"
+    )
     run.add_argument("--seed", type=int, default=42, help="data order, initial state and sampling")
-    add_bool_flag(run, "--from_resume",
-                  help="1: continue from {save_dir}/{save_weight}_{hidden}_resume.pth when it exists")
-    run.add_argument("--max_bad_steps", type=int, default=3, action=AT_LEAST_1,
-                     help="stop after this many updates in a row skipped for a NaN/inf")
-    add_bool_flag(run, "--allow_data_change",
-                  help="1: resume although --data_path differs from the file the run was saved with (the position "
-                       "is kept as a count of prompts)")
-    run.add_argument("--eval_data_path", default=None,
-                     help="held-out prompts of the periodic evaluation (default: the bundled validation split "
-                          "when --data_path is the bundled training data; no evaluation for other data)")
-    run.add_argument("--eval_interval", type=int, default=50, action=NON_NEGATIVE,
-                     help="held-out evaluation at step 0, every N steps and at the end (0 = off)")
-    run.add_argument("--eval_num_prompts", type=int, default=200, action=AT_LEAST_1,
-                     help="held-out prompts per evaluation, each answered sampled and greedy")
+    add_bool_flag(
+        run, "--from_resume", help="1: continue from {save_dir}/{save_weight}_{hidden}_resume.pth when it exists"
+    )
+    run.add_argument(
+        "--max_bad_steps",
+        type=int,
+        default=3,
+        action=AT_LEAST_1,
+        help="stop after this many updates in a row skipped for a NaN/inf",
+    )
+    add_bool_flag(
+        run,
+        "--allow_data_change",
+        help="1: resume although --data_path differs from the file the run was saved with (the position "
+        "is kept as a count of prompts)",
+    )
+    run.add_argument(
+        "--eval_data_path",
+        default=None,
+        help="held-out prompts of the periodic evaluation (default: the bundled validation split "
+        "when --data_path is the bundled training data; no evaluation for other data)",
+    )
+    run.add_argument(
+        "--eval_interval",
+        type=int,
+        default=50,
+        action=NON_NEGATIVE,
+        help="held-out evaluation at step 0, every N steps and at the end (0 = off)",
+    )
+    run.add_argument(
+        "--eval_num_prompts",
+        type=int,
+        default=200,
+        action=AT_LEAST_1,
+        help="held-out prompts per evaluation, each answered sampled and greedy",
+    )
 
     tracking.add_argument("--run_dir", default="", help="metrics folder (default: {save_dir}/runs/{save_weight}-TIME)")
-    tracking.add_argument("--log_interval", type=int, default=1, action=AT_LEAST_1,
-                          help="log line and metrics.jsonl every N steps")
+    tracking.add_argument(
+        "--log_interval", type=int, default=1, action=AT_LEAST_1, help="log line and metrics.jsonl every N steps"
+    )
     add_bool_flag(tracking, "--use_wandb", help="1: also send the metrics to --tracker (wandb or swanlab)")
-    tracking.add_argument("--tracker", default="wandb", choices=TRACKERS,
-                          help="where --use_wandb 1 sends the metrics: wandb, or swanlab (upstream MiniMind's; "
-                               "offline unless SWANLAB_MODE says otherwise)")
+    tracking.add_argument(
+        "--tracker",
+        default="wandb",
+        choices=TRACKERS,
+        help="where --use_wandb 1 sends the metrics: wandb, or swanlab (upstream MiniMind's; "
+        "offline unless SWANLAB_MODE says otherwise)",
+    )
     tracking.add_argument("--wandb_project", default="MiniMind-RL", help="wandb / swanlab project name")
     add_bool_flag(tracking, "--debug_mode", help="1: print prompts, answers and reward parts")
-    tracking.add_argument("--debug_interval", type=int, default=20, action=AT_LEAST_1,
-                          help="--debug_mode prints every N steps")
+    tracking.add_argument(
+        "--debug_interval", type=int, default=20, action=AT_LEAST_1, help="--debug_mode prints every N steps"
+    )
 
 
 def check_common_rl_args(parser, args):
@@ -227,10 +343,15 @@ def check_common_rl_args(parser, args):
     if args.eval_interval and args.eval_data_path and not os.path.isfile(args.eval_data_path):
         parser.error(f"--eval_data_path {args.eval_data_path} does not exist (--eval_interval 0 turns evaluation off)")
     if args.dtype not in DTYPE_CHOICES:
-        upstream = (" (upstream MiniMind's fp16 autocast needs a loss scaler, which these scripts do not have)"
-                    if args.dtype == "float16" else "")
-        parser.error(f"--dtype {args.dtype} is not supported{upstream}; use one of {', '.join(DTYPE_CHOICES)} "
-                     f"(bfloat16 on a GPU: its range needs no loss scaler)")
+        upstream = (
+            " (upstream MiniMind's fp16 autocast needs a loss scaler, which these scripts do not have)"
+            if args.dtype == "float16"
+            else ""
+        )
+        parser.error(
+            f"--dtype {args.dtype} is not supported{upstream}; use one of {', '.join(DTYPE_CHOICES)} "
+            f"(bfloat16 on a GPU: its range needs no loss scaler)"
+        )
     if args.rollout_engine not in ROLLOUT_ENGINES:
         parser.error(f"--rollout_engine {args.rollout_engine!r} is unknown; valid: {', '.join(ROLLOUT_ENGINES)}")
     if not os.path.isfile(args.data_path):
@@ -258,13 +379,17 @@ def check_common_rl_args(parser, args):
         parser.error(f"--save_dir: {err.strerror}")
     save_weight = getattr(args, "save_weight", None)
     if save_weight is not None and not PLAIN_NAME.fullmatch(save_weight):
-        parser.error(f"--save_weight must be a plain name (letters, digits, '.', '_', '+', '-'; not a path), got "
-                     f"{save_weight!r}: the run writes {{save_dir}}/NAME_{args.hidden_size}.pth; choose the folder "
-                     f"with --save_dir")
+        parser.error(
+            f"--save_weight must be a plain name (letters, digits, '.', '_', '+', '-'; not a path), got "
+            f"{save_weight!r}: the run writes {{save_dir}}/NAME_{args.hidden_size}.pth; choose the folder "
+            f"with --save_dir"
+        )
     if args.run_dir:
         if os.path.lexists(args.run_dir) and not os.path.isdir(args.run_dir):
-            parser.error(f"--run_dir {args.run_dir} exists and is not a folder (a file, or a link that leads to no "
-                         f"folder); give a folder for the metrics")
+            parser.error(
+                f"--run_dir {args.run_dir} exists and is not a folder (a file, or a link that leads to no "
+                f"folder); give a folder for the metrics"
+            )
         try:
             check_creatable_dir(args.run_dir)  # made by the run, after the checks that need no model
         except OSError as err:
@@ -283,15 +408,21 @@ def check_rollout_correction_args(parser, args):
     if correction == "none":
         return
     if args.rollout_engine != "sglang":
-        parser.error(f"--rollout_correction {correction} weighs the trainer's log-probs against an SGLang server's: "
-                     f"the torch engine samples with the trainer's own, so there is no mismatch to correct; add "
-                     f"--rollout_engine sglang --sglang_logprobs server, or leave --rollout_correction out")
+        parser.error(
+            f"--rollout_correction {correction} weighs the trainer's log-probs against an SGLang server's: "
+            f"the torch engine samples with the trainer's own, so there is no mismatch to correct; add "
+            f"--rollout_engine sglang --sglang_logprobs server, or leave --rollout_correction out"
+        )
     if args.sglang_logprobs != "server":
-        parser.error(f"--rollout_correction {correction} needs the server's log-probs: with --sglang_logprobs "
-                     f"{args.sglang_logprobs} the loss never sees them; add --sglang_logprobs server")
+        parser.error(
+            f"--rollout_correction {correction} needs the server's log-probs: with --sglang_logprobs "
+            f"{args.sglang_logprobs} the loss never sees them; add --sglang_logprobs server"
+        )
     if getattr(args, "loss_type", None) == "vespo" and correction.startswith("sequence"):
-        parser.error(f"--loss_type vespo reads the correction's per-token weights inside its gamma weight (TRL): use "
-                     f"--rollout_correction token_truncate or token_mask, not {correction}")
+        parser.error(
+            f"--loss_type vespo reads the correction's per-token weights inside its gamma weight (TRL): use "
+            f"--rollout_correction token_truncate or token_mask, not {correction}"
+        )
 
 
 def rollout_engine_kwargs(args):
@@ -299,13 +430,15 @@ def rollout_engine_kwargs(args):
     kwargs = dict(top_p=args.top_p, top_k=args.top_k)
     if args.rollout_engine == "sglang":
         kwargs.update(
-            url=args.sglang_url, shared_path=sglang_folder(args),
-            logprobs_mode=args.sglang_logprobs, sync_interval=args.sglang_sync_interval,
+            url=args.sglang_url,
+            shared_path=sglang_folder(args),
+            logprobs_mode=args.sglang_logprobs,
+            sync_interval=args.sglang_sync_interval,
             rollout_correction=args.rollout_correction != "none",
             export_dtype=DTYPES[args.sglang_export_dtype],
             timeout_s=args.sglang_timeout,
             vocab_size=build_config(args.hidden_size, args.num_hidden_layers, args.use_moe).vocab_size,
             resume_hint=f"A checkpoint is saved every --save_interval {args.save_interval} steps: rerun the same "
-                        f"command with --from_resume 1 to continue from the last one.",
+            f"command with --from_resume 1 to continue from the last one.",
         )
     return kwargs

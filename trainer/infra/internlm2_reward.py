@@ -27,6 +27,7 @@ tokenized without extra special tokens, ``<|reward|>`` appended when the text do
 ``v_head`` output at the last real token. Sources: InternLM2 technical report (arXiv:2403.17297); the model card and
 files of internlm/internlm2-1_8b-reward; transformers' ``LlamaModel``.
 """
+
 import json
 import os
 import re
@@ -61,8 +62,10 @@ def require_sentencepiece(path):
     try:
         import sentencepiece
     except ModuleNotFoundError as err:
-        raise MissingPackageError(f"--reward_model_path {path}: this InternLM2 reward model's tokenizer "
-                                  f"(tokenizer.model) needs the sentencepiece package: {SENTENCEPIECE_HINT}") from err
+        raise MissingPackageError(
+            f"--reward_model_path {path}: this InternLM2 reward model's tokenizer "
+            f"(tokenizer.model) needs the sentencepiece package: {SENTENCEPIECE_HINT}"
+        ) from err
     return sentencepiece
 
 
@@ -76,20 +79,32 @@ def llama_config_from_internlm2(config):
     from transformers import LlamaConfig
 
     if config.get("rope_scaling") is not None:
-        raise InputError(f"InternLM2 rope_scaling {config['rope_scaling']!r} is not supported here "
-                         f"(only null, as in internlm2-1_8b-reward)")
+        raise InputError(
+            f"InternLM2 rope_scaling {config['rope_scaling']!r} is not supported here "
+            f"(only null, as in internlm2-1_8b-reward)"
+        )
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     return LlamaConfig(
-        vocab_size=config["vocab_size"], hidden_size=hidden, intermediate_size=config["intermediate_size"],
-        num_hidden_layers=config["num_hidden_layers"], num_attention_heads=heads,
-        num_key_value_heads=config.get("num_key_value_heads", heads), head_dim=hidden // heads,
-        hidden_act=config.get("hidden_act", "silu"), rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        vocab_size=config["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=config["intermediate_size"],
+        num_hidden_layers=config["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=config.get("num_key_value_heads", heads),
+        head_dim=hidden // heads,
+        hidden_act=config.get("hidden_act", "silu"),
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
         max_position_embeddings=config.get("max_position_embeddings", 2048),
         rope_parameters={"rope_type": "default", "rope_theta": float(config.get("rope_theta", 10000))},
-        attention_bias=bool(config.get("bias", False)), mlp_bias=False, tie_word_embeddings=False,
-        pad_token_id=config.get("pad_token_id"), bos_token_id=config.get("bos_token_id"),
-        eos_token_id=config.get("eos_token_id"), attn_implementation=config.get("attn_implementation") or "sdpa",
-        reward_token_id=config.get("reward_token_id", 92527))  # 92527: the remote InternLM2Config's default
+        attention_bias=bool(config.get("bias", False)),
+        mlp_bias=False,
+        tie_word_embeddings=False,
+        pad_token_id=config.get("pad_token_id"),
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_id=config.get("eos_token_id"),
+        attn_implementation=config.get("attn_implementation") or "sdpa",
+        reward_token_id=config.get("reward_token_id", 92527),
+    )  # 92527: the remote InternLM2Config's default
 
 
 def split_wqkv(wqkv, num_heads, num_key_value_heads, head_dim):
@@ -108,9 +123,14 @@ def split_wqkv(wqkv, num_heads, num_key_value_heads, head_dim):
     return q, k, v
 
 
-LAYER_RENAMES = {"attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj",
-                 "feed_forward.w3": "mlp.up_proj", "feed_forward.w2": "mlp.down_proj",
-                 "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+LAYER_RENAMES = {
+    "attention.wo": "self_attn.o_proj",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj",
+    "attention_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
 LAYER_PATTERN = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 
 
@@ -131,8 +151,9 @@ def convert_internlm2_weight(name, tensor, llama_config):
         layer, module, kind = match.groups()
         prefix = f"model.layers.{layer}."
         if module == "attention.wqkv":
-            q, k, v = split_wqkv(tensor, llama_config.num_attention_heads, llama_config.num_key_value_heads,
-                                 llama_config.head_dim)
+            q, k, v = split_wqkv(
+                tensor, llama_config.num_attention_heads, llama_config.num_key_value_heads, llama_config.head_dim
+            )
             return [(f"{prefix}self_attn.{p}_proj.{kind}", t) for p, t in (("q", q), ("k", k), ("v", v))]
         if module in LAYER_RENAMES:
             return [(f"{prefix}{LAYER_RENAMES[module]}.{kind}", tensor)]
@@ -152,13 +173,17 @@ def checkpoint_shards(path):
     elif os.path.isfile(os.path.join(path, "model.safetensors")):
         shards = ["model.safetensors"]
     else:
-        raise FileNotFoundError(f"--reward_model_path {path}: no model.safetensors.index.json or model.safetensors "
-                                f"(the weights of the reward model)")
+        raise FileNotFoundError(
+            f"--reward_model_path {path}: no model.safetensors.index.json or model.safetensors "
+            f"(the weights of the reward model)"
+        )
     files = [os.path.join(path, shard) for shard in shards]
     for file in files:
         if not os.path.isfile(file):
-            raise FileNotFoundError(f"--reward_model_path {path}: {os.path.basename(file)} is missing "
-                                    f"(named by model.safetensors.index.json)")
+            raise FileNotFoundError(
+                f"--reward_model_path {path}: {os.path.basename(file)} is missing "
+                f"(named by model.safetensors.index.json)"
+            )
     return files
 
 
@@ -207,15 +232,19 @@ class InternLM2RewardModel(nn.Module):
                         raise InputError(f"{file}: {err.args[0]}") from err
                     for target, tensor in converted:
                         if tuple(tensor.shape) != tuple(parameters[target].shape):
-                            raise InputError(f"{file}: {name} has shape {tuple(tensor.shape)}, config.json gives "
-                                             f"{tuple(parameters[target].shape)} for {target}")
+                            raise InputError(
+                                f"{file}: {name} has shape {tuple(tensor.shape)}, config.json gives "
+                                f"{tuple(parameters[target].shape)} for {target}"
+                            )
                         with torch.no_grad():
                             parameters[target].copy_(tensor)
                         filled.add(target)
         missing = sorted(set(parameters) - filled)
         if missing:
-            raise InputError(f"--reward_model_path {path}: the checkpoint has no weights for {missing[:4]}"
-                             f"{' ...' if len(missing) > 4 else ''} ({len(missing)} of {len(parameters)})")
+            raise InputError(
+                f"--reward_model_path {path}: the checkpoint has no weights for {missing[:4]}"
+                f"{' ...' if len(missing) > 4 else ''} ({len(missing)} of {len(parameters)})"
+            )
         return model.eval()
 
     def forward(self, input_ids, attention_mask):
@@ -241,8 +270,8 @@ class InternLM2RewardModel(nn.Module):
         input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)  # [N, T]
         attention_mask = torch.zeros((len(rows), width), dtype=torch.long)  # [N, T]
         for i, ids in enumerate(rows):
-            input_ids[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[i, :len(ids)] = 1
+            input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[i, : len(ids)] = 1
         device = self.v_head.weight.device
         return self(input_ids.to(device), attention_mask.to(device)).tolist()
 
@@ -273,15 +302,21 @@ class InternLM2RewardTokenizer:
         with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
             tokenizer_config = json.load(f)
         self.sp_model = sentencepiece.SentencePieceProcessor(model_file=os.path.join(path, "tokenizer.model"))
-        self.special_tokens = {entry["content"]: int(token_id)
-                               for token_id, entry in tokenizer_config.get("added_tokens_decoder", {}).items()}
-        self.special_pattern = re.compile("(" + "|".join(
-            re.escape(t) for t in sorted(self.special_tokens, key=len, reverse=True)) + ")")
+        self.special_tokens = {
+            entry["content"]: int(token_id)
+            for token_id, entry in tokenizer_config.get("added_tokens_decoder", {}).items()
+        }
+        self.special_pattern = re.compile(
+            "(" + "|".join(re.escape(t) for t in sorted(self.special_tokens, key=len, reverse=True)) + ")"
+        )
         self.chat_template = tokenizer_config.get("chat_template")
         if not self.chat_template:
             raise InputError(f"--reward_model_path {path}: tokenizer_config.json has no chat_template")
-        self.template_tokens = {key: tokenizer_config[key] for key in ("bos_token", "eos_token", "unk_token",
-                                                                       "pad_token") if key in tokenizer_config}
+        self.template_tokens = {
+            key: tokenizer_config[key]
+            for key in ("bos_token", "eos_token", "unk_token", "pad_token")
+            if key in tokenizer_config
+        }
         self.pad_token_id = self.token_id(tokenizer_config.get("pad_token", "</s>"))
 
     def token_id(self, token):
@@ -305,7 +340,8 @@ class InternLM2RewardTokenizer:
 
         environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         return environment.from_string(self.chat_template).render(
-            messages=conversation, add_generation_prompt=False, **self.template_tokens)
+            messages=conversation, add_generation_prompt=False, **self.template_tokens
+        )
 
     def conversation_ids(self, conversation, reward_token_id):
         """Token ids of a rendered conversation, ending with ``reward_token_id`` (appended when missing)."""

@@ -5,6 +5,7 @@ policy is the same model with its adapters switched off, so no second copy of th
 ``disable_adapter()`` peft serves the base model's gain, so the reference stays the start. PPO's critic gets adapters
 of its own on its own frozen backbone, with the value head trained in full. docs/lora.md.
 """
+
 import contextlib
 import os
 import warnings
@@ -22,14 +23,21 @@ ADAPTER_FOLDER_SUFFIX = "_lora"  # {save_dir}/{name}_{hidden}_lora/: the adapter
 def add_lora_args(parser):
     """``--lora_rank`` (0 = full fine-tuning, the default), ``--lora_alpha``, ``--lora_dropout``,
     ``--lora_target_modules`` (peft's ``LoraConfig`` names)."""
-    parser.add_argument("--lora_rank", type=int, default=0,
-                        help="LoRA rank R of the policy's adapters (0: train every weight; docs/lora.md)")
-    parser.add_argument("--lora_alpha", type=float, default=None,
-                        help="LoRA scale alpha: the update is (alpha / R) B A (default 2 R)")
+    parser.add_argument(
+        "--lora_rank",
+        type=int,
+        default=0,
+        help="LoRA rank R of the policy's adapters (0: train every weight; docs/lora.md)",
+    )
+    parser.add_argument(
+        "--lora_alpha", type=float, default=None, help="LoRA scale alpha: the update is (alpha / R) B A (default 2 R)"
+    )
     parser.add_argument("--lora_dropout", type=float, default=0.0, help="dropout on the adapters' input")
-    parser.add_argument("--lora_target_modules", default=",".join(LORA_TARGETS),
-                        help="comma-separated projection names that get adapters (default: every attention and MLP "
-                             "projection)")
+    parser.add_argument(
+        "--lora_target_modules",
+        default=",".join(LORA_TARGETS),
+        help="comma-separated projection names that get adapters (default: every attention and MLP projection)",
+    )
 
 
 def check_lora_args(parser, args):
@@ -40,8 +48,10 @@ def check_lora_args(parser, args):
     targets = tuple(name.strip() for name in args.lora_target_modules.split(",") if name.strip())
     unknown = [name for name in targets if name not in LORA_TARGETS]
     if args.lora_rank and (unknown or not targets):
-        parser.error(f"--lora_target_modules {args.lora_target_modules!r}: {', '.join(unknown) or 'nothing'} matches "
-                     f"no projection of the model; valid: {', '.join(LORA_TARGETS)}")
+        parser.error(
+            f"--lora_target_modules {args.lora_target_modules!r}: {', '.join(unknown) or 'nothing'} matches "
+            f"no projection of the model; valid: {', '.join(LORA_TARGETS)}"
+        )
     args.lora_target_modules = targets
     if args.lora_alpha is None:
         args.lora_alpha = 2.0 * args.lora_rank
@@ -59,8 +69,15 @@ def add_adapters(model, rank, alpha, dropout, target_modules, trained_in_full=(F
     final norm's gain, and the critic's value head) require grad. ``base_path``: the start weights' file, recorded
     as ``base_model_name_or_path`` in the adapter folder's adapter_config.json. Returns the ``PeftModel``."""
     from peft import LoraConfig, get_peft_model
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
-                        modules_to_save=list(trained_in_full), bias="none")
+
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=list(target_modules),
+        modules_to_save=list(trained_in_full),
+        bias="none",
+    )
     model.name_or_path = base_path  # what get_peft_model records as base_model_name_or_path
     with peft_quiet():
         return get_peft_model(model, config)
@@ -79,8 +96,14 @@ def with_adapters(model, ref_model, args, reference=True):
     or None when ``reference`` is False, e.g. ``--beta 0``), where the caller made no reference copy."""
     if not args.lora_rank:
         return model, ref_model
-    policy = add_adapters(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.lora_target_modules,
-                          base_path=start_weight_path(args))
+    policy = add_adapters(
+        model,
+        args.lora_rank,
+        args.lora_alpha,
+        args.lora_dropout,
+        args.lora_target_modules,
+        base_path=start_weight_path(args),
+    )
     return policy, (AdaptersOff(policy) if reference else None)
 
 
@@ -91,8 +114,15 @@ def critic_with_adapters(critic, args):
     weights' memory (docs/lora.md, the memory table). ``critic`` itself when ``--lora_rank`` is 0."""
     if not args.lora_rank:
         return critic
-    return add_adapters(critic, args.lora_rank, args.lora_alpha, args.lora_dropout, args.lora_target_modules,
-                        trained_in_full=(FINAL_NORM, VALUE_HEAD), base_path=start_weight_path(args))
+    return add_adapters(
+        critic,
+        args.lora_rank,
+        args.lora_alpha,
+        args.lora_dropout,
+        args.lora_target_modules,
+        trained_in_full=(FINAL_NORM, VALUE_HEAD),
+        base_path=start_weight_path(args),
+    )
 
 
 def has_adapters(model):

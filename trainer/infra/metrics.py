@@ -3,6 +3,7 @@ algorithm logs per step is ``trainer/step_metrics.py``.
 
 Infrastructure, not RL: a learner can skip this file.
 """
+
 import functools
 import itertools
 import json
@@ -34,8 +35,16 @@ class MetricsWriter:
     Raises ValueError for an unknown ``tracker``.
     """
 
-    def __init__(self, run_dir, use_wandb=False, wandb_project="MiniMind-RL", run_name=None, config=None,
-                 wandb_id=None, tracker="wandb"):
+    def __init__(
+        self,
+        run_dir,
+        use_wandb=False,
+        wandb_project="MiniMind-RL",
+        run_name=None,
+        config=None,
+        wandb_id=None,
+        tracker="wandb",
+    ):
         if tracker not in TRACKERS:
             raise ValueError(f"unknown tracker {tracker!r}; valid: {', '.join(TRACKERS)}")
         self.enabled = is_main_process()
@@ -47,17 +56,31 @@ class MetricsWriter:
         os.makedirs(run_dir, exist_ok=True)
         if use_wandb and tracker == "swanlab":
             import swanlab
+
             self.wandb = swanlab
-            run = swanlab.init(project=wandb_project, name=run_name, config=config, log_dir=run_dir, id=wandb_id,
-                               resume="allow" if wandb_id else None,
-                               mode=os.environ.get("SWANLAB_MODE", "offline"))
+            run = swanlab.init(
+                project=wandb_project,
+                name=run_name,
+                config=config,
+                log_dir=run_dir,
+                id=wandb_id,
+                resume="allow" if wandb_id else None,
+                mode=os.environ.get("SWANLAB_MODE", "offline"),
+            )
             self.wandb_id = run.id
         elif use_wandb:
             import wandb
+
             self.wandb = wandb
             # a resumed run passes its saved id, so wandb continues the same run
-            run = wandb.init(project=wandb_project, name=run_name, config=config, dir=run_dir, id=wandb_id,
-                             resume="allow" if wandb_id else None)
+            run = wandb.init(
+                project=wandb_project,
+                name=run_name,
+                config=config,
+                dir=run_dir,
+                id=wandb_id,
+                resume="allow" if wandb_id else None,
+            )
             self.wandb_id = run.id
 
     def log(self, metrics):
@@ -80,10 +103,13 @@ class MetricsWriter:
                 os.truncate(self.path, size)  # no cut row left behind
             except OSError:
                 pass
-            raise OSError(err.errno, f"could not write the metrics row of step {metrics.get('step')} to {self.path}: "
-                                     f"{describe_failure(err, os.path.dirname(os.path.abspath(self.path)))}; free "
-                                     f"space, then rerun with --from_resume 1 (rows after the last checkpoint are "
-                                     f"written again)") from err
+            raise OSError(
+                err.errno,
+                f"could not write the metrics row of step {metrics.get('step')} to {self.path}: "
+                f"{describe_failure(err, os.path.dirname(os.path.abspath(self.path)))}; free "
+                f"space, then rerun with --from_resume 1 (rows after the last checkpoint are "
+                f"written again)",
+            ) from err
         if self.wandb is not None:
             self.wandb.log(metrics, step=int(metrics["step"]))
 
@@ -116,8 +142,15 @@ def open_metrics(args, progress):
     if progress.get("saved_step") is not None and is_main_process():
         for line in trim_metrics(os.path.join(run_dir, "metrics.jsonl"), progress["saved_step"]):
             Logger(line)
-    writer = MetricsWriter(run_dir, args.use_wandb, args.wandb_project, os.path.basename(run_dir), vars(args),
-                           wandb_id=progress.get("wandb_id"), tracker=args.tracker)
+    writer = MetricsWriter(
+        run_dir,
+        args.use_wandb,
+        args.wandb_project,
+        os.path.basename(run_dir),
+        vars(args),
+        wandb_id=progress.get("wandb_id"),
+        tracker=args.tracker,
+    )
     return run_dir, writer
 
 
@@ -178,9 +211,12 @@ def trim_metrics(path, last_step):
     def write_lines(lines, tmp):
         with open(tmp, "wb") as f:
             f.writelines(lines)
+
     atomic_write({copy: functools.partial(write_lines, dropped), path: functools.partial(write_lines, kept)})
-    return [f"{path}: {len(dropped)} rows after the checkpoint's step {last_step} (steps "
-            f"{', '.join(map(str, dropped_steps[:8]))}) moved to {copy}; this run writes those steps again"]
+    return [
+        f"{path}: {len(dropped)} rows after the checkpoint's step {last_step} (steps "
+        f"{', '.join(map(str, dropped_steps[:8]))}) moved to {copy}; this run writes those steps again"
+    ]
 
 
 class StepLog:
@@ -208,12 +244,22 @@ class StepLog:
         if not (step % self.log_interval == 0 or step == self.total_steps or evaluated):
             return metrics
         elapsed, remaining = self.timer.eta(step)
-        metrics.update(step=step, total_steps=self.total_steps, epoch=epoch, **learning_rates,
-                       elapsed_s=time.time() - self.timer.start, sample_indices=sample_indices)
-        rewards = (f"reward {metrics['reward']:.3f} (rule {metrics['rule_reward']:.3f}, "
-                   f"rm {metrics['reward_model_score']:.3f}, answer {metrics['answer_reward']:.3f})")
-        Logger(f"step {step}/{self.total_steps} | {rewards} | {self.log_line(metrics)} | "
-               f"{elapsed} elapsed, {remaining} left")
+        metrics.update(
+            step=step,
+            total_steps=self.total_steps,
+            epoch=epoch,
+            **learning_rates,
+            elapsed_s=time.time() - self.timer.start,
+            sample_indices=sample_indices,
+        )
+        rewards = (
+            f"reward {metrics['reward']:.3f} (rule {metrics['rule_reward']:.3f}, "
+            f"rm {metrics['reward_model_score']:.3f}, answer {metrics['answer_reward']:.3f})"
+        )
+        Logger(
+            f"step {step}/{self.total_steps} | {rewards} | {self.log_line(metrics)} | "
+            f"{elapsed} elapsed, {remaining} left"
+        )
         self.writer.log(metrics)
         return metrics
 
@@ -222,7 +268,7 @@ def gpu_memory_metrics(device):
     """{"gpu_peak_memory_gib": peak memory allocated on ``device``} on a CUDA device; {} elsewhere."""
     if torch.device(device).type != "cuda":
         return {}
-    return {"gpu_peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30}
+    return {"gpu_peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30}
 
 
 def print_samples(step, prompts, completions, reward_parts, num_generations):
@@ -230,9 +276,11 @@ def print_samples(step, prompts, completions, reward_parts, num_generations):
     for i in range(0, len(completions), num_generations):
         Logger(f"[debug] step {step} prompt:\n{prompts[i]}")
         for j in range(i, i + num_generations):
-            Logger(f"[debug] answer {j - i}: reward {reward_parts['rewards'][j]:.3f} "
-                   f"(rule {reward_parts['rule_rewards'][j]:.3f}, rm {reward_parts['reward_model_scores'][j]:.3f}, "
-                   f"answer {reward_parts['answer_rewards'][j]:.0f})\n{completions[j]}")
+            Logger(
+                f"[debug] answer {j - i}: reward {reward_parts['rewards'][j]:.3f} "
+                f"(rule {reward_parts['rule_rewards'][j]:.3f}, rm {reward_parts['reward_model_scores'][j]:.3f}, "
+                f"answer {reward_parts['answer_rewards'][j]:.0f})\n{completions[j]}"
+            )
 
 
 # ----------------------------------------------------------------------------- statistics PPO logs
@@ -257,10 +305,12 @@ def print_conversations(step, rollout_batch, tokenizer, num_generations):
         keep = rollout.attention_mask[n].bool().cpu()
         mask = torch.cat([torch.zeros(prompt_width, dtype=torch.long), rollout_batch.completion_mask[n].cpu()])
         ids, mask = rollout.output_ids[n].cpu()[keep].tolist(), mask[keep].tolist()
-        Logger(f"[debug] step {step} prompt {n // num_generations} answer {n % num_generations}: reward "
-               f"{parts['rewards'][n]:.3f} (rule {parts['rule_rewards'][n]:.3f}, rm "
-               f"{parts['reward_model_scores'][n]:.3f}, calls {parts['call_rewards'][n]:.2f}, gt "
-               f"{parts['answer_rewards'][n]:.2f}), {rollout.num_turns[n]} turns, {rollout.num_tool_calls[n]} calls "
-               f"({rollout.num_valid_calls[n]} valid)")
+        Logger(
+            f"[debug] step {step} prompt {n // num_generations} answer {n % num_generations}: reward "
+            f"{parts['rewards'][n]:.3f} (rule {parts['rule_rewards'][n]:.3f}, rm "
+            f"{parts['reward_model_scores'][n]:.3f}, calls {parts['call_rewards'][n]:.2f}, gt "
+            f"{parts['answer_rewards'][n]:.2f}), {rollout.num_turns[n]} turns, {rollout.num_tool_calls[n]} calls "
+            f"({rollout.num_valid_calls[n]} valid)"
+        )
         for value, text in mask_segments(tokenizer, ids, mask):
             Logger(f"[mask {value}: {'trained' if value else 'not trained'}]\n{text}")

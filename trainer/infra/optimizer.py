@@ -1,6 +1,7 @@
 """The optimizer, its schedule and its step: AdamW with the policy's final-norm group, the cosine learning rate, the
 gradient-accumulation window, and ``OptimizerStep``, the one update every RL loop calls after its backward.
 """
+
 import math
 
 import torch
@@ -39,9 +40,13 @@ def build_policy_optimizer(model, learning_rate, weight_decay, final_norm_learni
     if final_norm is None:
         raise ValueError(f"{type(model).__name__} has no model.norm.weight for final_norm_learning_rate")
     others = [p for p in model.parameters() if p is not final_norm]
-    return adamw([{"params": others, "lr": learning_rate, "weight_decay": weight_decay},
-                  {"params": [final_norm], "lr": final_norm_learning_rate, "weight_decay": 0.0, "scale_only": True}],
-                 lr=learning_rate)
+    return adamw(
+        [
+            {"params": others, "lr": learning_rate, "weight_decay": weight_decay},
+            {"params": [final_norm], "lr": final_norm_learning_rate, "weight_decay": 0.0, "scale_only": True},
+        ],
+        lr=learning_rate,
+    )
 
 
 def adamw(params, **kwargs):
@@ -124,8 +129,19 @@ class OptimizerStep:
     progress, whose "window_num_items" is the open window's token count (``state()`` writes it into the resume file).
     """
 
-    def __init__(self, models, optimizers, grad_clip, device, accumulation_steps, total_steps, schedulers=(),
-                 guard=None, token_sum=False, state=None):
+    def __init__(
+        self,
+        models,
+        optimizers,
+        grad_clip,
+        device,
+        accumulation_steps,
+        total_steps,
+        schedulers=(),
+        guard=None,
+        token_sum=False,
+        state=None,
+    ):
         self.models, self.optimizers, self.schedulers = list(models), list(optimizers), list(schedulers)
         self.grad_clip, self.device, self.guard, self.token_sum = grad_clip, device, guard, token_sum
         self.accumulation_steps, self.total_steps = accumulation_steps, total_steps

@@ -4,13 +4,17 @@ Infrastructure, not RL: a learner can skip this file. The chapter's scorer (8.3)
 ``trainer/trainer_utils.py``, gets its tokenizer and model from ``load_reward_model_files``; how each kind is
 scored is in docs/reward_model.md.
 """
+
 import json
 import os
 
 from transformers import AutoTokenizer
 
 from trainer.infra.internlm2_reward import (
-    InternLM2RewardModel, InternLM2RewardTokenizer, is_internlm2_reward, require_sentencepiece,
+    InternLM2RewardModel,
+    InternLM2RewardTokenizer,
+    is_internlm2_reward,
+    require_sentencepiece,
 )
 from trainer.infra.errors import InputError
 
@@ -44,9 +48,11 @@ def read_reward_model_config(path, trust_remote_code):
         except ModuleNotFoundError as err:
             raise InputError(str(err)) from err
     elif config.get("auto_map") and not trust_remote_code:
-        raise InputError(f"--reward_model_path {path} runs its own Python code (auto_map in config.json: "
-                         f"{sorted(config['auto_map'])}); pass --trust_remote_code to allow it "
-                         f"(after reading that code)")
+        raise InputError(
+            f"--reward_model_path {path} runs its own Python code (auto_map in config.json: "
+            f"{sorted(config['auto_map'])}); pass --trust_remote_code to allow it "
+            f"(after reading that code)"
+        )
     return config
 
 
@@ -83,16 +89,21 @@ def load_reward_model_files(path, device, dtype, trust_remote_code):
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         model = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=True)
         if not callable(getattr(model, "get_score", None)):
-            raise InputError(f"--reward_model_path {path}: {type(model).__name__} has no "
-                             f"get_score(tokenizer, messages) and is not a sequence-classification model")
+            raise InputError(
+                f"--reward_model_path {path}: {type(model).__name__} has no "
+                f"get_score(tokenizer, messages) and is not a sequence-classification model"
+            )
     else:
         kind = "classifier"
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         model = AutoModelForSequenceClassification.from_pretrained(
-            path, dtype=dtype, trust_remote_code=trust_remote_code)
+            path, dtype=dtype, trust_remote_code=trust_remote_code
+        )
         if model.config.num_labels != 1:
-            raise InputError(f"--reward_model_path {path}: a reward model has one output label, this one has "
-                             f"{model.config.num_labels}")
+            raise InputError(
+                f"--reward_model_path {path}: a reward model has one output label, this one has "
+                f"{model.config.num_labels}"
+            )
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         tokenizer.padding_side = "right"  # real tokens keep their positions: batched == one by one

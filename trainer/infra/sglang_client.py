@@ -5,6 +5,7 @@ weight version every answer must carry, and the prompts a server cannot take.
 Field names and meanings follow SGLang 0.5.21 (``io_struct.py``, ``tokenizer_manager.py``; docs: "Sampling
 Parameters"). Infrastructure, not RL: a learner can skip this file.
 """
+
 import json
 import math
 import os
@@ -44,8 +45,7 @@ def sglang_sampling_params(temperature, top_p, top_k, max_new_tokens, eos_token_
     }
 
 
-def parse_sglang_output(output, index, max_new_tokens, eos_token_id, weight_version=None, vocab_size=None,
-                        url=""):
+def parse_sglang_output(output, index, max_new_tokens, eos_token_id, weight_version=None, vocab_size=None, url=""):
     """Completion token ids and their log-probs from one element of SGLang's ``/generate`` answer, every field checked
     as any input is.
 
@@ -82,66 +82,93 @@ def parse_sglang_output(output, index, max_new_tokens, eos_token_id, weight_vers
     if not isinstance(finish_reason, dict):
         raise ServerError(f"{where}: meta_info.finish_reason is {finish_reason!r}, expected an object or null")
     if finish_reason.get("type") == "abort":
-        raise ServerError(f"{where}: the server aborted the request ({finish_reason.get('message', finish_reason)});"
-                           " an aborted rollout is not an empty answer, so the step stops here")
+        raise ServerError(
+            f"{where}: the server aborted the request ({finish_reason.get('message', finish_reason)});"
+            " an aborted rollout is not an empty answer, so the step stops here"
+        )
     if weight_version is not None and meta_info.get("weight_version") != weight_version:
         if "weight_version" not in meta_info:
-            raise ServerError(f"{where}: no meta_info.weight_version, so the trainer cannot tell which weights "
-                               "generated it; use an SGLang server that reports it (0.5.21 does)")
-        raise ServerError(f"{where} came from weights {meta_info['weight_version']!r}, but the trainer synced "
-                           f"{weight_version!r}: the server was restarted or another client loaded other weights "
-                           "into it, so its rollouts are not the policy's. Give each run its own server, then "
-                           "resume the run (the resumed run pushes its weights at start-up).")
+            raise ServerError(
+                f"{where}: no meta_info.weight_version, so the trainer cannot tell which weights "
+                "generated it; use an SGLang server that reports it (0.5.21 does)"
+            )
+        raise ServerError(
+            f"{where} came from weights {meta_info['weight_version']!r}, but the trainer synced "
+            f"{weight_version!r}: the server was restarted or another client loaded other weights "
+            "into it, so its rollouts are not the policy's. Give each run its own server, then "
+            "resume the run (the resumed run pushes its weights at start-up)."
+        )
     triples = meta_info.get("output_token_logprobs")
     if triples is None:
-        raise ServerError(f"{where}: no meta_info.output_token_logprobs (the request sets return_logprob: true; "
-                           "is this an SGLang /generate endpoint?)")
+        raise ServerError(
+            f"{where}: no meta_info.output_token_logprobs (the request sets return_logprob: true; "
+            "is this an SGLang /generate endpoint?)"
+        )
     token_ids = output["output_ids"]
     if not isinstance(token_ids, list) or not isinstance(triples, list):
-        raise ServerError(f"{where}: output_ids and meta_info.output_token_logprobs must be JSON lists, got "
-                           f"{type(token_ids).__name__} and {type(triples).__name__}")
+        raise ServerError(
+            f"{where}: output_ids and meta_info.output_token_logprobs must be JSON lists, got "
+            f"{type(token_ids).__name__} and {type(triples).__name__}"
+        )
     short = [i for i, triple in enumerate(triples) if not isinstance(triple, list) or len(triple) < 2]
     if short:
-        raise ServerError(f"{where}: output_token_logprobs entries {short[:8]} are not [logprob, token_id, ...] "
-                           f"(first: {triples[short[0]]!r})")
+        raise ServerError(
+            f"{where}: output_token_logprobs entries {short[:8]} are not [logprob, token_id, ...] "
+            f"(first: {triples[short[0]]!r})"
+        )
     check_token_ids(f"{where}: output_ids", token_ids, vocab_size)
     triple_ids = [triple[1] for triple in triples]
     check_token_ids(f"{where}: the token ids of output_token_logprobs", triple_ids, vocab_size)
     if triple_ids != token_ids:
-        raise ServerError(f"{where}: output_ids ({len(token_ids)} ids, starting {token_ids[:8]}) differ from the "
-                           f"token ids of output_token_logprobs ({len(triple_ids)} ids, starting {triple_ids[:8]}); "
-                           "older SGLang servers return stray prompt tokens in output_ids: upgrade SGLang")
+        raise ServerError(
+            f"{where}: output_ids ({len(token_ids)} ids, starting {token_ids[:8]}) differ from the "
+            f"token ids of output_token_logprobs ({len(triple_ids)} ids, starting {triple_ids[:8]}); "
+            "older SGLang servers return stray prompt tokens in output_ids: upgrade SGLang"
+        )
     logps = [triple[0] for triple in triples]
     if any(logp is None for logp in logps):
         missing = [i for i, logp in enumerate(logps) if logp is None]
-        raise ServerError(f"{where}: log-probs missing at completion positions {missing[:8]}; they are never "
-                           "filled with zeros")
+        raise ServerError(
+            f"{where}: log-probs missing at completion positions {missing[:8]}; they are never filled with zeros"
+        )
     bad = [i for i, logp in enumerate(logps) if type(logp) not in (int, float) or not math.isfinite(logp)]
     if bad:
-        raise ServerError(f"{where}: log-probs at completion positions {bad[:8]} are not finite numbers "
-                           f"(first: {logps[bad[0]]!r}); the server's numbers cannot be trained on")
+        raise ServerError(
+            f"{where}: log-probs at completion positions {bad[:8]} are not finite numbers "
+            f"(first: {logps[bad[0]]!r}); the server's numbers cannot be trained on"
+        )
     completion_tokens = meta_info.get("completion_tokens", len(token_ids))
     if completion_tokens != len(token_ids) or type(completion_tokens) is not int:
         raise ServerError(f"{where}: completion_tokens {completion_tokens!r} != {len(token_ids)} output_ids")
     if not token_ids and max_new_tokens >= 1:
-        raise ServerError(f"{where}: no token; a server generates at least one (the EOS) for max_new_tokens "
-                           f"{max_new_tokens}, so this answer cannot be trained on")
+        raise ServerError(
+            f"{where}: no token; a server generates at least one (the EOS) for max_new_tokens "
+            f"{max_new_tokens}, so this answer cannot be trained on"
+        )
     if len(token_ids) > max_new_tokens:
         raise ServerError(f"{where}: {len(token_ids)} tokens for max_new_tokens {max_new_tokens}")
-    if finish_reason.get("type") == "stop" and finish_reason.get("matched") == eos_token_id \
-            and token_ids[-1:] != [eos_token_id]:
+    if (
+        finish_reason.get("type") == "stop"
+        and finish_reason.get("matched") == eos_token_id
+        and token_ids[-1:] != [eos_token_id]
+    ):
         raise ServerError(f"{where}: stopped on EOS {eos_token_id} but output_ids do not end with it")
     return list(token_ids), [float(logp) for logp in logps]
 
 
 def check_token_ids(what, token_ids, vocab_size):
     """Raise RuntimeError naming ``what`` unless every id is a JSON integer in [0, vocab_size) (None: >= 0)."""
-    bad = [(i, t) for i, t in enumerate(token_ids)
-           if type(t) is not int or t < 0 or (vocab_size is not None and t >= vocab_size)]
+    bad = [
+        (i, t)
+        for i, t in enumerate(token_ids)
+        if type(t) is not int or t < 0 or (vocab_size is not None and t >= vocab_size)
+    ]
     if bad:
         limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
-        raise ServerError(f"{what}: ids that are not integers in {limit} as (position, id): {bad[:8]}; the server "
-                           "and the trainer disagree on the model (or the reply is not SGLang's)")
+        raise ServerError(
+            f"{what}: ids that are not integers in {limit} as (position, id): {bad[:8]}; the server "
+            "and the trainer disagree on the model (or the reply is not SGLang's)"
+        )
 
 
 def check_sglang_prompts(prompt_ids, attention_mask, vocab_size):
@@ -156,15 +183,19 @@ def check_sglang_prompts(prompt_ids, attention_mask, vocab_size):
     mask = attention_mask.bool()  # [B, P]
     empty_rows = (~mask.any(dim=1)).nonzero().flatten().tolist()
     if empty_rows:
-        raise InputError(f"SGLang rollout: prompt rows {empty_rows[:8]} have no token (attention_mask all 0); "
-                         "an empty prompt crashes the SGLang server, so it is not sent")
+        raise InputError(
+            f"SGLang rollout: prompt rows {empty_rows[:8]} have no token (attention_mask all 0); "
+            "an empty prompt crashes the SGLang server, so it is not sent"
+        )
     outside = mask & ((prompt_ids < 0) | (prompt_ids >= vocab_size))  # [B, P]
     if outside.any():
         rows, cols = outside.nonzero(as_tuple=True)
         found = [(int(r), int(prompt_ids[r, c])) for r, c in zip(rows[:8], cols[:8])]
-        raise InputError(f"SGLang rollout: prompt token ids outside the vocabulary [0, {vocab_size}) as (row, id): "
-                         f"{found}; such an id crashes the SGLang server, so it is not sent (tokenizer and model "
-                         "disagree?)")
+        raise InputError(
+            f"SGLang rollout: prompt token ids outside the vocabulary [0, {vocab_size}) as (row, id): "
+            f"{found}; such an id crashes the SGLang server, so it is not sent (tokenizer and model "
+            "disagree?)"
+        )
 
 
 class SGLangClient:
@@ -177,8 +208,17 @@ class SGLangClient:
     run), and every answer of ``generate`` must carry the label of the last push.
     """
 
-    def __init__(self, url, max_retries=5, backoff_s=1.0, timeout_s=120.0, resume_hint="", session=None,
-                 vocab_size=None, stop_grace_s=STOP_GRACE_S):
+    def __init__(
+        self,
+        url,
+        max_retries=5,
+        backoff_s=1.0,
+        timeout_s=120.0,
+        resume_hint="",
+        session=None,
+        vocab_size=None,
+        stop_grace_s=STOP_GRACE_S,
+    ):
         self.url = url.rstrip("/")
         self.max_retries = max_retries
         self.backoff_s = backoff_s
@@ -207,18 +247,22 @@ class SGLangClient:
             try:
                 response = self.send(method, path, payload)
             except requests.ReadTimeout:
-                raise ServerError(f"SGLang server {self.url}{path} took the request but did not answer within "
-                                   f"--sglang_timeout {self.timeout_s:g} s: restart it (its log names the cause), "
-                                   f"then resume the run, or pass a larger --sglang_timeout if its steps are that "
-                                   f"slow. {self.resume_hint}".rstrip()) from None
+                raise ServerError(
+                    f"SGLang server {self.url}{path} took the request but did not answer within "
+                    f"--sglang_timeout {self.timeout_s:g} s: restart it (its log names the cause), "
+                    f"then resume the run, or pass a larger --sglang_timeout if its steps are that "
+                    f"slow. {self.resume_hint}".rstrip()
+                ) from None
             except (requests.ConnectionError, requests.Timeout) as err:
                 last_error = f"{type(err).__name__}: {err}"
                 continue
             if response.status_code not in RETRIED_HTTP_STATUSES:
                 return response
             last_error = f"HTTP {response.status_code}: {response.text[:200]}"
-        raise ServerError(f"SGLang server {self.url}{path} failed {self.max_retries + 1} times ({last_error}). "
-                           f"Start the server again, then resume the run. {self.resume_hint}".rstrip())
+        raise ServerError(
+            f"SGLang server {self.url}{path} failed {self.max_retries + 1} times ({last_error}). "
+            f"Start the server again, then resume the run. {self.resume_hint}".rstrip()
+        )
 
     def send(self, method, path, payload):
         """``session.request`` in a worker thread, so that a stop request is acted on while a server does not answer:
@@ -228,8 +272,9 @@ class SGLangClient:
 
         def call():
             try:
-                outcome["response"] = self.session.request(method, self.url + path, json=payload,
-                                                           timeout=self.timeout_s)
+                outcome["response"] = self.session.request(
+                    method, self.url + path, json=payload, timeout=self.timeout_s
+                )
             except BaseException as err:  # handed to the waiting thread
                 outcome["error"] = err
 
@@ -241,9 +286,11 @@ class SGLangClient:
             if stop_seen is None and stop_received():
                 stop_seen = time.monotonic()
             if stop_seen is not None and worker.is_alive() and time.monotonic() - stop_seen > self.stop_grace_s:
-                raise ServerError(f"{stop_received()} received while SGLang server {self.url}{path} had not "
-                                   f"answered ({self.stop_grace_s:g} s more were given): the run stops without "
-                                   f"this step. {self.resume_hint}".rstrip())
+                raise ServerError(
+                    f"{stop_received()} received while SGLang server {self.url}{path} had not "
+                    f"answered ({self.stop_grace_s:g} s more were given): the run stops without "
+                    f"this step. {self.resume_hint}".rstrip()
+                )
         if "error" in outcome:
             raise outcome["error"]
         return outcome["response"]
@@ -274,7 +321,8 @@ class SGLangClient:
             f"or on a CPU (docs/sglang.md): bash scripts/setup_sglang_env.sh, then\n"
             f"  bash scripts/launch_sglang.sh {launch_folder} {port}\n"
             f"(the folder is written by the trainer at start-up; for other weights use "
-            f"python scripts/convert_model.py to_hf --weight ... --out FOLDER), or pass --sglang_url.")
+            f"python scripts/convert_model.py to_hf --weight ... --out FOLDER), or pass --sglang_url."
+        )
 
     def generate(self, input_ids, sampling_params):
         """POST /generate for N unpadded prompts (``return_logprob: true``); every answer checked
@@ -288,23 +336,36 @@ class SGLangClient:
         payload = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": True}
         response = self.request("POST", "/generate", payload)
         if response.status_code != 200:
-            raise ServerError(f"SGLang {self.url}/generate answered HTTP {response.status_code}: "
-                               f"{response.text[:500]!r} to a request with sampling_params "
-                               f"{sorted(sampling_params[0] if isinstance(sampling_params, list) else sampling_params)}"
-                               "; the server's log names the cause")
+            raise ServerError(
+                f"SGLang {self.url}/generate answered HTTP {response.status_code}: "
+                f"{response.text[:500]!r} to a request with sampling_params "
+                f"{sorted(sampling_params[0] if isinstance(sampling_params, list) else sampling_params)}"
+                "; the server's log names the cause"
+            )
         try:
             outputs = json.loads(response.content)  # NaN and Infinity parse, so the checks below name them
         except ValueError:
-            raise ServerError(f"SGLang {self.url}/generate answered HTTP 200 with a body that is not JSON "
-                               f"(Content-Type {response.headers.get('Content-Type')!r}, starting "
-                               f"{response.text[:200]!r}): is --sglang_url an SGLang server?") from None
+            raise ServerError(
+                f"SGLang {self.url}/generate answered HTTP 200 with a body that is not JSON "
+                f"(Content-Type {response.headers.get('Content-Type')!r}, starting "
+                f"{response.text[:200]!r}): is --sglang_url an SGLang server?"
+            ) from None
         if not isinstance(outputs, list) or len(outputs) != len(input_ids):
             got = len(outputs) if isinstance(outputs, list) else type(outputs).__name__
             raise ServerError(f"SGLang {self.url}/generate: expected a list of {len(input_ids)} answers, got {got}")
         per_row = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(outputs)
-        return [parse_sglang_output(output, i, params["max_new_tokens"], params["stop_token_ids"][0],
-                                    self.server_weight_version, self.vocab_size, self.url)
-                for i, (output, params) in enumerate(zip(outputs, per_row))]
+        return [
+            parse_sglang_output(
+                output,
+                i,
+                params["max_new_tokens"],
+                params["stop_token_ids"][0],
+                self.server_weight_version,
+                self.vocab_size,
+                self.url,
+            )
+            for i, (output, params) in enumerate(zip(outputs, per_row))
+        ]
 
     def next_weight_version(self):
         """The label the next push gives its weights."""
@@ -318,15 +379,20 @@ class SGLangClient:
         Raises:
             RuntimeError: with the server's ``message`` unless the JSON answer says ``success``.
         """
-        response = self.request("POST", "/update_weights_from_disk", {
-            "model_path": folder, "flush_cache": True, "weight_version": self.next_weight_version()})
+        response = self.request(
+            "POST",
+            "/update_weights_from_disk",
+            {"model_path": folder, "flush_cache": True, "weight_version": self.next_weight_version()},
+        )
         try:
             body = response.json()
         except ValueError:
             body = {"success": False, "message": response.text[:500]}
         if response.status_code != 200 or not body.get("success"):
-            raise ServerError(f"SGLang {self.url}/update_weights_from_disk failed for {folder} "
-                               f"(HTTP {response.status_code}): {body.get('message')}")
+            raise ServerError(
+                f"SGLang {self.url}/update_weights_from_disk failed for {folder} "
+                f"(HTTP {response.status_code}): {body.get('message')}"
+            )
 
     def weights_pushed(self):
         """Record a successful push on every rank: later answers must carry its label."""

@@ -3,6 +3,7 @@
 
 Infrastructure, not RL: a learner can skip this file.
 """
+
 import signal
 
 import torch
@@ -42,14 +43,18 @@ class StopSignal:
         """True when any rank has received SIGTERM or SIGINT (a collective: every rank calls it each step)."""
         stop = any_rank(self.signal_name is not None, device)
         if stop:
-            Logger(f"{self.signal_name or 'a signal to another rank'} received: saving a resume checkpoint "
-                   f"(under torchrun, within its 30 s before it sends SIGKILL)")
+            Logger(
+                f"{self.signal_name or 'a signal to another rank'} received: saving a resume checkpoint "
+                f"(under torchrun, within its 30 s before it sends SIGKILL)"
+            )
         return stop
 
     def stopped_message(self, step, resume_command):
         """The line printed when the run stops at ``step``: which signal, and the command that resumes."""
-        return (f"stopped by {self.signal_name or 'a signal to another rank'} at step {step}; resume with:\n"
-                f"  {resume_command}")
+        return (
+            f"stopped by {self.signal_name or 'a signal to another rank'} at step {step}; resume with:\n"
+            f"  {resume_command}"
+        )
 
     def restore(self):
         """Give SIGTERM / SIGINT back their default behaviour."""
@@ -105,12 +110,16 @@ class BadStepGuard:
             return
         self.in_a_row += 1
         what = ", ".join(problems) or "values on another rank"
-        Logger(f"step {step}: update skipped, non-finite {what} "
-               f"({self.in_a_row} in a row, --max_bad_steps {self.max_bad_steps})")
+        Logger(
+            f"step {step}: update skipped, non-finite {what} "
+            f"({self.in_a_row} in a row, --max_bad_steps {self.max_bad_steps})"
+        )
         if self.in_a_row >= self.max_bad_steps:
-            raise SystemExit(f"stopping at step {step}: {self.in_a_row} updates in a row had non-finite "
-                             f"{what}; the weights were not changed by them, and the last saved "
-                             f"checkpoint holds no NaN. Lower --learning_rate or check the reward function.")
+            raise SystemExit(
+                f"stopping at step {step}: {self.in_a_row} updates in a row had non-finite "
+                f"{what}; the weights were not changed by them, and the last saved "
+                f"checkpoint holds no NaN. Lower --learning_rate or check the reward function."
+            )
 
 
 def finish_run(stop_signal, stopped_at, resume_command, evaluator, writer, run_lock):

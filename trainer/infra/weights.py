@@ -3,6 +3,7 @@ fp16 files a run saves; the record of the tokenizer a checkpoint was trained wit
 
 Infrastructure, not RL: a learner can skip this file.
 """
+
 import functools
 import glob
 import hashlib
@@ -21,8 +22,10 @@ from trainer.infra.errors import InputError
 from trainer.infra.lora import adapter_folder, has_adapters, merged_state_dict, save_adapters
 
 
-MERGE_HINT = ("merge the adapters into their base first (python scripts/convert_model.py merge_lora --adapter "
-              "FOLDER --out merged.pth) and pass --from_weight merged.pth, with --lora_rank for new adapters on it")
+MERGE_HINT = (
+    "merge the adapters into their base first (python scripts/convert_model.py merge_lora --adapter "
+    "FOLDER --out merged.pth) and pass --from_weight merged.pth, with --lora_rank for new adapters on it"
+)
 
 
 def minimind_dims(state_dict):
@@ -33,14 +36,20 @@ def minimind_dims(state_dict):
     if embed is None or embed.dim() != 2:
         return None
     layers = {int(name.split(".")[2]) for name in state_dict if name.startswith("model.layers.")}
-    return {"hidden_size": int(embed.shape[1]), "num_hidden_layers": len(layers),
-            "use_moe": int(any(".mlp.experts." in name for name in state_dict)), "vocab_size": int(embed.shape[0])}
+    return {
+        "hidden_size": int(embed.shape[1]),
+        "num_hidden_layers": len(layers),
+        "use_moe": int(any(".mlp.experts." in name for name in state_dict)),
+        "vocab_size": int(embed.shape[0]),
+    }
 
 
 def describe_dims(dims):
     """'hidden_size 768, 8 layers, dense, vocab 6400' for ``minimind_dims``'s dict."""
-    return (f"hidden_size {dims['hidden_size']}, {dims['num_hidden_layers']} layers, "
-            f"{'MoE' if dims['use_moe'] else 'dense'}, vocab {dims['vocab_size']}")
+    return (
+        f"hidden_size {dims['hidden_size']}, {dims['num_hidden_layers']} layers, "
+        f"{'MoE' if dims['use_moe'] else 'dense'}, vocab {dims['vocab_size']}"
+    )
 
 
 def check_state_dict_fits(path, own, state_dict, flag_hint, may_be_missing=()):
@@ -65,8 +74,9 @@ def check_state_dict_fits(path, own, state_dict, flag_hint, may_be_missing=()):
     missing = sorted(set(own) - set(state_dict) - set(may_be_missing))
     unexpected = sorted(set(state_dict) - set(own))
     if missing or unexpected:
-        raise InputError(f"{path}: missing keys {missing[:8]}, unexpected keys {unexpected[:8]}; "
-                         f"check {flag_hint}{found}")
+        raise InputError(
+            f"{path}: missing keys {missing[:8]}, unexpected keys {unexpected[:8]}; check {flag_hint}{found}"
+        )
 
 
 def load_tensors_only(path, mmap=False):
@@ -80,10 +90,12 @@ def load_tensors_only(path, mmap=False):
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
         found = re.search(r"Unsupported global: GLOBAL [\w.]+", str(err))
-        raise InputError(f"{path} holds Python objects besides tensors "
-                         f"({found[0] if found else 'a pickle weights_only refuses'});"
-                         f" it is not loaded, since unpickling it could run code. If you trust the file, load it once "
-                         f"with torch.load(weights_only=False) and torch.save its state_dict()") from None
+        raise InputError(
+            f"{path} holds Python objects besides tensors "
+            f"({found[0] if found else 'a pickle weights_only refuses'});"
+            f" it is not loaded, since unpickling it could run code. If you trust the file, load it once "
+            f"with torch.load(weights_only=False) and torch.save its state_dict()"
+        ) from None
 
 
 def load_weights(model, path, flag_hint="--hidden_size / --num_hidden_layers / --use_moe"):
@@ -105,14 +117,17 @@ def load_weights(model, path, flag_hint="--hidden_size / --num_hidden_layers / -
     except ValueError:
         raise
     except Exception as err:  # torch raises RuntimeError, pickle errors, EOFError... for a damaged file
-        raise InputError(f"{path} cannot be read as MiniMind weights ({type(err).__name__}: {err}); the file is "
-                         f"truncated or not a .pth state dict: copy it again or pass another --from_weight") from err
+        raise InputError(
+            f"{path} cannot be read as MiniMind weights ({type(err).__name__}: {err}); the file is "
+            f"truncated or not a .pth state dict: copy it again or pass another --from_weight"
+        ) from err
     if not isinstance(state_dict, dict):
         raise InputError(f"{path} holds a {type(state_dict).__name__}, not a state dict of MiniMind weights")
     adapter_keys = [key for key in state_dict if ".lora_A." in key or ".lora_B." in key]
     if adapter_keys:  # a peft model's state dict: the adapters are not merged into the weights
-        raise InputError(f"{path} holds LoRA adapters ({adapter_keys[0]}, ...), not merged MiniMind weights: "
-                         f"{MERGE_HINT}")
+        raise InputError(
+            f"{path} holds LoRA adapters ({adapter_keys[0]}, ...), not merged MiniMind weights: {MERGE_HINT}"
+        )
     check_finite_state(state_dict, f"{path} (a damaged file? copy it again)", "refusing to load")
     own = model.state_dict()
     check_state_dict_fits(path, own, state_dict, flag_hint)
@@ -121,12 +136,19 @@ def load_weights(model, path, flag_hint="--hidden_size / --num_hidden_layers / -
 
 def build_config(hidden_size, num_hidden_layers, use_moe, vocab_size=6400):
     """MiniMindConfig from the architecture flags every script shares."""
-    return MiniMindConfig(hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
-                          use_moe=bool(use_moe), vocab_size=vocab_size)
+    return MiniMindConfig(
+        hidden_size=hidden_size, num_hidden_layers=num_hidden_layers, use_moe=bool(use_moe), vocab_size=vocab_size
+    )
 
 
-def init_model(lm_config, from_weight="none", save_dir=DEFAULT_SAVE_DIR, tokenizer_path=DEFAULT_TOKENIZER_PATH,
-               device="cpu", tokenizer=None):
+def init_model(
+    lm_config,
+    from_weight="none",
+    save_dir=DEFAULT_SAVE_DIR,
+    tokenizer_path=DEFAULT_TOKENIZER_PATH,
+    device="cpu",
+    tokenizer=None,
+):
     """Build a ``MiniMindForCausalLM`` and its tokenizer, loading weights strictly unless from_weight == 'none'.
 
     Args:
@@ -149,14 +171,20 @@ def init_model(lm_config, from_weight="none", save_dir=DEFAULT_SAVE_DIR, tokeniz
         load_weights(model, path)
         Logger(f"loaded weights {path} ({describe_dims(minimind_dims(model.state_dict()))})")
         sizes = re.compile(rf"{re.escape(from_weight)}_\d+(_moe)?\.pth")  # other sizes of this weight, not ppo_critic
-        others = sorted(p for p in glob.glob(os.path.join(glob.escape(save_dir), f"{glob.escape(from_weight)}_*.pth"))
-                        if sizes.fullmatch(os.path.basename(p)) and os.path.abspath(p) != os.path.abspath(path))
+        others = sorted(
+            p
+            for p in glob.glob(os.path.join(glob.escape(save_dir), f"{glob.escape(from_weight)}_*.pth"))
+            if sizes.fullmatch(os.path.basename(p)) and os.path.abspath(p) != os.path.abspath(path)
+        )
         if others and not os.path.isfile(from_weight):  # e.g. upstream's full_sft_768.pth beside the bundled one
-            Logger(f"note: {', '.join(map(os.path.basename, others))} in {save_dir} too: --hidden_size, "
-                   f"--num_hidden_layers and --use_moe choose which {from_weight} a run starts from")
+            Logger(
+                f"note: {', '.join(map(os.path.basename, others))} in {save_dir} too: --hidden_size, "
+                f"--num_hidden_layers and --use_moe choose which {from_weight} a run starts from"
+            )
     if len(tokenizer) > lm_config.vocab_size:
-        raise InputError(f"tokenizer {tokenizer_path} has {len(tokenizer)} tokens but vocab_size is "
-                         f"{lm_config.vocab_size}")
+        raise InputError(
+            f"tokenizer {tokenizer_path} has {len(tokenizer)} tokens but vocab_size is {lm_config.vocab_size}"
+        )
     return model.to(device), tokenizer
 
 
@@ -309,11 +337,14 @@ def check_tokenizer_fits_checkpoint(tokenizer, tokenizer_path, checkpoint_path, 
     vocab = tokenizer.get_vocab()
     missing = [t for t in CHAT_TOKENS if t not in vocab or tokenizer.encode(t, add_special_tokens=False) != [vocab[t]]]
     if missing:
-        raise InputError(f"--tokenizer_path {tokenizer_path}: the chat template needs {missing} as single tokens and "
-                         f"this tokenizer of {len(tokenizer)} tokens lacks them (a MiniMind tokenizer has them)")
+        raise InputError(
+            f"--tokenizer_path {tokenizer_path}: the chat template needs {missing} as single tokens and "
+            f"this tokenizer of {len(tokenizer)} tokens lacks them (a MiniMind tokenizer has them)"
+        )
     if tokenizer.eos_token_id is None:
-        raise InputError(f"--tokenizer_path {tokenizer_path}: the tokenizer has no EOS token "
-                         f"(MiniMind's is <|im_end|>)")
+        raise InputError(
+            f"--tokenizer_path {tokenizer_path}: the tokenizer has no EOS token (MiniMind's is <|im_end|>)"
+        )
     if checkpoint_path is None or not os.path.isfile(checkpoint_path):
         return
     record_path = tokenizer_record_path(checkpoint_path)
@@ -322,29 +353,36 @@ def check_tokenizer_fits_checkpoint(tokenizer, tokenizer_path, checkpoint_path, 
             record = json.load(f)
         ours = tokenizer_record(tokenizer)
         if record["tokenizer_size"] != ours["tokenizer_size"]:
-            raise InputError(f"{checkpoint_path} was trained with a tokenizer of {record['tokenizer_size']} tokens "
-                             f"({record_path}), but --tokenizer_path {tokenizer_path} has {ours['tokenizer_size']}: "
-                             f"pass --tokenizer_path with the tokenizer it was trained with")
+            raise InputError(
+                f"{checkpoint_path} was trained with a tokenizer of {record['tokenizer_size']} tokens "
+                f"({record_path}), but --tokenizer_path {tokenizer_path} has {ours['tokenizer_size']}: "
+                f"pass --tokenizer_path with the tokenizer it was trained with"
+            )
         if record["vocab_sha256"] != ours["vocab_sha256"]:
-            raise InputError(f"{checkpoint_path} was trained with another vocabulary of the same size "
-                             f"({record['tokenizer_size']} tokens, {record_path}) than --tokenizer_path "
-                             f"{tokenizer_path}: pass --tokenizer_path with the tokenizer it was trained with")
+            raise InputError(
+                f"{checkpoint_path} was trained with another vocabulary of the same size "
+                f"({record['tokenizer_size']} tokens, {record_path}) than --tokenizer_path "
+                f"{tokenizer_path}: pass --tokenizer_path with the tokenizer it was trained with"
+            )
         return
     rows = embedding_rows(checkpoint_path)
     if rows is None or rows == len(tokenizer):
         return
     if named and len(tokenizer) <= rows:
-        Logger(f"warning: {checkpoint_path} has no record of its tokenizer ({os.path.basename(record_path)}); "
-               f"trusting --tokenizer_path {tokenizer_path} as named ({len(tokenizer)} tokens for an embedding of "
-               f"{rows} rows). If these weights were trained with another tokenizer, the run trains on wrong ids.")
+        Logger(
+            f"warning: {checkpoint_path} has no record of its tokenizer ({os.path.basename(record_path)}); "
+            f"trusting --tokenizer_path {tokenizer_path} as named ({len(tokenizer)} tokens for an embedding of "
+            f"{rows} rows). If these weights were trained with another tokenizer, the run trains on wrong ids."
+        )
         return
-    raise InputError(f"{checkpoint_path} has an embedding of {rows} rows (a {rows}-token vocabulary) and no "
-                     f"record of its tokenizer ({os.path.basename(record_path)} beside it), but --tokenizer_path "
-                     f"{tokenizer_path} has {len(tokenizer)} tokens. Copy the record beside the weights, or name "
-                     f"the tokenizer they were trained with on the command line (--tokenizer_path DIR: it is then "
-                     f"trusted when it fits the embedding); upstream MiniMind's checkpoints need upstream's "
-                     f"tokenizer, its model/ folder of 6400 tokens")
-
+    raise InputError(
+        f"{checkpoint_path} has an embedding of {rows} rows (a {rows}-token vocabulary) and no "
+        f"record of its tokenizer ({os.path.basename(record_path)} beside it), but --tokenizer_path "
+        f"{tokenizer_path} has {len(tokenizer)} tokens. Copy the record beside the weights, or name "
+        f"the tokenizer they were trained with on the command line (--tokenizer_path DIR: it is then "
+        f"trusted when it fits the embedding); upstream MiniMind's checkpoints need upstream's "
+        f"tokenizer, its model/ folder of 6400 tokens"
+    )
 
 
 def load_tokenizer(tokenizer_path, checkpoint_path, named=False):

@@ -6,6 +6,7 @@ the hand-written backward of ``SelectiveLogSoftmax`` is a memory optimisation on
 token entropies of the same logits (``token_entropies``) are computed one row at a time for the same reason.
 Shapes: B rows, n positions, V vocabulary size.
 """
+
 import torch
 from torch.autograd.function import once_differentiable
 

@@ -7,6 +7,7 @@ with the prompt computed B times instead of B*G. The gradient of the repeated ke
 as it does for separate rows (the "shared-prefix forward" of Prefix Grouper, Liu et al. 2025). Equal to the padded
 forward in tests/test_forward_layouts.py; the speed it buys in docs/performance.md.
 """
+
 import torch
 
 from model.model_minimind import KVCache
@@ -26,13 +27,15 @@ def shared_prefix_forward(model, rollout, num_generations, temperature=1.0, comp
     completion_ids, completion_mask = rollout.completion_ids, rollout.completion_mask  # [B*G, R]
     num_completion_tokens = completion_ids.size(1)
     if num_completion_tokens == 0:
-        return compute_per_token_logps(model, rollout.output_ids, 0, rollout.attention_mask, temperature,
-                                       compute_entropy)
-    prompt_ids = rollout.output_ids[::num_generations, :rollout.prompt_mask.size(1)]  # [B, P], one row per group
+        return compute_per_token_logps(
+            model, rollout.output_ids, 0, rollout.attention_mask, temperature, compute_entropy
+        )
+    prompt_ids = rollout.output_ids[::num_generations, : rollout.prompt_mask.size(1)]  # [B, P], one row per group
     prompt_mask = rollout.prompt_mask[::num_generations]  # [B, P]
     cache = KVCache(unwrap_model(model).config.num_hidden_layers)
-    prompt_out = model(prompt_ids, attention_mask=prompt_mask, past_key_values=cache,
-                       logits_to_keep=1)  # logits [B, 1, V]: the prompt's last position predicts answer token 0
+    prompt_out = model(
+        prompt_ids, attention_mask=prompt_mask, past_key_values=cache, logits_to_keep=1
+    )  # logits [B, 1, V]: the prompt's last position predicts answer token 0
     first_logits = prompt_out.logits.repeat_interleave(num_generations, dim=0)  # [B*G, 1, V]
     per_token_logps = selective_log_softmax(first_logits, completion_ids[:, :1], temperature)  # [B*G, 1]
     entropies = token_entropies(first_logits, temperature) if compute_entropy else None  # [B*G, 1]
@@ -41,13 +44,12 @@ def shared_prefix_forward(model, rollout, num_generations, temperature=1.0, comp
         cache = cache.repeat_interleave(num_generations, extra_capacity=num_completion_tokens - 1)
         repeated_prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # [B*G, P]
         full_mask = torch.cat([repeated_prompt_mask, completion_mask[:, :-1]], dim=1)  # [B*G, P + R - 1]
-        completion_out = model(completion_ids[:, :-1], attention_mask=full_mask,
-                               past_key_values=cache)  # logits [B*G, R - 1, V]
+        completion_out = model(
+            completion_ids[:, :-1], attention_mask=full_mask, past_key_values=cache
+        )  # logits [B*G, R - 1, V]
         rest_logps = selective_log_softmax(completion_out.logits, completion_ids[:, 1:], temperature)  # [B*G, R-1]
         per_token_logps = torch.cat([per_token_logps, rest_logps], dim=1)  # [B*G, R]
         if compute_entropy:
             entropies = torch.cat([entropies, token_entropies(completion_out.logits, temperature)], dim=1)  # [B*G, R]
         aux_loss = aux_loss + completion_out.aux_loss
     return PolicyForward(per_token_logps, aux_loss, entropies)
-
-

@@ -10,11 +10,11 @@ SGLang enables its AMX kernels only when ``torch.ops.sgl_kernel.convert_weight_p
 (``sglang/srt/utils/common.py``, ``cpu_has_amx_support``); this package registers no torch op, so an AMX
 machine takes the same torch-native path. Unnecessary where a CPU build of sgl-kernel can be installed.
 """
+
 __version__ = "0.0.0+placeholder"
 
 
-def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
-                                 pool_len):
+def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len):
     """Write each request's new KV-cache slots into its row of the request-to-token table, in place.
 
     Args:
@@ -33,7 +33,7 @@ def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, e
         raise ValueError(f"{sum(lengths)} slots requested, out_cache_loc holds {out_cache_loc.numel()}")
     read = 0
     for row, start, length in zip(req_pool_indices.tolist(), start_offset.tolist(), lengths):
-        req_to_token[row, start:start + length] = out_cache_loc[read:read + length].to(req_to_token.dtype)
+        req_to_token[row, start : start + length] = out_cache_loc[read : read + length].to(req_to_token.dtype)
         read += length
 
 
@@ -44,8 +44,10 @@ def __getattr__(name):
         raise AttributeError(name)
 
     def missing_kernel(*args, **kwargs):
-        raise NotImplementedError(f"sgl_kernel.{name} is not available in the CPU server environment: only "
-                                  "assign_req_to_token_pool_cpu is (scripts/sglang_cpu/sgl_kernel)")
+        raise NotImplementedError(
+            f"sgl_kernel.{name} is not available in the CPU server environment: only "
+            "assign_req_to_token_pool_cpu is (scripts/sglang_cpu/sgl_kernel)"
+        )
 
     missing_kernel.__name__ = name
     return missing_kernel
