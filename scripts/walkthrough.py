@@ -502,10 +502,7 @@ def ppo_walkthrough(batch, ppo_args, actor, ref_model, critic, tokenizer, seed, 
     critic_scheduler = build_cosine_scheduler(critic_optimizer, ppo_args.max_steps)
     update = train_ppo.ppo_update(
         rollout_batch,
-        actor,
-        critic,
-        (actor_optimizer, critic_optimizer),
-        (actor_scheduler, critic_scheduler),
+        train_ppo.PPOLearners(actor, critic, (actor_optimizer, critic_optimizer), (actor_scheduler, critic_scheduler)),
         ppo_args,
         "cpu",
         torch.Generator().manual_seed(seed),

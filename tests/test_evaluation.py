@@ -80,7 +80,7 @@ def test_half_right_answerer_and_evaluator_summary(tokenizer, val_references):
         return reference if reference % 2 == 0 else reference + 1
 
     dataset = RLAIFDataset(VAL_PATH, tokenizer, thinking_ratio=1.0)
-    evaluator = HeldOutEvaluator(dataset, tokenizer, 40, 1.0, 32, 256, "cpu", batch_size=16)
+    evaluator = HeldOutEvaluator(dataset, tokenizer, Decoding(40, 16, 32, 1.0), "cpu")
     start = evaluator(ScriptedAnswerer(tokenizer, lambda p: int(reference_of(p, val_references)) + 1), 0)
     end = evaluator(ScriptedAnswerer(tokenizer, answer_for), 10)
     assert start["eval/accuracy_sampled"] == 0.0 and start["eval/accuracy_greedy"] == 0.0

@@ -208,7 +208,7 @@ class CountingAdamW(torch.optim.AdamW):
 @pytest.mark.parametrize("early_stop_kl, expected_steps", [(1e9, 8), (1e-12, 1)])
 def test_early_stop_means_no_further_optimizer_step(tokenizer, early_stop_kl, expected_steps):
     """The first minibatch has ratio 1 (approx KL 0) and is applied; with a tiny threshold the next one stops."""
-    from trainer.train_ppo import ppo_update
+    from trainer.train_ppo import PPOLearners, ppo_update
     from trainer.infra.optimizer import build_cosine_scheduler
 
     actor, critic, data, args = make_update_inputs(tokenizer)
@@ -217,10 +217,12 @@ def test_early_stop_means_no_further_optimizer_step(tokenizer, early_stop_kl, ex
     actor_opt, critic_opt = CountingAdamW(actor.parameters(), lr=1e-2), CountingAdamW(critic.parameters(), lr=1e-2)
     result = ppo_update(
         data,
-        actor,
-        critic,
-        (actor_opt, critic_opt),
-        (build_cosine_scheduler(actor_opt, 10), build_cosine_scheduler(critic_opt, 10)),
+        PPOLearners(
+            actor,
+            critic,
+            (actor_opt, critic_opt),
+            (build_cosine_scheduler(actor_opt, 10), build_cosine_scheduler(critic_opt, 10)),
+        ),
         args,
         "cpu",
         torch.Generator().manual_seed(0),
@@ -276,7 +278,7 @@ def test_ppo_last_partial_accumulation_window_gets_its_own_size():
     import types
 
     from model.model_minimind import CriticModel, MiniMindForCausalLM
-    from trainer.train_ppo import PPORolloutBatch, ppo_update
+    from trainer.train_ppo import PPOLearners, PPORolloutBatch, ppo_update
     from trainer.infra.weights import build_config
     from trainer.infra.optimizer import build_cosine_scheduler
 
@@ -311,10 +313,12 @@ def test_ppo_last_partial_accumulation_window_gets_its_own_size():
     )
     result = ppo_update(
         data,
-        actor,
-        critic,
-        (actor_optimizer, critic_optimizer),
-        (build_cosine_scheduler(actor_optimizer, 10), build_cosine_scheduler(critic_optimizer, 10)),
+        PPOLearners(
+            actor,
+            critic,
+            (actor_optimizer, critic_optimizer),
+            (build_cosine_scheduler(actor_optimizer, 10), build_cosine_scheduler(critic_optimizer, 10)),
+        ),
         args,
         "cpu",
         torch.Generator().manual_seed(0),
@@ -352,7 +356,7 @@ def test_kl_in_the_reward_flows_through_gae_as_a_plain_return():
 
 def test_kl_placement_reward_takes_the_kl_out_of_the_loss(tokenizer):
     # the same update with kl_coef 0.02 in the rewards and a loss without KL equals kl_coef 0 in the loss
-    from trainer.train_ppo import ppo_update
+    from trainer.train_ppo import PPOLearners, ppo_update
     from trainer.infra.optimizer import build_cosine_scheduler
 
     results = []
@@ -366,10 +370,7 @@ def test_kl_placement_reward_takes_the_kl_out_of_the_loss(tokenizer):
         results.append(
             ppo_update(
                 data,
-                actor,
-                critic,
-                (actor_opt, critic_opt),
-                schedules,
+                PPOLearners(actor, critic, (actor_opt, critic_opt), schedules),
                 args,
                 "cpu",
                 torch.Generator().manual_seed(0),
@@ -401,7 +402,7 @@ def test_moe_critic_routers_get_the_load_balancing_gradient():
     import types
 
     from model.model_minimind import CriticModel, MiniMindForCausalLM
-    from trainer.train_ppo import PPORolloutBatch, ppo_update
+    from trainer.train_ppo import PPOLearners, PPORolloutBatch, ppo_update
     from trainer.infra.weights import build_config
     from trainer.infra.optimizer import build_cosine_scheduler
 
@@ -438,10 +439,12 @@ def test_moe_critic_routers_get_the_load_balancing_gradient():
     assert len(critic_optimizer.gates) == 2  # one router per layer
     ppo_update(
         data,
-        actor,
-        critic,
-        (actor_optimizer, critic_optimizer),
-        (build_cosine_scheduler(actor_optimizer, 10), build_cosine_scheduler(critic_optimizer, 10)),
+        PPOLearners(
+            actor,
+            critic,
+            (actor_optimizer, critic_optimizer),
+            (build_cosine_scheduler(actor_optimizer, 10), build_cosine_scheduler(critic_optimizer, 10)),
+        ),
         args,
         "cpu",
         torch.Generator().manual_seed(0),

@@ -147,37 +147,35 @@ def before_after_lines(title, history, rows, width):
 class HeldOutEvaluator:
     """The periodic held-out evaluation of a training run (``--eval_interval``, ``--eval_num_prompts``).
 
-    Every call answers the same ``num_prompts`` prompts twice, sampled (``temperature``, generator seeded with
-    ``seed``) and greedy, and returns ``eval/accuracy_sampled``, ``eval/accuracy_greedy`` (shares in [0, 1])
-    and ``eval/response_len`` (mean tokens of the sampled answers). Every rank computes the same numbers on
-    the same prompts (no collective), so the result does not depend on the number of processes.
-    ``history`` keeps (step, metrics) of every call, for the before/after lines at the end of a run.
+    Every call answers the same ``decoding.num_prompts`` prompts (at most the dataset's) twice, sampled as
+    ``decoding`` says (a ``Decoding``; generator seeded with its ``seed``) and greedy, and returns
+    ``eval/accuracy_sampled``, ``eval/accuracy_greedy`` (shares in [0, 1]) and ``eval/response_len`` (mean tokens of
+    the sampled answers). Every rank computes the same numbers on the same prompts (no collective), so the result
+    does not depend on the number of processes. ``history`` keeps (step, metrics) of every call, for the
+    before/after lines at the end of a run.
     """
 
-    def __init__(
-        self, dataset, tokenizer, num_prompts, temperature, max_gen_len, max_seq_len, device, seed=1234, batch_size=100
-    ):
+    def __init__(self, dataset, tokenizer, decoding, device):
         self.dataset = dataset
         self.tokenizer = tokenizer
-        self.num_prompts = min(num_prompts, len(dataset))
-        self.temperature = temperature
-        self.max_gen_len = max_gen_len
-        self.max_seq_len = max_seq_len
+        self.decoding = replace(decoding, num_prompts=min(decoding.num_prompts, len(dataset)), greedy=False)
         self.device = device
-        self.seed = seed
-        self.batch_size = batch_size
         self.history = []
+
+    @property
+    def num_prompts(self):
+        """The prompts each evaluation answers (at most the dataset's)."""
+        return self.decoding.num_prompts
 
     def __call__(self, model, step, should_stop=None):
         """Evaluate ``model`` at training step ``step``; returns the ``eval/...`` metrics (floats), or {} when
         ``should_stop`` (see ``evaluate``) ended the evaluation early (nothing is recorded then)."""
-        decoding = Decoding(
-            self.num_prompts, self.batch_size, self.max_gen_len, self.temperature, False, self.seed, self.max_seq_len
-        )
         common = dict(device=self.device, should_stop=should_stop)
-        sampled = evaluate(model, self.tokenizer, self.dataset, decoding, **common)
+        sampled = evaluate(model, self.tokenizer, self.dataset, self.decoding, **common)
         greedy = (
-            evaluate(model, self.tokenizer, self.dataset, replace(decoding, greedy=True), **common) if sampled else {}
+            evaluate(model, self.tokenizer, self.dataset, replace(self.decoding, greedy=True), **common)
+            if sampled
+            else {}
         )
         if not sampled or not greedy:  # a stop request ended the evaluation
             return {}
@@ -191,8 +189,11 @@ class HeldOutEvaluator:
 
     def summary_lines(self):
         """Lines comparing the first and the last evaluation (the start policy and the trained one)."""
-        rows = (("eval/accuracy_sampled", f"sampled (T = {self.temperature:g})"), ("eval/accuracy_greedy", "greedy"))
-        return before_after_lines(f"held-out accuracy on {self.num_prompts} prompts", self.history, rows, 22)
+        rows = (
+            ("eval/accuracy_sampled", f"sampled (T = {self.decoding.temperature:g})"),
+            ("eval/accuracy_greedy", "greedy"),
+        )
+        return before_after_lines(f"held-out accuracy on {self.decoding.num_prompts} prompts", self.history, rows, 22)
 
 
 def build_evaluator(args, tokenizer, device):
@@ -207,9 +208,8 @@ def build_evaluator(args, tokenizer, device):
     if not (args.eval_interval and args.eval_data_path):
         return None
     eval_dataset = RLAIFDataset(args.eval_data_path, tokenizer, thinking_ratio=1.0, seed=args.seed)
-    return HeldOutEvaluator(
-        eval_dataset, tokenizer, args.eval_num_prompts, args.temperature, args.max_gen_len, args.max_seq_len, device
-    )
+    decoding = Decoding(args.eval_num_prompts, 100, args.max_gen_len, args.temperature, max_seq_len=args.max_seq_len)
+    return HeldOutEvaluator(eval_dataset, tokenizer, decoding, device)
 
 
 class GreedyPolicy(torch.nn.Module):

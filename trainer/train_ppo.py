@@ -354,18 +354,30 @@ def ppo_rollout(batch, roles, critic, args, device, autocast):
     )
 
 
-def ppo_update(rollout_batch, actor, critic, optimizers, schedulers, args, device, generator, autocast):
+@dataclass(frozen=True)
+class PPOLearners:
+    """PPO's two trained models with their optimizers and schedules (chapter 8.4.3-8.4.4), what ``ppo_update``
+    steps."""
+
+    actor: torch.nn.Module  # the policy, its DDP wrapper when distributed
+    critic: torch.nn.Module  # V(s_t), its DDP wrapper when distributed
+    optimizers: tuple  # (the actor's, the critic's)
+    schedulers: tuple  # (the actor's, the critic's), stepped once per rollout
+
+
+def ppo_update(rollout_batch, learners, args, device, generator, autocast):
     """Step 5: ``ppo_update_iters`` epochs over shuffled minibatches of ``rollout_batch`` (chapter 8.4.3-8.4.4).
 
-    ``optimizers``, ``schedulers``: (the actor's, the critic's). Every rank draws the same permutation from
-    ``generator``, and the approx-KL early stop uses the mean over ranks, so all ranks stop on the same minibatch.
-    ``--minibatch_accumulation_steps`` minibatches make one optimizer step (``OptimizerStep.clip_and_step``: each
-    model clipped on its own, both stepped, or neither when a gradient is NaN or inf on any rank); each minibatch's
-    loss is divided by the size of its window, so every optimizer step applies a mean gradient; an early stop drops
-    the window it interrupts. The schedules step once per rollout that made an
-    optimizer step. ``autocast``: the forwards' context under ``--dtype``. Returns a dict of stats averaged over
-    minibatches, early_stop (0/1), optimizer_steps, skipped_steps.
+    ``learners``: ``PPOLearners``, the actor and the critic and their optimizers and schedules. Every rank draws the
+    same permutation from ``generator``, and the approx-KL early stop uses the mean over ranks, so all ranks stop on the
+    same minibatch. ``--minibatch_accumulation_steps`` minibatches make one optimizer step
+    (``OptimizerStep.clip_and_step``: each model clipped on its own, both stepped, or neither when a gradient is NaN or
+    inf on any rank); each minibatch's loss is divided by the size of its window, so every optimizer step applies a mean
+    gradient; an early stop drops the window it interrupts. The schedules step once per rollout that made an optimizer
+    step. ``autocast``: the forwards' context under ``--dtype``. Returns a dict of stats averaged over minibatches,
+    early_stop (0/1), optimizer_steps, skipped_steps.
     """
+    actor, critic, optimizers, schedulers = learners.actor, learners.critic, learners.optimizers, learners.schedulers
     batch_size = rollout_batch.output_ids.size(0)
     gen_len = rollout_batch.completion_mask.size(1)
     accumulation = args.minibatch_accumulation_steps
@@ -506,6 +518,7 @@ def main(argv=None, reward_fn=calculate_rewards):
     actor_scheduler = build_cosine_scheduler(actor_optimizer, total_steps, progress["lr_schedule_step"])
     critic_scheduler = build_cosine_scheduler(critic_optimizer, total_steps, progress["lr_schedule_step"])
     schedulers = (actor_scheduler, critic_scheduler)
+    learners = PPOLearners(ddp_actor, ddp_critic, optimizers, schedulers)  # what ppo_update steps
 
     # 6. the rollout engine (8.2), made after the resume: the SGLang engine pushes the policy to its server
     rollout_engine = create_rollout_engine(args.rollout_engine, actor, tokenizer, **rollout_engine_kwargs(args))
@@ -554,10 +567,7 @@ def main(argv=None, reward_fn=calculate_rewards):
         else:
             update = ppo_update(
                 rollout_batch,
-                ddp_actor,
-                ddp_critic,
-                optimizers,
-                schedulers,
+                learners,
                 args,
                 device,
                 minibatch_generator,
