@@ -458,3 +458,55 @@ def test_dynamic_sampling_at_its_bound_fills_with_equal_groups(tiny_weights, sma
     assert [row["dynamic_sampling/gen_batches"] for row in rows] == [3.0, 3.0]
     assert [row["dynamic_sampling/filled_groups"] for row in rows] == [2.0, 2.0]
     assert all(row["frac_reward_zero_std"] == 1.0 for row in rows)
+
+
+def test_dynamic_sampling_keeps_the_first_informative_groups_and_every_batchs_engine_metrics():
+    """Two batches of 2 prompts x 2 answers: the first has one informative group (its second), the second two; the
+    step trains the first's second group and the second's first, in the order drawn. The engine's metric that only
+    the first batch reports (an SGLang server's logprob_gap) is kept; prompts cut count over both batches."""
+    from argparse import Namespace
+
+    from trainer.advantage_estimators import dynamic_sampling
+    from trainer.train_grpo import ScoredRollout
+
+    def scored(rewards, first_token, metrics, truncated):
+        completion_ids = torch.arange(first_token, first_token + 4).view(4, 1) + torch.zeros(4, 3, dtype=torch.long)
+        rollout = RolloutResult(
+            output_ids=torch.cat([torch.ones(4, 2, dtype=torch.long), completion_ids], dim=1),
+            completion_ids=completion_ids,
+            per_token_logps=torch.zeros(4, 3),
+            completions=[f"answer {first_token + i}" for i in range(4)],
+            completion_mask=torch.ones(4, 3, dtype=torch.long),
+            prompt_mask=torch.ones(4, 2, dtype=torch.long),
+            metrics=metrics,
+        )
+        parts = {"rewards": torch.tensor(rewards)}
+        return ScoredRollout(rollout, rollout.completion_mask, parts, ["p"] * 4, truncated)
+
+    first = scored([1.0, 1.0, 0.0, 1.0], 10, {"logprob_gap": 0.2}, 1)
+    second = scored([0.0, 1.0, 1.0, 0.0], 20, {}, 1)
+    args = Namespace(num_generations=2, batch_size=2, max_num_gen_batches=0)
+    batches = iter([({"epoch": 0, "batch_in_epoch": 7}, "the next batch")])
+    joined, metrics, position = dynamic_sampling(first, batches, lambda batch: second, args, "cpu", 0)
+    assert joined.rollout.completions == ["answer 12", "answer 13", "answer 20", "answer 21"]
+    assert joined.reward_parts["rewards"].tolist() == [0.0, 1.0, 0.0, 1.0]
+    assert joined.rollout.metrics == {"logprob_gap": 0.2} and joined.truncated == 2
+    assert position == {"epoch": 0, "batch_in_epoch": 7}
+    assert metrics == {
+        "frac_reward_zero_std": 0.25,
+        "dynamic_sampling/gen_batches": 2.0,
+        "dynamic_sampling/filled_groups": 0.0,
+    }
+
+
+def test_sequence_level_clip_fractions_read_each_answers_mean_token_advantage():
+    """GSPO's one ratio per answer with REINFORCE++'s token advantages: an answer counts as clipped high when its ratio
+    is above 1 + eps_high and the mean of its advantages is > 0, whatever its first token's sign (hand-built)."""
+    from trainer.grpo_family import LossConfig, clip_fractions
+
+    ratio = torch.full((2, 3), 1.5)  # both answers' ratio above 1 + 0.2
+    advantages = torch.tensor([[-0.1, 1.0, 1.0], [0.5, -2.0, 0.0]])  # row means: +0.63, -0.5 (over 3 and 2 tokens)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    config = LossConfig(loss_type="grpo", epsilon=0.2, epsilon_high=0.2, importance_sampling_level="sequence")
+    fractions = clip_fractions(ratio, advantages, mask, config)
+    assert fractions["clip_ratio/high_mean"] == 0.5 and fractions["clip_ratio/low_mean"] == 0.0

@@ -305,7 +305,7 @@ def add_dapo_sampling_args(parser):
         type=int,
         default=10,
         help="--dynamic_sampling: the most prompt batches rolled out for one step (verl's name; 0 = no bound but "
-        "the data); at the bound the batch is completed with groups of equal rewards",
+        "the data); at the bound the batch is completed with groups of equal rewards (docs/estimators.md)",
     )
     parser.add_argument(
         "--overlong_buffer_len",
@@ -386,7 +386,8 @@ def pad_to(tensor, width, value, left=False):
 def join_rollouts(parts, pad_token_id):
     """One ``RolloutResult`` of the rows ``parts`` picks: [(rollout, row indices tensor)], in that order. Prompts are
     left-padded to the widest prompt (the mask 0 there), completions right-padded to the longest (mask 0, log-probs 0,
-    the server's NaN), so every row's tokens and log-probs are unchanged. Engine metrics: each part's mean."""
+    the server's NaN), so every row's tokens and log-probs are unchanged. Engine metrics: the first part's
+    (``dynamic_sampling`` sets them over every batch rolled out)."""
     prompt_width = max(r.prompt_mask.size(1) for r, _ in parts)
     completion_width = max(r.completion_ids.size(1) for r, _ in parts)
     prompt_ids, prompt_mask, completion_ids, completion_mask, logps, sampling, completions = [], [], [], [], [], [], []
@@ -401,7 +402,6 @@ def join_rollouts(parts, pad_token_id):
             sampling.append(pad_to(rollout.sampling_per_token_logps[rows], completion_width, math.nan))
         completions += [rollout.completions[i] for i in rows.tolist()]
     completion_ids = torch.cat(completion_ids)  # [N, R]
-    metric_keys = parts[0][0].metrics.keys()
     return replace(
         parts[0][0],
         output_ids=torch.cat([torch.cat(prompt_ids), completion_ids], dim=1),  # [N, P + R]
@@ -410,7 +410,7 @@ def join_rollouts(parts, pad_token_id):
         completions=completions,
         completion_mask=torch.cat(completion_mask),  # [N, R]
         prompt_mask=torch.cat(prompt_mask),  # [N, P]
-        metrics={key: sum(r.metrics[key] for r, _ in parts) / len(parts) for key in metric_keys},
+        metrics=dict(parts[0][0].metrics),
         sampling_per_token_logps=torch.cat(sampling) if len(sampling) == len(parts) else None,
     )
 
@@ -446,11 +446,14 @@ def dynamic_sampling(first, more_batches, score, args, device, pad_token_id):
     ``more_batches``, until B such groups exist on every rank or ``--max_num_gen_batches`` batches were scored this
     step (0: no bound but the batches the remaining steps leave spare). Every rank draws as many batches as the rank
     that needs most (no hang). Kept groups beyond B are dropped (verl keeps the first B); at the bound the batch is
-    completed with groups of equal rewards (advantage 0: only their KL term acts), where verl raises an error.
+    completed with groups of equal rewards (under the group-baseline estimators with the KL in the loss their
+    advantage is 0 and only their KL term acts), where verl raises an error.
 
     first: the step's own scored batch (``join_scored``'s kind); returns (the B groups as one scored batch in the
-    order drawn, metrics {frac_reward_zero_std over every group drawn, dynamic_sampling/gen_batches,
-    dynamic_sampling/filled_groups}, the data position after the last batch drawn or None).
+    order drawn, metrics {frac_reward_zero_std over every group rolled out, dynamic_sampling/gen_batches,
+    dynamic_sampling/filled_groups}, the data position after the last batch drawn or None). Over every batch rolled
+    out for the step: the engine's metrics (the keys of the step's own batch, which every rank has, each averaged
+    over the batches that report it) and the count of prompts cut to --max_seq_len.
     """
     G, B = args.num_generations, args.batch_size
     draws, kept, equal, position = [first], [], [], None  # (draw, group) pairs
@@ -476,4 +479,14 @@ def dynamic_sampling(first, more_batches, score, args, device, pad_token_id):
         "dynamic_sampling/gen_batches": float(len(draws)),
         "dynamic_sampling/filled_groups": float(max(B - len(kept), 0)),
     }
-    return join_scored(parts, pad_token_id), metrics, position
+    engine_metrics = {}  # an SGLang engine may report a key on some batches only (its first after a start)
+    for key in first.rollout.metrics:
+        values = [scored.rollout.metrics[key] for scored in draws if key in scored.rollout.metrics]
+        engine_metrics[key] = sum(values) / len(values)
+    joined = join_scored(parts, pad_token_id)
+    joined = replace(
+        joined,
+        rollout=replace(joined.rollout, metrics=engine_metrics),
+        truncated=sum(scored.truncated for scored in draws),
+    )
+    return joined, metrics, position

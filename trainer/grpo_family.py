@@ -352,6 +352,9 @@ def clip_fractions(ratio, advantages, completion_mask, config):
     dict."""
     advantages = token_advantages(advantages)  # [N, 1], or [N, R] for a token-level estimator
     per_sequence = config.importance_sampling_level == "sequence"
+    if per_sequence and advantages.size(1) > 1:  # one ratio per answer: the sign of its mean token advantage
+        mask = completion_mask.to(advantages.dtype)
+        advantages = (advantages * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
     if config.loss_type == "cispo":
         clipped = ((ratio > config.epsilon_high) & (advantages > 0)).float()  # [N, R]
         return {"cispo_clip_ratio": global_masked_mean(clipped, completion_mask, per_sequence)}

@@ -1,11 +1,11 @@
 """GRPO for a MiniMind policy (chapter 8.5): rollout -> reward -> group advantage -> CISPO / GRPO loss.
 
-One step, in chapter order: the rollout engine samples G answers per prompt with their old log-probs (8.2); rewards
-= rule reward + reward-model score + answer reward (8.3); reference log-probs; advantages = (r - group mean) /
-(group std + 1e-4) (8.5.1); the CISPO or clipped loss with beta * k3 KL (8.5.2, 8.6). ``main`` builds what the step
-uses in numbered blocks, then runs the loop with the update written out. The members after the chapter (DAPO,
-Dr. GRPO, GSPO, SAPO, ...) live in ``grpo_family.py``; the estimators beside the group's (RLOO, REINFORCE++) and
-DAPO's dynamic sampling and overlong penalty in ``advantage_estimators.py``.
+One step, in chapter order: the rollout engine samples G answers per prompt with their old log-probs (8.2); rewards =
+rule reward + reward-model score + answer reward (8.3); reference log-probs; advantages = (r - group mean) / (group
+std + 1e-4) (8.5.1); the CISPO or clipped loss with beta * k3 KL (8.5.2, 8.6). ``main`` builds what the step uses in
+numbered blocks, then runs the loop: loss -> backward -> clip and step (``infra/optimizer.OptimizerStep``). The
+members after the chapter (DAPO, Dr. GRPO, GSPO, SAPO, ...) live in ``grpo_family.py``; the estimators beside the
+group's (RLOO, REINFORCE++) and DAPO's dynamic sampling and overlong penalty in ``advantage_estimators.py``.
 
 Run (the embedded default: tiny MiniMind, bundled arithmetic prompts, CPU):
     python trainer/train_grpo.py
@@ -325,7 +325,7 @@ def sample_and_score(batch, roles, args, device, autocast):
             args.max_gen_len,
             args.overlong_buffer_len,
             args.overlong_penalty_factor,
-        )  # [B*G]
+        ).to(reward_parts["rewards"].device)  # [B*G]
         reward_parts = {**reward_parts, "rewards": reward_parts["rewards"] + penalties, "overlong_penalties": penalties}
     return ScoredRollout(rollout, completion_mask, reward_parts, repeated_prompts, truncated)
 
