@@ -242,7 +242,7 @@ def test_joined_rollouts_keep_every_rows_tokens_and_log_probs(policy):
         )
     rows = [torch.tensor([0, 1]), torch.tensor([2, 3])]
     joined = join_rollouts([(rollouts[0], rows[0]), (rollouts[1], rows[1])], pad)
-    assert joined.output_ids.shape == (4, 6 + 5) and joined.metrics == {"logprob_gap": 4.5}
+    assert joined.output_ids.shape == (4, 6 + 5) and joined.metrics == {"logprob_gap": 3.0}  # the first part's
     logps = compute_per_token_logps(policy, joined.output_ids, 5, joined.attention_mask).per_token_logps
     for joined_row, (part, row) in enumerate([(0, 0), (0, 1), (1, 2), (1, 3)]):
         width = rollouts[part].completion_ids.size(1)
