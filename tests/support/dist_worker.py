@@ -20,7 +20,7 @@ import torch.distributed as dist
 from trainer.rollout_engine import compute_per_token_logps
 from trainer.infra.distributed import wrap_ddp
 from trainer.infra.dtypes import autocast_context
-from trainer.train_ppo import PPORolloutBatch, ppo_update
+from trainer.train_ppo import PPOLearners, PPORolloutBatch, ppo_update
 from trainer.infra.weights import build_config
 from trainer.infra.distributed import init_distributed_mode
 from trainer.infra.optimizer import build_cosine_scheduler
@@ -82,10 +82,12 @@ def ppo_one_rank_kl(local_rank, device, early_stop_kl):
     )
     result = ppo_update(
         data,
-        ddp_actor,
-        ddp_critic,
-        (actor_optimizer, critic_optimizer),
-        (build_cosine_scheduler(actor_optimizer, 10), build_cosine_scheduler(critic_optimizer, 10)),
+        PPOLearners(
+            ddp_actor,
+            ddp_critic,
+            (actor_optimizer, critic_optimizer),
+            (build_cosine_scheduler(actor_optimizer, 10), build_cosine_scheduler(critic_optimizer, 10)),
+        ),
         args,
         device,
         torch.Generator().manual_seed(0),
