@@ -475,7 +475,7 @@ def dynamic_sampling(first, more_batches, score, args, device, pad_token_id):
     ]
     all_rewards = torch.cat([scored.reward_parts["rewards"] for scored in draws])  # [draws * B*G]
     metrics = {
-        "frac_reward_zero_std": 1.0 - informative_groups(all_rewards, G).double().mean().item(),
+        "frac_reward_zero_std": (~informative_groups(all_rewards, G)).double().mean().item(),  # TRL's, as grpo_family
         "dynamic_sampling/gen_batches": float(len(draws)),
         "dynamic_sampling/filled_groups": float(max(B - len(kept), 0)),
     }
