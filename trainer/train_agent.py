@@ -456,7 +456,7 @@ def main(argv=None, reward_fn=calculate_agent_rewards):
     finish_run(
         stop_signal, step if stop else None, resume_command(__file__, argv, world_size), evaluator, writer, run_lock
     )
-    del ddp_model  # free the DDP wrapper while the process group is alive (see shutdown_distributed)
+    del ddp_model, optimizer_step  # free the DDP wrapper (it holds one too) while the process group is alive
     shutdown_distributed()
 
 

@@ -603,7 +603,7 @@ def main(argv=None, reward_fn=calculate_rewards):
     finish_run(
         stop_signal, step if stop else None, resume_command(__file__, argv, world_size), evaluator, writer, run_lock
     )  # the stop line, the before/after lines; the metrics and the save folder released
-    del ddp_actor, ddp_critic  # free the DDP wrappers while the process group is alive (see shutdown_distributed)
+    del ddp_actor, ddp_critic, learners  # free the DDP wrappers (learners holds them) while the group is alive
     shutdown_distributed()
 
 
