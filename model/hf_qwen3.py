@@ -117,27 +117,29 @@ def save_qwen3_folder(state_dict, config, path, tokenizer=None, dtype=torch.floa
     alongside when given (SGLang loads it from the model folder); ``dtype``: the stored dtype (float32 keeps the
     weights exact). Raises ValueError for a MoE config, OSError when the folder cannot be written.
     """
+    path = os.path.abspath(path)
+    write_folder_atomically(path, lambda folder: write_qwen3_folder(state_dict, config, folder, tokenizer, dtype))
+    return path
+
+
+def write_qwen3_folder(state_dict, config, folder, tokenizer=None, dtype=torch.float32):
+    """Create ``folder`` and write the ``Qwen3ForCausalLM`` files into it, not atomically (``save_qwen3_folder`` and
+    ``trainer/infra/files.atomic_write`` call it on a temporary folder). Arguments as ``save_qwen3_folder``'s."""
     qwen_config = qwen3_config_from_minimind(config)
     qwen_config.dtype = dtype
     tensors = qwen3_state_dict(state_dict, config.tie_word_embeddings, dtype)
-
-    def write(folder):
-        os.makedirs(folder)
-        qwen_config.save_pretrained(folder)
-        with open(os.path.join(folder, "config.json")) as f:
-            config_json = json.load(f)
-        # Older transformers/SGLang read these two keys; transformers 5 writes rope_parameters and dtype.
-        config_json["rope_theta"] = config.rope_theta
-        config_json["torch_dtype"] = str(dtype).replace("torch.", "")
-        with open(os.path.join(folder, "config.json"), "w") as f:
-            json.dump(config_json, f, indent=2)
-        save_file(tensors, os.path.join(folder, WEIGHTS_NAME), metadata={"format": "pt"})
-        if tokenizer is not None:
-            tokenizer.save_pretrained(folder)
-
-    path = os.path.abspath(path)
-    write_folder_atomically(path, write)
-    return path
+    os.makedirs(folder)
+    qwen_config.save_pretrained(folder)
+    with open(os.path.join(folder, "config.json")) as f:
+        config_json = json.load(f)
+    # Older transformers/SGLang read these two keys; transformers 5 writes rope_parameters and dtype.
+    config_json["rope_theta"] = config.rope_theta
+    config_json["torch_dtype"] = str(dtype).replace("torch.", "")
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config_json, f, indent=2)
+    save_file(tensors, os.path.join(folder, WEIGHTS_NAME), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
 
 
 def write_folder_atomically(path, write):

@@ -284,6 +284,10 @@ class MiniMindModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2]
+        # transformers' activation checkpointing sets these two (``activation_checkpointing_enable``): each block's
+        # activations are then recomputed in the backward instead of kept (Chen et al. 2016)
+        self.gradient_checkpointing = False
+        self._gradient_checkpointing_func = None
 
     def rotary_embedding(self, position_ids, dtype):
         """position_ids: long [B, T] -> (cos, sin), each [B, T, D] in ``dtype``."""
@@ -295,7 +299,12 @@ class MiniMindModel(nn.Module):
         """input_ids: long [B, T]; attention_mask: [B, S] (1 = real token) over cache + new tokens.
 
         Positions count real tokens only, so a left-padded row gets the same positions as when it is
-        scored alone.
+        scored alone. With activation checkpointing on (``activation_checkpointing_enable``) a training forward
+        with gradients keeps each block's input only and recomputes the block in the backward.
+
+        Raises:
+            ValueError: a checkpointed training forward with ``past_key_values``: the recomputation would write
+                the cache a second time, after its filled positions.
         """
         batch, seq = input_ids.shape
         past_len = past_key_values.seq_len if past_key_values is not None else 0
@@ -307,8 +316,17 @@ class MiniMindModel(nn.Module):
         hidden_states = self.dropout(self.embed_tokens(input_ids))  # [B, T, hidden]
         cos, sin = self.rotary_embedding(position_ids, hidden_states.dtype)
         attn_mask = build_attention_mask(attention_mask, seq, past_len, input_ids.device)
+        checkpointed = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        if checkpointed and past_key_values is not None:
+            raise ValueError(
+                "activation checkpointing recomputes each block in the backward, which would write the KV cache "
+                "again: a checkpointed training forward takes no past_key_values (GRPO: --shared_prefix 0)"
+            )
         for layer in self.layers:
-            hidden_states = layer(hidden_states, cos, sin, attn_mask, past_key_values)
+            if checkpointed:
+                hidden_states = self._gradient_checkpointing_func(layer.__call__, hidden_states, cos, sin, attn_mask)
+            else:
+                hidden_states = layer(hidden_states, cos, sin, attn_mask, past_key_values)
         if past_key_values is not None:
             past_key_values.seq_len += seq
         hidden_states = self.norm(hidden_states)
@@ -319,12 +337,21 @@ class MiniMindModel(nn.Module):
         return hidden_states, aux_loss
 
 
+@dataclass
+class CausalLMOutput(MoeCausalLMOutputWithPast):
+    """What ``MiniMindForCausalLM`` returns: transformers' MoE causal-LM output (``logits``, ``aux_loss``, ``cache``)
+    and ``last_hidden_state`` [B, T or k, hidden], the final norm's output at the positions the logits are of."""
+
+    last_hidden_state: Optional[torch.Tensor] = None
+
+
 class MiniMindPreTrainedModel(PreTrainedModel):
     """Common weight init for MiniMind models: normal(0, initializer_range) for linear and embedding."""
 
     config_class = MiniMindConfig
     base_model_prefix = "model"
     _supports_sdpa = True
+    supports_gradient_checkpointing = True
 
     def _init_weights(self, module):
         std = self.config.initializer_range
@@ -353,7 +380,14 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel):
         self.post_init()
 
     def forward(
-        self, input_ids, attention_mask=None, past_key_values=None, use_cache=False, logits_to_keep=0, **kwargs
+        self,
+        input_ids,
+        attention_mask=None,
+        past_key_values=None,
+        use_cache=False,
+        logits_to_keep=0,
+        skip_logits=False,
+        **kwargs,
     ):
         """Next-token logits.
 
@@ -362,17 +396,21 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel):
             attention_mask: [B, S] with 1 on real tokens, S = cached + T (left padding supported).
             past_key_values: a ``KVCache`` or None; with ``use_cache`` and None, a new cache is made.
             logits_to_keep: k > 0 computes logits of the last k positions only; 0 keeps all T.
+            skip_logits: return the final hidden states of those positions instead of their logits (``logits``
+                None): a caller that applies ``lm_head`` chunk by chunk never holds [B, T, V]
+                (``trainer/speed/chunked_logps.py``).
         Returns:
-            ``MoeCausalLMOutputWithPast`` with ``logits`` [B, T or k, V] (model dtype),
-            ``aux_loss`` (scalar fp32, 0 without MoE) and ``cache`` (the ``KVCache``, or None).
+            ``CausalLMOutput`` with ``logits`` [B, T or k, V] (model dtype; None with ``skip_logits``),
+            ``last_hidden_state`` [B, T or k, hidden] (after the final norm), ``aux_loss`` (scalar fp32, 0 without
+            MoE) and ``cache`` (the ``KVCache``, or None).
         """
         if use_cache and past_key_values is None:
             past_key_values = KVCache(self.config.num_hidden_layers)
         hidden_states, aux_loss = self.model(input_ids, attention_mask, past_key_values)
         if logits_to_keep > 0:
             hidden_states = hidden_states[:, -logits_to_keep:, :]
-        logits = self.lm_head(hidden_states)
-        return MoeCausalLMOutputWithPast(logits=logits, aux_loss=aux_loss, cache=past_key_values)
+        logits = None if skip_logits else self.lm_head(hidden_states)
+        return CausalLMOutput(logits=logits, aux_loss=aux_loss, cache=past_key_values, last_hidden_state=hidden_states)
 
     @torch.no_grad()
     def generate(

@@ -413,20 +413,20 @@ def run_in_process(argv, monkeypatch, update_metrics=None):
 
     calls = {"n": 0}
     real = train_grpo.group_policy_forward
-    real_policy_loss = train_grpo.grpo_policy_loss
+    real_update_metrics = train_grpo.grpo_update_metrics
 
     def counted(*args, **kwargs):
         calls["n"] += 1
         return real(*args, **kwargs)
 
-    def recorded_policy_loss(*args, **kwargs):
-        loss, metrics = real_policy_loss(*args, **kwargs)
+    def recorded_update_metrics(*args, **kwargs):
+        metrics = real_update_metrics(*args, **kwargs)
         update_metrics.append(dict(metrics))
-        return loss, metrics
+        return metrics
 
     monkeypatch.setattr(train_grpo, "group_policy_forward", counted)
     if update_metrics is not None:
-        monkeypatch.setattr(train_grpo, "grpo_policy_loss", recorded_policy_loss)
+        monkeypatch.setattr(train_grpo, "grpo_update_metrics", recorded_update_metrics)
     train_grpo.main(argv, reward_fn=text_rewards)
     run_dir = argv[argv.index("--run_dir") + 1]
     with open(f"{run_dir}/metrics.jsonl", encoding="utf-8") as f:

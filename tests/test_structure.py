@@ -308,7 +308,8 @@ def step_calls(script_path):
 def test_the_rl_step_reaches_the_chapter_modules_only(script):
     """A reader following the RL step itself (rollout, rewards, advantages, losses, the update) meets the script and
     the chapter's shared modules only (rollout engine, trainer_utils, the model), what comes after the chapter beside
-    them (the GRPO family, the advantage estimators, the shared-prefix forward), the optimizer's helpers and the rank
+    them (the GRPO family, the advantage estimators, the shared-prefix and chunked forwards, the micro-batches), the
+    optimizer's helpers and the rank
     helpers; the bookkeeping (checkpoints, metrics, stop requests) is called from main's loop, in view."""
     called, imported = step_calls(f"trainer/{script}.py")
     modules = {imported[name.split(".")[0]] for name in called if name.split(".")[0] in imported}
@@ -320,6 +321,8 @@ def test_the_rl_step_reaches_the_chapter_modules_only(script):
         "trainer.grpo_family",
         "trainer.advantage_estimators",
         "trainer.speed.shared_prefix",
+        "trainer.speed.chunked_logps",
+        "trainer.speed.micro_batches",
         "trainer.infra.optimizer",
         "trainer.infra.distributed",
     }, project_modules

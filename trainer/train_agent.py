@@ -19,7 +19,6 @@ Run (upstream-format rows: conversations whose system turn carries ``tools``, an
 """
 
 import argparse
-import copy
 import os
 import sys
 from dataclasses import dataclass, replace
@@ -95,8 +94,9 @@ from trainer.step_metrics import agent_log_line, agent_metrics
 from trainer.infra.lora import with_adapters
 from trainer.infra.optimizer import OptimizerStep, build_cosine_scheduler, build_policy_optimizer
 from trainer.infra.stopping import BadStepGuard, StopSignal, finish_run
-from trainer.infra.weights import build_config, load_policy, load_tokenizer, weight_path
-from trainer.rollout_engine import RolloutRoles, compute_per_token_logps, create_rollout_engine
+from trainer.infra.weights import config_from_args, start_weight_path, frozen_copy, load_policy, load_tokenizer
+from trainer.rollout_engine import RolloutRoles, create_rollout_engine
+from trainer.speed.chunked_logps import log_prob_forward
 from trainer.trainer_utils import load_reward_model
 
 
@@ -167,6 +167,12 @@ def parse_args(argv=None):
         eval_interval=60,
     )
     args = parser.parse_args(argv)
+    if args.micro_batch_size:
+        parser.error(
+            f"--micro_batch_size {args.micro_batch_size}: train_agent.py runs its update on the whole batch (micro-"
+            f"batches are train_grpo.py's and train_ppo.py's); lower --batch_size or --num_generations, or turn on "
+            f"--gradient_checkpointing 1 and --logprob_chunk_size"
+        )
     if args.eval_data_path is None and same_file(args.data_path, AGENT_TRAIN_DATA):
         args.eval_data_path = AGENT_TEST_DATA  # the bundled task's test split (settings chosen on AGENT_VAL_DATA)
     check_common_rl_args(parser, args)
@@ -236,8 +242,8 @@ def agent_step_rollout(batch, model, roles, args, autocast):
     # 3. reference log-probs of the whole conversation, read on the model's tokens by the loss's mask
     ref_per_token_logps = None
     if ref_model is not None:
-        with autocast:
-            ref_per_token_logps = compute_per_token_logps(
+        with autocast:  # --logprob_chunk_size: the chapter's forward with its logits in chunks
+            ref_per_token_logps = log_prob_forward(args.logprob_chunk_size)(
                 ref_model, rollout.output_ids, rollout.completion_ids.size(1), rollout.attention_mask, args.temperature
             ).per_token_logps
 
@@ -291,7 +297,7 @@ def agent_policy_loss(model, rollout_batch, loss_config, args, autocast):
     rollout, completion_mask = rollout_batch.rollout, rollout_batch.completion_mask
     old_per_token_logps = rollout.old_per_token_logps.detach()  # [B*G, R], 0 on tool replies
     with autocast:
-        per_token_logps, aux_loss, entropies = compute_per_token_logps(
+        per_token_logps, aux_loss, entropies = log_prob_forward(args.logprob_chunk_size)(
             model,
             rollout.output_ids,
             rollout.completion_ids.size(1),
@@ -336,11 +342,7 @@ def main(argv=None, reward_fn=calculate_agent_rewards):
     loss_config = replace(loss_config, beta=loss_beta(build_advantage_config(args)))  # 0: the KL is in the rewards
 
     # 2. tokenizer, rows (checked: tools, gt, schemas) and their loader
-    start_weight = (
-        None
-        if args.from_weight == "none"
-        else weight_path(args.from_weight, args.save_dir, args.hidden_size, args.use_moe)
-    )
+    start_weight = start_weight_path(args)  # the .pth the tokenizer is checked against (None: random, a folder)
     tokenizer = load_tokenizer(args.tokenizer_path, start_weight, args.tokenizer_path_named)
     train_ds = AgentRLDataset(args.data_path, tokenizer, args.thinking_ratio, args.seed, check_tools=conversation_tools)
     if len(train_ds) < args.batch_size * world_size:
@@ -361,9 +363,11 @@ def main(argv=None, reward_fn=calculate_agent_rewards):
     run_lock = claim_save_dir(args, "agent", total_steps)
 
     # 3. the roles (8.1): the policy is trained; the reference and the reward model stay frozen
-    lm_config = build_config(args.hidden_size, args.num_hidden_layers, args.use_moe)
+    lm_config = config_from_args(args)  # the architecture flags, or the model folder's config.json
     model = load_policy(lm_config, args.from_weight, args.save_dir, tokenizer, device)  # pi_theta
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta and not args.lora_rank else None
+    ref_model = frozen_copy(model, args.ref_dtype) if args.beta and not args.lora_rank else None  # --ref_dtype
+    if args.gradient_checkpointing:  # recompute each block in the backward (transformers' convention, non-reentrant)
+        model.activation_checkpointing_enable({"use_reentrant": False})
     model, ref_model = with_adapters(model, ref_model, args, args.beta > 0)  # --lora_rank: pi_ref = adapters off
     reward_model = load_reward_model(args, device, reward_model_dtype(args.reward_dtype, args.reward_device or device))
     setup_seed(args.seed + rank)  # from here on every rank samples its own conversations

@@ -14,12 +14,11 @@ Run (the embedded default: tiny MiniMind, bundled arithmetic prompts, CPU):
 """
 
 import argparse
-import copy
 import functools
 import os
 import sys
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import NamedTuple, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # `python trainer/x.py` from any folder imports this checkout's packages
@@ -98,14 +97,15 @@ from trainer.infra.metrics import (
 )
 from trainer.infra.optimizer import OptimizerStep, build_cosine_scheduler, build_policy_optimizer
 from trainer.infra.stopping import BadStepGuard, StopSignal, finish_run
-from trainer.infra.weights import build_config, load_policy, load_tokenizer, weight_path
+from trainer.infra.weights import config_from_args, start_weight_path, frozen_copy, load_policy, load_tokenizer
 from trainer.rollout_engine import (
     RolloutResult,
     RolloutRoles,
-    compute_per_token_logps,
     create_rollout_engine,
     tokenize_prompts,
 )
+from trainer.speed.chunked_logps import log_prob_forward
+from trainer.speed.micro_batches import micro_batch_slices, micro_batch_weight, rollout_rows
 from trainer.speed.shared_prefix import shared_prefix_forward
 from trainer.step_metrics import grpo_log_line, grpo_metrics
 from trainer.trainer_utils import calculate_rewards, k3_kl, load_reward_model, masked_mean
@@ -230,11 +230,12 @@ def parse_args(argv=None):
     )
     groups["run"].add_argument("--save_weight", default="grpo", help="name of the saved weights ({name}_{hidden}.pth)")
     # the default run: 120 steps, the final norm's gain at 2e-2 (docs/departures.md: GRPO's default run)
+    known = parser.parse_known_args(argv)[0]
     parser.set_defaults(
         max_steps=120,
         final_norm_learning_rate=2e-2,
         eval_interval=60,
-        shared_prefix=0 if parser.parse_known_args(argv)[0].use_moe else 1,
+        shared_prefix=0 if known.use_moe or known.gradient_checkpointing else 1,
     )
     args = parser.parse_args(argv)
     check_common_rl_args(parser, args)
@@ -242,6 +243,18 @@ def parse_args(argv=None):
         parser.error(
             "--shared_prefix 1 is for dense models: with --use_moe 1 the router loss of its two forwards "
             "(prompts, then answers) is not the loss of the full rows; leave --shared_prefix out (or 0)"
+        )
+    if args.shared_prefix and args.gradient_checkpointing:
+        parser.error(
+            "--shared_prefix 1 with --gradient_checkpointing 1: the shared prefix writes the prompts' keys and values "
+            "into a KV cache during the forward, and a checkpointed block recomputed in the backward would write "
+            "them again; leave --shared_prefix out (it is 0 with --gradient_checkpointing 1)"
+        )
+    if args.shared_prefix and args.micro_batch_size % args.num_generations:
+        parser.error(
+            f"--micro_batch_size {args.micro_batch_size} with --shared_prefix 1: a micro-batch holds whole groups "
+            f"(each prompt runs once for its G answers), so it must be a multiple of --num_generations "
+            f"{args.num_generations}; or pass --shared_prefix 0"
         )
     if args.num_iterations > 1 and args.accumulation_steps > 1:
         parser.error("--num_iterations > 1 updates once per iteration: use it with --accumulation_steps 1")
@@ -251,16 +264,20 @@ def parse_args(argv=None):
 
 
 # ----------------------------------------------------------------------------- the forwards of a rollout
-def group_policy_forward(model, rollout, num_generations, temperature=1.0, shared_prefix=True, compute_entropy=True):
+def group_policy_forward(
+    model, rollout, num_generations, temperature=1.0, shared_prefix=True, compute_entropy=True, logprob_chunk_size=0
+):
     """``PolicyForward`` of a rollout's B*G answers under ``model`` (chapter 8.2, 8.5): per_token_logps fp32
     [B*G, R], the MoE router loss, token entropies [B*G, R] (or None). Every answer with its own copy of the prompt
     (the chapter's), or with ``shared_prefix`` each prompt's forward once for its G answers (``speed/shared_prefix.py``:
-    the same log-probs). Raises ValueError when the rows are not groups of ``num_generations``."""
-    if rollout.completion_ids.size(0) % num_generations != 0:
+    the same log-probs); ``logprob_chunk_size`` C > 0: the logits of C tokens at a time (``speed/chunked_logps.py``,
+    the same log-probs without [B*G, R, V]). Raises ValueError under ``shared_prefix`` when the rows are not groups of
+    ``num_generations``."""
+    if shared_prefix and rollout.completion_ids.size(0) % num_generations != 0:
         raise ValueError(f"{rollout.completion_ids.size(0)} completions are not groups of {num_generations}")
     if shared_prefix:
-        return shared_prefix_forward(model, rollout, num_generations, temperature, compute_entropy)
-    return compute_per_token_logps(
+        return shared_prefix_forward(model, rollout, num_generations, temperature, compute_entropy, logprob_chunk_size)
+    return log_prob_forward(logprob_chunk_size)(
         model, rollout.output_ids, rollout.completion_ids.size(1), rollout.attention_mask, temperature, compute_entropy
     )
 
@@ -354,16 +371,24 @@ def grpo_rollout(batch, roles, args, device, autocast, more_batches=None):
 
     # 3. reference log-probs (fp32 whatever --dtype is)
     ref_per_token_logps = None
-    if roles.ref_model is not None:
+    if roles.ref_model is not None:  # --micro_batch_size M: M answers per forward
+        group_size = args.num_generations if args.shared_prefix else 1
+        slices = micro_batch_slices(rollout.completion_ids.size(0), args.micro_batch_size, group_size)
         with autocast:
-            ref_per_token_logps = group_policy_forward(
-                roles.ref_model,
-                rollout,
-                args.num_generations,
-                args.temperature,
-                args.shared_prefix,
-                compute_entropy=False,
-            ).per_token_logps
+            ref_per_token_logps = torch.cat(
+                [
+                    group_policy_forward(
+                        roles.ref_model,
+                        rollout_rows(rollout, rows),
+                        args.num_generations,
+                        args.temperature,
+                        args.shared_prefix,
+                        compute_entropy=False,
+                        logprob_chunk_size=args.logprob_chunk_size,
+                    ).per_token_logps
+                    for rows in slices
+                ]
+            )  # [B*G, R]
 
     # 4. advantages: the group's (8.5.1), or --advantage_estimator's (advantage_estimators.py)
     advantage_config = build_advantage_config(args)
@@ -399,15 +424,32 @@ def grpo_rollout(batch, roles, args, device, autocast, more_batches=None):
     )
 
 
+class PolicyLossOutputs(NamedTuple):
+    """What ``grpo_policy_loss`` returns besides the loss, detached, for the metrics (``grpo_update_metrics``)."""
+
+    policy_loss: float  # the loss as logged (a token sum divided by the window's tokens)
+    aux_loss: float  # the MoE router loss (0 for a dense model)
+    per_token_logps: torch.Tensor  # [n, R] fp32, the rows of this (micro-)batch
+    per_token_kl: torch.Tensor  # [n, R]
+    ratio: torch.Tensor  # [n, R]
+    entropies: torch.Tensor  # [n, R]
+
+
 def grpo_policy_loss(model, rollout_batch, loss_config, args, autocast):
     """Step 5 of a GRPO step (chapter 8.5.2, 8.6), once per update: the policy's log-probs of the rollout through
     ``model`` (the DDP wrapper when distributed) and the loss of ``loss_config`` with the k3 KL penalty.
-    Returns (loss to backpropagate, metrics of this update); the loop divides the loss by its accumulation window."""
+    Returns (loss to backpropagate, ``PolicyLossOutputs``); the loop divides the loss by its accumulation window
+    (and, with ``--micro_batch_size``, weights each micro-batch's, ``grpo_micro_batches``)."""
     rollout, completion_mask = rollout_batch.rollout, rollout_batch.completion_mask
     old_per_token_logps = rollout.per_token_logps.detach()  # [B*G, R]
     with autocast:
         per_token_logps, aux_loss, entropies = group_policy_forward(
-            model, rollout, args.num_generations, args.temperature, args.shared_prefix
+            model,
+            rollout,
+            args.num_generations,
+            args.temperature,
+            args.shared_prefix,
+            logprob_chunk_size=args.logprob_chunk_size,
         )
     inputs = (
         per_token_logps,
@@ -432,13 +474,60 @@ def grpo_policy_loss(model, rollout_batch, loss_config, args, autocast):
         )
         logged_policy_loss = policy_loss.item() / (rollout_batch.num_items_in_batch if token_sum else 1.0)
     loss = policy_loss + aux_loss  # the loop divides by the size of its accumulation window
-    metrics = {"policy_loss": logged_policy_loss, "aux_loss": float(aux_loss)}
+    outputs = PolicyLossOutputs(
+        logged_policy_loss, float(aux_loss), per_token_logps.detach(), per_token_kl, ratio, entropies
+    )
+    return loss, outputs
+
+
+def grpo_micro_batches(rollout_batch, micro_batch_size, group_size, loss_type):
+    """The update's (micro-batch, weight) pairs (``speed/micro_batches.py``): ``micro_batch_size`` answers each, in
+    whole groups of ``group_size``; 0 gives one pair, the whole batch with weight 1.0 (the chapter's update). The
+    weighted losses add up to the whole batch's loss (``micro_batch_weight``)."""
+    num_rows = rollout_batch.completion_mask.size(0)
+    total_tokens = float(rollout_batch.completion_mask.sum())
+    pairs = []
+    for rows in micro_batch_slices(num_rows, micro_batch_size, group_size):
+        importance = rollout_batch.importance_sampling_ratio
+        micro_batch = replace(
+            rollout_batch,
+            rollout=rollout_rows(rollout_batch.rollout, rows),
+            completion_mask=rollout_batch.completion_mask[rows],
+            advantages=rollout_batch.advantages[rows],
+            ref_per_token_logps=None
+            if rollout_batch.ref_per_token_logps is None
+            else rollout_batch.ref_per_token_logps[rows],
+            rewards=rollout_batch.rewards[rows],
+            importance_sampling_ratio=None if importance is None else importance[rows],
+        )
+        rows_in = micro_batch.completion_mask.size(0)
+        tokens = float(micro_batch.completion_mask.sum())
+        pairs.append((micro_batch, micro_batch_weight(loss_type, rows_in, num_rows, tokens, total_tokens)))
+    return pairs
+
+
+def grpo_update_metrics(outputs, weights, rollout_batch, loss_config):
+    """One update's metrics from its micro-batches' ``PolicyLossOutputs`` and weights: the loss and router loss as
+    the weighted sums the gradient saw, and KL, entropy, the ratio's range and clipping (``update_metrics``) on the
+    micro-batches' tensors put back together: the whole batch's."""
+    joined = {name: torch.cat([getattr(o, name) for o in outputs]) for name in ("per_token_logps", "per_token_kl")}
+    joined.update({name: torch.cat([getattr(o, name) for o in outputs]) for name in ("ratio", "entropies")})
+    metrics = {
+        "policy_loss": sum(w * o.policy_loss for o, w in zip(outputs, weights)),
+        "aux_loss": sum(w * o.aux_loss for o, w in zip(outputs, weights)),
+    }
     metrics.update(
         update_metrics(
-            per_token_logps.detach(), old_per_token_logps, per_token_kl, ratio, entropies, rollout_batch, loss_config
+            joined["per_token_logps"],
+            rollout_batch.rollout.per_token_logps.detach(),
+            joined["per_token_kl"],
+            joined["ratio"],
+            joined["entropies"],
+            rollout_batch,
+            loss_config,
         )
     )  # KL, entropy, the ratio's range and clipping
-    return loss, metrics
+    return metrics
 
 
 def main(argv=None, reward_fn=calculate_rewards):
@@ -457,11 +546,7 @@ def main(argv=None, reward_fn=calculate_rewards):
     loss_config = replace(loss_config, beta=loss_beta(build_advantage_config(args)))  # 0: the KL is in the rewards
 
     # 2. tokenizer, prompts and their loader
-    start_weight = (
-        None
-        if args.from_weight == "none"
-        else weight_path(args.from_weight, args.save_dir, args.hidden_size, args.use_moe)
-    )
+    start_weight = start_weight_path(args)  # the .pth the tokenizer is checked against (None: random, a folder)
     tokenizer = load_tokenizer(args.tokenizer_path, start_weight, args.tokenizer_path_named)  # checked against them
     train_ds = RLAIFDataset(args.data_path, tokenizer, thinking_ratio=args.thinking_ratio, seed=args.seed)
     check_prompt_count(
@@ -478,9 +563,11 @@ def main(argv=None, reward_fn=calculate_rewards):
     run_lock = claim_save_dir(args, "grpo", total_steps)  # one run per checkpoint files; an unfinished one kept
 
     # 3. the roles (8.1): the policy is trained; the reference and the reward model stay frozen
-    lm_config = build_config(args.hidden_size, args.num_hidden_layers, args.use_moe)
+    lm_config = config_from_args(args)  # the architecture flags, or the model folder's config.json
     model = load_policy(lm_config, args.from_weight, args.save_dir, tokenizer, device)  # pi_theta
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.beta and not args.lora_rank else None
+    ref_model = frozen_copy(model, args.ref_dtype) if args.beta and not args.lora_rank else None  # --ref_dtype
+    if args.gradient_checkpointing:  # recompute each block in the backward (transformers' convention, non-reentrant)
+        model.activation_checkpointing_enable({"use_reentrant": False})
     model, ref_model = with_adapters(model, ref_model, args, args.beta > 0)  # --lora_rank: pi_ref = adapters off
     reward_model = load_reward_model(args, device, reward_model_dtype(args.reward_dtype, args.reward_device or device))
     setup_seed(args.seed + rank)  # from here on every rank samples its own answers
@@ -545,6 +632,7 @@ def main(argv=None, reward_fn=calculate_rewards):
 
     # 9. the loop (a stop requested during the set-up or the step-0 evaluation ends the run before its first step)
     ddp_model.train()
+    group_size = args.num_generations if args.shared_prefix else 1  # a micro-batch's rows come in whole groups of this
     step, stop = progress["step"], stop_signal.requested(device)
     data = epoch_batches(loader, batch_sampler, progress, args.epochs)  # (position, batch), also DAPO's draws
     batches = [] if stop else resumable_batches(loader, batch_sampler, progress, args.epochs, total_steps, data)
@@ -563,10 +651,16 @@ def main(argv=None, reward_fn=calculate_rewards):
             )
         window = optimizer_step.begin_step(step, rollout_batch.num_items_in_batch)  # its accumulation window's size
         updates = []  # the metrics of each update on this rollout
+        micro_batches = grpo_micro_batches(rollout_batch, args.micro_batch_size, group_size, loss_config.loss_type)
         for _ in range(args.num_iterations):  # mu updates on one rollout (1: the chapter's)
-            loss, this_update = grpo_policy_loss(ddp_model, rollout_batch, loss_config, args, autocast)  # step 5
-            (loss / window).backward()
-            this_update.update(optimizer_step.clip_and_step(step, rewards=rollout_batch.rewards, loss=loss))
+            outputs, total_loss = [], 0.0
+            for micro_batch, weight in micro_batches:  # --micro_batch_size M: M answers at a time (0: one, all)
+                loss, micro_outputs = grpo_policy_loss(ddp_model, micro_batch, loss_config, args, autocast)  # step 5
+                (loss * weight / window).backward()
+                outputs.append(micro_outputs)
+                total_loss = total_loss + loss.detach() * weight
+            this_update = grpo_update_metrics(outputs, [w for _, w in micro_batches], rollout_batch, loss_config)
+            this_update.update(optimizer_step.clip_and_step(step, rewards=rollout_batch.rewards, loss=total_loss))
             updates.append(this_update)
         if optimizer_step.update_due(step):
             rollout_engine.update_policy(model)  # the next rollout samples from the updated policy

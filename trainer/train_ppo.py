@@ -12,7 +12,6 @@ Run: ``python trainer/train_ppo.py`` (the embedded default, CPU); ``--max_steps 
 """
 
 import argparse
-import copy
 import os
 import sys
 from dataclasses import dataclass, field
@@ -74,7 +73,9 @@ from trainer.infra.metrics import (
 )
 from trainer.step_metrics import ppo_log_line, ppo_metrics
 from trainer.infra.optimizer import OptimizerStep, adamw, build_cosine_scheduler, build_policy_optimizer
-from trainer.rollout_engine import RolloutRoles, compute_per_token_logps, create_rollout_engine, tokenize_prompts
+from trainer.rollout_engine import RolloutRoles, create_rollout_engine, tokenize_prompts
+from trainer.speed.chunked_logps import log_prob_forward
+from trainer.speed.micro_batches import micro_batch_slices
 from trainer.infra.stopping import BadStepGuard, StopSignal, finish_run, nonfinite_on_any_rank
 from trainer.trainer_utils import (
     KL_PLACEMENTS,
@@ -86,7 +87,7 @@ from trainer.trainer_utils import (
     masked_var,
     place_sequence_rewards,
 )
-from trainer.infra.weights import build_config, load_policy, load_tokenizer, weight_path
+from trainer.infra.weights import config_from_args, start_weight_path, frozen_copy, load_policy, load_tokenizer
 
 
 # ----------------------------------------------------------------------------- the math (chapter 8.4)
@@ -313,11 +314,17 @@ def ppo_rollout(batch, roles, critic, args, device, autocast):
     reward_parts = roles.reward_fn(prompts, rollout.completions, answers, roles.reward_model, args.answer_reward_weight)
     rewards = reward_parts["rewards"].to(device)  # [B]
     critic.eval()
+    log_probs = log_prob_forward(args.logprob_chunk_size)  # the chapter's forward, or its logits in chunks
+    ref_per_token_logps, old_resp_values = [], []
     with autocast:
-        ref_per_token_logps = compute_per_token_logps(
-            ref_model, output_ids, gen_len, full_mask, args.temperature
-        ).per_token_logps  # [B, R]
-        old_resp_values = critic(output_ids, attention_mask=full_mask).values[:, -gen_len - 1 : -1]  # [B, R], V(s_t)
+        for rows in micro_batch_slices(output_ids.size(0), args.micro_batch_size):  # --micro_batch_size M rows at once
+            ref_per_token_logps.append(
+                log_probs(ref_model, output_ids[rows], gen_len, full_mask[rows], args.temperature).per_token_logps
+            )
+            values = critic(output_ids[rows], attention_mask=full_mask[rows]).values  # [M, P+R]
+            old_resp_values.append(values[:, -gen_len - 1 : -1])  # [M, R], V(s_t) before each answer token
+    ref_per_token_logps = torch.cat(ref_per_token_logps)  # [B, R]
+    old_resp_values = torch.cat(old_resp_values)  # [B, R]
     critic.train()
 
     scores = normalize_rewards(rewards) if args.reward_norm else rewards  # [B]
@@ -391,7 +398,7 @@ def ppo_update(rollout_batch, learners, args, device, generator, autocast):
             inds = permutation[start : start + args.mini_batch_size].to(device)
             mask = rollout_batch.completion_mask[inds]  # [mb, R]
             with autocast:
-                per_token_logps, aux_loss, _ = compute_per_token_logps(
+                per_token_logps, aux_loss, _ = log_prob_forward(args.logprob_chunk_size)(
                     actor, rollout_batch.output_ids[inds], gen_len, rollout_batch.full_mask[inds], args.temperature
                 )  # [mb, R], the chapter's mb_resp_logp; the MoE router loss
             policy_loss, stats = ppo_policy_loss(
@@ -462,11 +469,7 @@ def main(argv=None, reward_fn=calculate_rewards):
     autocast = autocast_context(device, train_dtype)  # the context of every training forward
 
     # 2. tokenizer, prompts and their loader
-    start_weight = (
-        None
-        if args.from_weight == "none"
-        else weight_path(args.from_weight, args.save_dir, args.hidden_size, args.use_moe)
-    )
+    start_weight = start_weight_path(args)  # the .pth the tokenizer is checked against (None: random, a folder)
     tokenizer = load_tokenizer(args.tokenizer_path, start_weight, args.tokenizer_path_named)  # checked against them
     train_ds = RLAIFDataset(args.data_path, tokenizer, thinking_ratio=args.thinking_ratio, seed=args.seed)
     check_prompt_count(
@@ -483,13 +486,17 @@ def main(argv=None, reward_fn=calculate_rewards):
     run_lock = claim_save_dir(args, "ppo", total_steps)  # one run per checkpoint files; an unfinished one kept
 
     # 3. the roles (8.1): actor and critic are trained; the reference and the reward model stay frozen
-    lm_config = build_config(args.hidden_size, args.num_hidden_layers, args.use_moe)
+    lm_config = config_from_args(args)  # the architecture flags, or the model folder's config.json
     actor = load_policy(lm_config, args.from_weight, args.save_dir, tokenizer, device)  # pi_theta
-    ref_model = None if args.lora_rank else copy.deepcopy(actor).eval().requires_grad_(False)  # pi_ref: the start
+    ref_model = None if args.lora_rank else frozen_copy(actor, args.ref_dtype)  # pi_ref: the start, in --ref_dtype
+    if args.gradient_checkpointing:  # recompute each block in the backward (transformers' convention, non-reentrant)
+        actor.activation_checkpointing_enable({"use_reentrant": False})
     actor, ref_model = with_adapters(actor, ref_model, args)  # --lora_rank: pi_ref = the adapters off (infra/lora.py)
     reward_model = load_reward_model(args, device, reward_model_dtype(args.reward_dtype, args.reward_device or device))
     setup_seed(args.seed + rank)  # from here on every rank draws its own samples
     critic = build_critic(lm_config, actor, args.from_weight != "none", device, args)  # V(s_t): actor + new head
+    if args.gradient_checkpointing:
+        base_model(critic).activation_checkpointing_enable({"use_reentrant": False})
     Logger(
         f"PPO: {sum(p.numel() for p in actor.parameters()) / 1e6:.2f}M parameters, {len(train_ds)} prompts, "
         f"world size {world_size}, device {device}, dtype {train_dtype}"

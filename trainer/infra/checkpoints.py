@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from trainer.infra.distributed import Logger, is_main_process, run_on_rank0, setup_seed, unwrap_model
 from trainer.infra.files import atomic_write
-from trainer.infra.weights import check_finite_state, weight_path, weight_writes
+from trainer.infra.weights import check_finite_state, is_model_folder, weight_path, weight_writes
 from trainer.infra.errors import InputError, SaveFolderBusyError
 
 RESUME_FORMAT_VERSION = 1
@@ -132,7 +132,8 @@ def save_checkpoint(args, script, lm_config, objects, progress, weights):
             "rng_states": rng_states,
             "states": states,
         }
-        writes = weight_writes(weights, args.save_dir, lm_config, args.tokenizer_path)
+        export_folder = is_model_folder(getattr(args, "from_weight", "none"))  # a model folder in, one out
+        writes = weight_writes(weights, args.save_dir, lm_config, args.tokenizer_path, export_folder)
         writes[path] = functools.partial(torch.save, checkpoint)  # last: the pair is complete once it is in place
         atomic_write(writes)
     Logger(f"saved step {progress['step']}: weights ({', '.join(weights)}) and {path}")

@@ -20,7 +20,7 @@ from trainer.infra.metrics import TRACKERS
 from trainer.infra.reward_models import read_reward_model_config
 from trainer.infra.sglang_client import ROLLOUT_ENGINES, SGLANG_LOGPROB_MODES
 from trainer.infra.files import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, ROOT
-from trainer.infra.weights import build_config
+from trainer.infra.weights import ARCHITECTURE_FLAGS, config_from_args, folder_config, is_model_folder
 
 DEFAULT_REWARD_MODEL_PATH = os.path.join(ROOT, "out", "reward_model_256")  # trainer/train_reward.py, committed
 # --rollout_correction: the weight pi_trainer / pi_server per token or per answer, truncated or masked at the cap
@@ -107,10 +107,23 @@ def add_common_rl_args(groups):
         help="tokenizer folder (default: the bundled model/); one named here is trusted for starting "
         "weights that have no record of their tokenizer",
     )
-    data.add_argument("--from_weight", default="full_sft", help="name in save_dir ({name}_{hidden}.pth) or a path")
+    data.add_argument(
+        "--from_weight",
+        default="full_sft",
+        help="name in save_dir ({name}_{hidden}.pth), a .pth path, or a transformers Qwen3ForCausalLM folder (its "
+        "config.json sets the architecture, its tokenizer files the tokenizer; the run also saves such a folder)",
+    )
     data.add_argument("--hidden_size", type=int, default=256, help="model width (MiniMind: 512, 768)")
     data.add_argument("--num_hidden_layers", type=int, default=4, help="model depth")
     add_bool_flag(data, "--use_moe", help="1: mixture-of-experts MLPs")
+    for name, what in (
+        ("--num_attention_heads", "attention heads (MiniMind: 8)"),
+        ("--num_key_value_heads", "key/value heads (MiniMind: 4)"),
+        ("--head_dim", "width of a head (MiniMind: hidden_size / heads)"),
+        ("--intermediate_size", "MLP width (MiniMind: hidden_size x pi, rounded up to 64)"),
+    ):
+        data.add_argument(name, type=int, default=None, action=AT_LEAST_1, help=f"{what}; a model folder sets it")
+    data.add_argument("--vocab_size", type=int, default=6400, action=AT_LEAST_1, help="embedding rows (MiniMind: 6400)")
     data.add_argument(
         "--max_seq_len", type=int, default=256, action=AT_LEAST_1, help="prompt tokens kept (from the right)"
     )
@@ -264,6 +277,34 @@ def add_common_rl_args(groups):
         "--use_compile",
         help="1: torch.compile the training forwards (policy; PPO's critic too), not the rollout's decode",
     )
+    add_bool_flag(
+        memory,
+        "--gradient_checkpointing",
+        help="1: the policy (and PPO's critic) keep each block's input only and recompute the block in the "
+        "backward (transformers' activation checkpointing, non-reentrant): less memory, about a third more compute",
+    )
+    memory.add_argument(
+        "--micro_batch_size",
+        type=int,
+        default=0,
+        action=NON_NEGATIVE,
+        help="answers per forward and backward in the update and per forward in the rollout's scoring "
+        "(reference, old log-probs, values); the same update (0 = the whole batch at once)",
+    )
+    memory.add_argument(
+        "--logprob_chunk_size",
+        type=int,
+        default=0,
+        action=NON_NEGATIVE,
+        help="tokens whose logits exist at once in the log-prob forwards, recomputed in the backward "
+        "(0 = every token's at once: the chapter's forward; 1024 keeps a 151,936-token vocabulary near 0.6 GB)",
+    )
+    memory.add_argument(
+        "--ref_dtype",
+        default="",
+        choices=["", *DTYPES],
+        help="dtype of the frozen reference's weights (default: the policy's, float32); bfloat16 halves them",
+    )
 
     run.add_argument("--save_dir", default=DEFAULT_SAVE_DIR, help="where weights and runs are written")
     run.add_argument(
@@ -337,6 +378,8 @@ def check_common_rl_args(parser, args):
     model is built. Also records whether ``--tokenizer_path`` was named (``args.tokenizer_path_named``) before filling
     in its default."""
     args.tokenizer_path_named = int(args.tokenizer_path is not None)
+    if is_model_folder(args.from_weight):
+        use_model_folder(parser, args)
     args.tokenizer_path = args.tokenizer_path or DEFAULT_TOKENIZER_PATH
     if args.eval_data_path is None:  # the bundled validation prompts fit the bundled training data only
         args.eval_data_path = BUNDLED_VAL_DATA if same_file(args.data_path, BUNDLED_TRAIN_DATA) else ""
@@ -398,8 +441,38 @@ def check_common_rl_args(parser, args):
         parser.error("--rollout_engine sglang needs a dense model (--use_moe 0): MoE weights have no Qwen3 export")
     if not args.sglang_url.startswith(("http://", "https://")):
         parser.error(f"--sglang_url must start with http:// or https://, got {args.sglang_url!r}")
+    if args.ref_dtype and args.lora_rank:
+        parser.error(
+            f"--ref_dtype {args.ref_dtype} with --lora_rank {args.lora_rank}: the reference is the policy with its "
+            f"adapters switched off, one model in the policy's dtype; leave --ref_dtype out"
+        )
     check_rollout_correction_args(parser, args)
     check_lora_args(parser, args)
+
+
+def use_model_folder(parser, args):
+    """``--from_weight FOLDER`` (a ``Qwen3ForCausalLM`` folder): the architecture flags take the folder's values
+    (a flag given with another value is an error naming both), and the tokenizer is the folder's own unless
+    ``--tokenizer_path`` is named."""
+    try:
+        config = folder_config(args.from_weight)
+    except ValueError as err:
+        parser.error(str(err))
+    for name in ("hidden_size", "num_hidden_layers", "vocab_size", *ARCHITECTURE_FLAGS):
+        given, folder_value = getattr(args, name), getattr(config, name)
+        if given is not None and given != parser.get_default(name) and given != folder_value:
+            parser.error(
+                f"--{name} {given} but --from_weight {args.from_weight} holds a model of {name} {folder_value} "
+                f"(its config.json sets the architecture): leave --{name} out"
+            )
+        setattr(args, name, folder_value)
+    args.use_moe = 0
+    has_tokenizer = any(
+        os.path.isfile(os.path.join(args.from_weight, name)) for name in ("tokenizer.json", "tokenizer_config.json")
+    )
+    if args.tokenizer_path is None and has_tokenizer:
+        args.tokenizer_path = args.from_weight
+        args.tokenizer_path_named = 1  # the model's own tokenizer
 
 
 def check_rollout_correction_args(parser, args):
@@ -437,7 +510,7 @@ def rollout_engine_kwargs(args):
             rollout_correction=args.rollout_correction != "none",
             export_dtype=DTYPES[args.sglang_export_dtype],
             timeout_s=args.sglang_timeout,
-            vocab_size=build_config(args.hidden_size, args.num_hidden_layers, args.use_moe).vocab_size,
+            vocab_size=config_from_args(args).vocab_size,
             resume_hint=f"A checkpoint is saved every --save_interval {args.save_interval} steps: rerun the same "
             f"command with --from_resume 1 to continue from the last one.",
         )

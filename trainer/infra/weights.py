@@ -4,6 +4,7 @@ fp16 files a run saves; the record of the tokenizer a checkpoint was trained wit
 Infrastructure, not RL: a learner can skip this file.
 """
 
+import copy
 import functools
 import glob
 import hashlib
@@ -13,13 +14,15 @@ import pickle
 import re
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, Qwen3Config
 
+from model.hf_qwen3 import load_qwen3_folder, minimind_config_from_qwen3, write_qwen3_folder
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from trainer.infra.distributed import Logger, unwrap_model
+from trainer.infra.dtypes import resolve_dtype
 from trainer.infra.files import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, atomic_write, weight_path
 from trainer.infra.errors import InputError
-from trainer.infra.lora import adapter_folder, has_adapters, merged_state_dict, save_adapters
+from trainer.infra.lora import adapter_folder, base_model, has_adapters, merged_state_dict, save_adapters
 
 
 MERGE_HINT = (
@@ -134,11 +137,56 @@ def load_weights(model, path, flag_hint="--hidden_size / --num_hidden_layers / -
     model.load_state_dict({k: v.to(own[k].dtype) for k, v in state_dict.items()}, strict=True)
 
 
-def build_config(hidden_size, num_hidden_layers, use_moe, vocab_size=6400):
-    """MiniMindConfig from the architecture flags every script shares."""
+def build_config(hidden_size, num_hidden_layers, use_moe, vocab_size=6400, **architecture):
+    """MiniMindConfig from the architecture flags every script shares; ``architecture``: more ``MiniMindConfig``
+    fields (num_attention_heads, num_key_value_heads, head_dim, intermediate_size), None keeping MiniMind's default."""
+    given = {name: value for name, value in architecture.items() if value is not None}
     return MiniMindConfig(
-        hidden_size=hidden_size, num_hidden_layers=num_hidden_layers, use_moe=bool(use_moe), vocab_size=vocab_size
+        hidden_size=hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        use_moe=bool(use_moe),
+        vocab_size=vocab_size,
+        **given,
     )
+
+
+ARCHITECTURE_FLAGS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
+
+
+def is_model_folder(from_weight):
+    """Whether ``--from_weight`` names a transformers model folder (a folder holding config.json)."""
+    return os.path.isfile(os.path.join(from_weight, "config.json"))
+
+
+def config_from_args(args):
+    """The run's ``MiniMindConfig``: a ``Qwen3ForCausalLM`` folder's own (``--from_weight FOLDER``: its config.json,
+    every field), else the architecture flags (``--hidden_size``, ``--num_hidden_layers``, ``--use_moe``,
+    ``--vocab_size`` and ``ARCHITECTURE_FLAGS``). Raises ValueError naming config.json for a folder that is not a
+    dense Qwen3 causal LM."""
+    if is_model_folder(args.from_weight):
+        return folder_config(args.from_weight)
+    architecture = {name: getattr(args, name, None) for name in ARCHITECTURE_FLAGS}
+    return build_config(
+        args.hidden_size, args.num_hidden_layers, args.use_moe, getattr(args, "vocab_size", 6400), **architecture
+    )
+
+
+def start_weight_path(args):
+    """The ``.pth`` a run starts from (``weight_path`` of ``--from_weight``), or None for random weights ("none") and a
+    model folder (whose tokenizer is its own): the file ``load_tokenizer`` checks the tokenizer against."""
+    if args.from_weight == "none" or is_model_folder(args.from_weight):
+        return None
+    return weight_path(args.from_weight, args.save_dir, args.hidden_size, args.use_moe)
+
+
+def folder_config(folder):
+    """``MiniMindConfig`` of a ``Qwen3ForCausalLM`` folder's config.json. Raises InputError naming the file when it is
+    not a dense Qwen3 causal LM (``minimind_config_from_qwen3``) or cannot be read."""
+    config_path = os.path.join(folder, "config.json")
+    try:
+        return minimind_config_from_qwen3(Qwen3Config.from_pretrained(folder), config_path)
+    except (OSError, ValueError) as err:
+        raise InputError(f"--from_weight {folder}: {err}") from None
 
 
 def init_model(
@@ -166,7 +214,10 @@ def init_model(
         raise InputError(f"--from_weight {from_weight} is a LoRA adapter folder, not MiniMind weights: {MERGE_HINT}")
     tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(tokenizer_path)
     model = MiniMindForCausalLM(lm_config)
-    if from_weight != "none":
+    if is_model_folder(from_weight):  # a Qwen3ForCausalLM folder: its safetensors, strictly
+        load_folder_weights(model, from_weight)
+        Logger(f"loaded the model folder {from_weight} ({describe_dims(minimind_dims(model.state_dict()))})")
+    elif from_weight != "none":
         path = weight_path(from_weight, save_dir, lm_config.hidden_size, lm_config.use_moe)
         load_weights(model, path)
         Logger(f"loaded weights {path} ({describe_dims(minimind_dims(model.state_dict()))})")
@@ -188,6 +239,16 @@ def init_model(
     return model.to(device), tokenizer
 
 
+def load_folder_weights(model, folder):
+    """Load a ``Qwen3ForCausalLM`` folder's safetensors into ``model`` strictly (``load_qwen3_folder``), refusing a NaN
+    or inf. Raises FileNotFoundError / ValueError naming the folder, the tensor or the keys."""
+    _, state_dict = load_qwen3_folder(folder)
+    check_finite_state(state_dict, f"{folder} (a damaged file? copy it again)", "refusing to load")
+    own = model.state_dict()
+    check_state_dict_fits(folder, own, state_dict, "the folder's config.json")
+    model.load_state_dict({k: v.to(own[k].dtype) for k, v in state_dict.items()}, strict=True)
+
+
 def load_policy(lm_config, from_weight, save_dir, tokenizer, device):
     """The policy of an RL run (chapter 8.1's actor): ``init_model`` with ``--from_weight``, ``--save_dir`` and the
     run's tokenizer; fp32 weights on ``device``. Raises what ``init_model`` raises; a missing file as
@@ -197,6 +258,15 @@ def load_policy(lm_config, from_weight, save_dir, tokenizer, device):
     except FileNotFoundError as error:
         raise FileNotFoundError(f"--from_weight {from_weight}: {error}") from None
     return model
+
+
+def frozen_copy(model, dtype_name=""):
+    """A frozen copy of ``model`` for a role that is never trained (the reference, chapter 8.1): ``eval()``, no
+    gradients, its weights in ``dtype_name`` ("" keeps the model's; "bfloat16" halves fp32's memory; the log-probs of
+    a bf16 reference differ from the fp32 one's by the rounding of its weights: docs/memory.md measures it).
+    Raises ValueError for an unknown dtype name."""
+    frozen = copy.deepcopy(model).eval().requires_grad_(False)
+    return frozen.to(resolve_dtype(dtype_name, next(model.parameters()).dtype))
 
 
 def half_state_dict(model):
@@ -216,11 +286,12 @@ def check_finite_state(state_dict, what, action="refusing to save"):
             raise InputError(f"{action} {what}: {name} holds {count} NaN or inf values")
 
 
-def weight_writes(weights, save_dir, lm_config, tokenizer_path):
+def weight_writes(weights, save_dir, lm_config, tokenizer_path, export_folder=False):
     """What a checkpoint writes for its weights, as {path: write} for ``atomic_write``: each module as a MiniMind
     fp16 ``{save_dir}/{name}_{hidden}[_moe].pth`` (a LoRA model's with its adapters merged in) and its tokenizer
     record beside it; for a LoRA model also its adapters in peft's format, ``{name}_{hidden}[_moe]_lora/``
-    (``lora.save_adapters``).
+    (``lora.save_adapters``); with ``export_folder`` (a run started from a model folder) each causal LM also as a
+    ``Qwen3ForCausalLM`` folder, ``{name}_{hidden}_hf/`` (``write_model_folder``).
 
     Args:
         weights: name -> module (unwrapped or not), e.g. {"ppo": actor, "ppo_critic": critic}.
@@ -236,7 +307,23 @@ def weight_writes(weights, save_dir, lm_config, tokenizer_path):
         writes[tokenizer_record_path(path)] = functools.partial(write_json, tokenizer_record_to_save(tokenizer_path))
         if has_adapters(unwrap_model(module)):
             writes[adapter_folder(path)] = functools.partial(save_adapters, unwrap_model(module))
+        if export_folder and isinstance(base_model(unwrap_model(module)), MiniMindForCausalLM):
+            writes[model_folder_path(path)] = functools.partial(
+                write_model_folder, merged_state_dict(unwrap_model(module)), lm_config, tokenizer_path
+            )  # the kind of folder the run started from, from the fp32 weights
     return writes
+
+
+def model_folder_path(checkpoint_path):
+    """``dir/NAME.pth`` -> ``dir/NAME_hf``: the ``Qwen3ForCausalLM`` folder a run started from a folder writes too."""
+    return os.path.splitext(checkpoint_path)[0] + "_hf"
+
+
+def write_model_folder(state_dict, lm_config, tokenizer_path, folder):
+    """Write a ``Qwen3ForCausalLM`` folder at ``folder`` (created here): config.json, bf16 safetensors (Qwen3's
+    release dtype) and the tokenizer of ``tokenizer_path``; ``Qwen3ForCausalLM.from_pretrained`` and an SGLang
+    server load it, and ``--from_weight`` starts from it."""
+    write_qwen3_folder(state_dict, lm_config, folder, AutoTokenizer.from_pretrained(tokenizer_path), torch.bfloat16)
 
 
 def save_weights(state_dict, path, tokenizer_path=None):
