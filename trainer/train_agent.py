@@ -377,7 +377,9 @@ def main(argv=None, reward_fn=calculate_agent_rewards):
     )
 
     # 4. optimizer
-    optimizer = build_policy_optimizer(model, args.learning_rate, args.weight_decay, args.final_norm_learning_rate)
+    optimizer = build_policy_optimizer(
+        model, args.learning_rate, args.weight_decay, args.final_norm_learning_rate, args.optimizer
+    )
     ddp_model = compile_for_training(wrap_ddp(model, device, local_rank), args.use_compile)
 
     # 5. resume (--from_resume 1): weights, optimizer, data position, random state; the schedule at that update
@@ -431,7 +433,7 @@ def main(argv=None, reward_fn=calculate_agent_rewards):
     step, stop = progress["step"], stop_signal.requested(device)
     batches = [] if stop else resumable_batches(loader, batch_sampler, progress, args.epochs, total_steps)
     for step, position, batch in batches:
-        learning_rate = optimizer.param_groups[0]["lr"]
+        learning_rate = float(optimizer.param_groups[0]["lr"])
         rollout_batch = agent_step_rollout(batch, ddp_model, roles, args, autocast)  # steps 1-4
         if args.debug_mode and step % args.debug_interval == 0:
             print_conversations(step, rollout_batch, tokenizer, args.num_generations)

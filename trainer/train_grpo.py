@@ -577,7 +577,9 @@ def main(argv=None, reward_fn=calculate_rewards):
     )
 
     # 4. optimizer
-    optimizer = build_policy_optimizer(model, args.learning_rate, args.weight_decay, args.final_norm_learning_rate)
+    optimizer = build_policy_optimizer(
+        model, args.learning_rate, args.weight_decay, args.final_norm_learning_rate, args.optimizer
+    )
     ddp_model = compile_for_training(wrap_ddp(model, device, local_rank), args.use_compile)
 
     # 5. resume (--from_resume 1): weights, optimizer state, data position, random state; then the schedule at
@@ -637,7 +639,9 @@ def main(argv=None, reward_fn=calculate_rewards):
     data = epoch_batches(loader, batch_sampler, progress, args.epochs)  # (position, batch), also DAPO's draws
     batches = [] if stop else resumable_batches(loader, batch_sampler, progress, args.epochs, total_steps, data)
     for step, position, batch in batches:
-        learning_rate = optimizer.param_groups[0]["lr"]  # the rate this step's update uses (read before stepping)
+        learning_rate = float(
+            optimizer.param_groups[0]["lr"]
+        )  # the rate this step's update uses (read before stepping)
         more_batches = spare_batches(data, position, args.epochs, batch_sampler, total_steps - step)  # DAPO's draws
         rollout_batch = grpo_rollout(batch, roles, args, device, autocast, more_batches)  # steps 1-4 (8.2-8.5)
         position = rollout_batch.data_position or position  # after the prompts --dynamic_sampling drew

@@ -504,9 +504,11 @@ def main(argv=None, reward_fn=calculate_rewards):
 
     # 4. optimizers
     actor_optimizer = build_policy_optimizer(
-        actor, args.learning_rate, args.weight_decay, args.final_norm_learning_rate
+        actor, args.learning_rate, args.weight_decay, args.final_norm_learning_rate, args.optimizer
     )
-    critic_optimizer = adamw(critic.parameters(), lr=args.critic_learning_rate, weight_decay=args.weight_decay)
+    critic_optimizer = adamw(
+        critic.parameters(), args.optimizer, lr=args.critic_learning_rate, weight_decay=args.weight_decay
+    )
     optimizers = (actor_optimizer, critic_optimizer)  # ppo_update steps both
     ddp_actor = compile_for_training(wrap_ddp(actor, device, local_rank), args.use_compile)
     ddp_critic = compile_for_training(wrap_ddp(critic, device, local_rank), args.use_compile)
@@ -560,8 +562,8 @@ def main(argv=None, reward_fn=calculate_rewards):
     for step, position, batch in batches:
         # the rates this step's updates use (the schedules step at the end of ppo_update)
         learning_rates = {
-            "learning_rate": actor_optimizer.param_groups[0]["lr"],
-            "critic_learning_rate": critic_optimizer.param_groups[0]["lr"],
+            "learning_rate": float(actor_optimizer.param_groups[0]["lr"]),
+            "critic_learning_rate": float(critic_optimizer.param_groups[0]["lr"]),
         }
         rollout_batch = ppo_rollout(batch, roles, critic, args, device, autocast)  # steps 1-4 (8.4)
         if args.debug_mode and step % args.debug_interval == 0:

@@ -153,15 +153,15 @@ def run_worker(spec):
     }
 
 
-def run_watched(spec, share=0.9):
-    """Run one configuration in its own process, stopped (SIGKILL) once its resident memory passes ``share`` of the
-    memory available at its start, before the kernel's out-of-memory killer picks a process of its own. Returns
-    (returncode, stdout, stderr, the largest resident memory seen in MiB), returncode None when it was stopped for
-    memory."""
+def run_watched(spec, share=0.9, script=None):
+    """Run one configuration in its own process (``script --worker SPEC``, this file by default), stopped (SIGKILL)
+    once its resident memory passes ``share`` of the memory available at its start, before the kernel's out-of-memory
+    killer picks a process of its own. Returns (returncode, stdout, stderr, the largest resident memory seen in MiB),
+    returncode None when it was stopped for memory."""
     limit_kib = share * status_kib("MemAvailable", "/proc/meminfo")
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         worker = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)],
+            [sys.executable, script or os.path.abspath(__file__), "--worker", json.dumps(spec)],
             stdout=out,
             stderr=err,
             text=True,

@@ -89,8 +89,10 @@ def weights_digest(folder):
     return digest.hexdigest()
 
 
-def build_tiny_internlm2_reward(source, target, seed=0):
+def build_tiny_internlm2_reward(source, target, seed=0, dims=TINY_DIMS):
     """Write the tiny folder to ``target`` (created) from the published files in ``source``; returns ``target``.
+    ``dims``: the config fields replaced (``TINY_DIMS``; ``{}`` keeps the published 1.8 B shape, for the memory
+    benchmark).
 
     Raises:
         FileNotFoundError: if a published file is missing from ``source``.
@@ -100,7 +102,7 @@ def build_tiny_internlm2_reward(source, target, seed=0):
         shutil.copyfile(os.path.join(source, name), os.path.join(target, name))
     with open(os.path.join(source, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
-    config.update(TINY_DIMS)
+    config.update(dims)
     with open(os.path.join(target, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
     with open(os.path.join(source, "model.safetensors.index.json"), encoding="utf-8") as f:

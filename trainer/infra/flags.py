@@ -17,6 +17,7 @@ from trainer.infra.files import check_creatable_dir, check_writable_dir
 from trainer.infra.lora import add_lora_args, check_lora_args
 from trainer.infra.dtypes import DTYPE_CHOICES, DTYPES
 from trainer.infra.metrics import TRACKERS
+from trainer.infra.optimizer import OPTIMIZERS
 from trainer.infra.reward_models import read_reward_model_config
 from trainer.infra.sglang_client import ROLLOUT_ENGINES, SGLANG_LOGPROB_MODES
 from trainer.infra.files import DEFAULT_SAVE_DIR, DEFAULT_TOKENIZER_PATH, ROOT
@@ -298,6 +299,13 @@ def add_common_rl_args(groups):
         action=NON_NEGATIVE,
         help="tokens whose logits exist at once in the log-prob forwards, recomputed in the backward "
         "(0 = every token's at once: the chapter's forward; 1024 keeps a 151,936-token vocabulary near 0.6 GB)",
+    )
+    memory.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=OPTIMIZERS,
+        help="adamw: torch's fused AdamW, moments in fp32 (8 bytes per parameter); adamw_8bit: torchao's AdamW8bit, "
+        "moments in 8 bits (2 bytes per parameter; needs pip install torchao)",
     )
     memory.add_argument(
         "--ref_dtype",

@@ -11,7 +11,7 @@ from trainer.infra.lora import base_model
 from trainer.infra.stopping import nonfinite_parts
 
 
-def build_policy_optimizer(model, learning_rate, weight_decay, final_norm_learning_rate):
+def build_policy_optimizer(model, learning_rate, weight_decay, final_norm_learning_rate, optimizer="adamw"):
     """AdamW for an RL policy, with the final RMSNorm gain in a parameter group of its own that learns one number,
     the sharpness of the output distribution (an output temperature: the gain multiplies every logit, since the
     LM head is tied to the embeddings and has no bias).
@@ -26,8 +26,9 @@ def build_policy_optimizer(model, learning_rate, weight_decay, final_norm_learni
             objects); only the parameters that require grad get AdamW state.
         learning_rate, weight_decay: of every other parameter.
         final_norm_learning_rate: float >= 0.
+        optimizer: ``OPTIMIZERS``' name (``adamw``: the moments in fp32; ``adamw_8bit``: in 8 bits).
     Returns:
-        torch.optim.AdamW (``adamw``); group 0 holds every other parameter, group 1 (when used) the gain.
+        the optimizer of ``adamw``; group 0 holds every other parameter, group 1 (when used) the gain.
     Raises:
         ValueError: a negative ``final_norm_learning_rate``, or a model without ``model.norm.weight``.
     """
@@ -35,7 +36,7 @@ def build_policy_optimizer(model, learning_rate, weight_decay, final_norm_learni
         raise ValueError(f"final_norm_learning_rate must be >= 0, got {final_norm_learning_rate}")
     model = base_model(model)  # a LoRA policy: the MiniMind model that holds the adapters (infra/lora.py)
     if not final_norm_learning_rate:
-        return adamw(model.parameters(), lr=learning_rate, weight_decay=weight_decay)
+        return adamw(model.parameters(), optimizer, lr=learning_rate, weight_decay=weight_decay)
     final_norm = getattr(getattr(getattr(model, "model", None), "norm", None), "weight", None)
     if final_norm is None:
         raise ValueError(f"{type(model).__name__} has no model.norm.weight for final_norm_learning_rate")
@@ -45,15 +46,37 @@ def build_policy_optimizer(model, learning_rate, weight_decay, final_norm_learni
             {"params": others, "lr": learning_rate, "weight_decay": weight_decay},
             {"params": [final_norm], "lr": final_norm_learning_rate, "weight_decay": 0.0, "scale_only": True},
         ],
+        optimizer,
         lr=learning_rate,
     )
 
 
-def adamw(params, **kwargs):
-    """``torch.optim.AdamW(params, fused=True, **kwargs)``: AdamW (Loshchilov & Hutter 2019) in one fused kernel,
-    the same update as torch's default implementation to float rounding (tests/test_optimizer.py) in fewer passes
-    over memory (docs/performance.md). Raises what ``torch.optim.AdamW`` raises."""
-    return torch.optim.AdamW(params, fused=True, **kwargs)
+OPTIMIZERS = ("adamw", "adamw_8bit")  # --optimizer
+
+
+def adamw(params, optimizer="adamw", **kwargs):
+    """AdamW (Loshchilov & Hutter 2019) over ``params`` with ``kwargs`` (lr, weight_decay):
+
+      adamw: ``torch.optim.AdamW(fused=True)``, one fused kernel, the same update as torch's default implementation to
+        float rounding (tests/test_optimizer.py) in fewer passes over memory (docs/performance.md); its two moments
+        take 8 bytes per parameter;
+      adamw_8bit: torchao's ``AdamW8bit``, the two moments quantized blockwise to 8 bits (Dettmers et al. 2022,
+        "8-bit optimizers via block-wise quantization"): about 2 bytes per parameter, the largest term of a full
+        fine-tune's memory cut by 4 (docs/memory.md); tensors under 4,096 values keep fp32 moments. Its step is
+        compiled per parameter shape on first use (seconds per shape).
+
+    Raises:
+        ValueError: another name. ImportError naming the pip command when torchao is not installed.
+    """
+    if optimizer == "adamw":
+        return torch.optim.AdamW(params, fused=True, **kwargs)
+    if optimizer != "adamw_8bit":
+        raise ValueError(f"unknown optimizer {optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
+    try:
+        from torchao.optim import AdamW8bit
+    except ImportError as err:
+        raise ImportError(f"--optimizer adamw_8bit needs torchao: pip install torchao==0.18.0 ({err})") from None
+    return AdamW8bit(params, **kwargs)
 
 
 def project_scale_only_gradients(optimizer):
@@ -87,7 +110,7 @@ def build_cosine_scheduler(optimizer, total_steps, start_step=0, min_lr_ratio=0.
     (the flags'), placed at ``start_step``: a resumed run builds its schedule at the update it resumes from, so
     the rates are this run's flags on the saved run's position."""
     for group in optimizer.param_groups:
-        group["initial_lr"] = group["lr"]  # the peak of this schedule
+        group["initial_lr"] = float(group["lr"])  # the peak of this schedule (a tensor lr is filled in place)
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: cosine_lr(step, total_steps, 1.0, min_lr_ratio), last_epoch=start_step - 1
     )
