@@ -444,3 +444,18 @@ def test_adamw_8bit_follows_torchs_adamw_within_its_quantization():
     for full, eight_bit, bound in zip(updates["adamw"], updates["adamw_8bit"], (0.02, 0.02, 1e-4)):
         assert float((full - eight_bit).norm() / full.norm()) <= bound
     assert float((updates["adamw"][0] - updates["adamw_8bit"][0]).norm()) > 0  # the moments were quantized
+
+
+def test_sft_starts_from_a_qwen3_folder_with_checkpointing_and_saves_one(qwen3_folder, tmp_path):
+    from trainer import train_full_sft
+
+    save_dir = tmp_path / "sft"
+    train_full_sft.main(
+        ["--from_weight", qwen3_folder, "--save_dir", str(save_dir), "--max_steps", "2", "--batch_size", "2"]
+        + ["--gradient_checkpointing", "1", "--learning_rate", "1e-3", "--max_seq_len", "64"]
+    )
+    folder = str(save_dir / "full_sft_64_hf")
+    input_ids = torch.tensor([[5, 17, 300, 42, 511, 7]])
+    trained = transformers_logits(folder, input_ids)
+    torch.testing.assert_close(minimind_logits(folder, input_ids), trained, rtol=0, atol=1e-5)
+    assert not torch.allclose(trained, transformers_logits(qwen3_folder, input_ids), atol=1e-3)  # it trained

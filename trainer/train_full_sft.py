@@ -42,7 +42,20 @@ from trainer.infra.files import atomic_write, check_writable_dir
 from trainer.infra.flags import add_bool_flag
 from trainer.infra.optimizer import build_cosine_scheduler, project_scale_only_gradients
 from trainer.infra.stopping import BadStepGuard, nonfinite_parts
-from trainer.infra.weights import DEFAULT_SAVE_DIR, build_config, half_state_dict, init_model, save_weights, weight_path
+from model.hf_qwen3 import write_folder_atomically
+from trainer.infra.weights import (
+    DEFAULT_SAVE_DIR,
+    DEFAULT_TOKENIZER_PATH,
+    build_config,
+    folder_config,
+    half_state_dict,
+    init_model,
+    is_model_folder,
+    model_folder_path,
+    save_weights,
+    weight_path,
+    write_model_folder,
+)
 
 
 def parse_args(argv=None):
@@ -50,10 +63,20 @@ def parse_args(argv=None):
     parser.add_argument("--data_path", default=os.path.join(ROOT, "dataset", "sft_data.jsonl"))
     parser.add_argument("--save_dir", default=DEFAULT_SAVE_DIR)
     parser.add_argument("--save_weight", default="full_sft")
-    parser.add_argument("--from_weight", default="none", help="'none' = random init")
+    parser.add_argument(
+        "--from_weight",
+        default="none",
+        help="'none' = random init, a .pth, or a transformers Qwen3ForCausalLM folder (its config.json sets the "
+        "architecture, its tokenizer the tokenizer; the run then also saves {save_weight}_{hidden}_hf/)",
+    )
     parser.add_argument("--hidden_size", type=int, default=256)
     parser.add_argument("--num_hidden_layers", type=int, default=4)
     add_bool_flag(parser, "--use_moe", help="1: mixture-of-experts MLPs")
+    add_bool_flag(
+        parser,
+        "--gradient_checkpointing",
+        help="1: keep each block's input only and recompute the block in the backward (less memory, more compute)",
+    )
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--max_steps", type=int, default=800, help="optimizer steps (0 = whole epochs)")
     parser.add_argument("--batch_size", type=int, default=32)
@@ -156,8 +179,17 @@ def main(argv=None):
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
 
-    lm_config = build_config(args.hidden_size, args.num_hidden_layers, args.use_moe)
-    model, tokenizer = init_model(lm_config, args.from_weight, args.save_dir, device=device)
+    folder_start = is_model_folder(args.from_weight)  # a Qwen3ForCausalLM folder: its architecture and tokenizer
+    lm_config = (
+        folder_config(args.from_weight)
+        if folder_start
+        else build_config(args.hidden_size, args.num_hidden_layers, args.use_moe)
+    )
+    args.hidden_size, args.num_hidden_layers = lm_config.hidden_size, lm_config.num_hidden_layers  # the saved names
+    tokenizer_path = args.from_weight if folder_start else DEFAULT_TOKENIZER_PATH
+    model, tokenizer = init_model(lm_config, args.from_weight, args.save_dir, tokenizer_path, device=device)
+    if args.gradient_checkpointing:  # transformers' activation checkpointing, non-reentrant
+        model.activation_checkpointing_enable({"use_reentrant": False})
     dataset = SFTDataset(args.data_path, tokenizer, max_length=args.max_seq_len)
     if len(dataset) == 0:
         raise InputError(f"--data_path {args.data_path}: found 0 conversations, need at least 1")
@@ -245,6 +277,12 @@ def main(argv=None):
         path = weight_path(args.save_weight, args.save_dir, args.hidden_size, args.use_moe, allow_file=False)
         save_weights(half_state_dict(model), path, tokenizer.name_or_path)  # and the tokenizer they go with
         Logger(f"saved {path}")
+        if folder_start:  # a folder in, a folder out (bf16 safetensors, config.json, the tokenizer)
+            folder = model_folder_path(path)
+            write_folder_atomically(
+                folder, lambda tmp: write_model_folder(unwrap_model(model).state_dict(), lm_config, tokenizer_path, tmp)
+            )
+            Logger(f"saved {folder}")
     if dist.is_initialized():
         dist.destroy_process_group()
 

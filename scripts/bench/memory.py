@@ -14,7 +14,9 @@ Rows (``--rows``, comma-separated):
     with the tiny internlm2 reward model, or with one of internlm2-1_8b-reward's shape in bf16 (random weights from
     the published config in ../shared/compat/);
   qwen3-0.6b: 16 x 128 heads, 8 KV heads, 28 layers, intermediate 3,072, vocabulary 151,936, bf16, the same batch and
-    lengths, the bf16 1.8 B-shaped reward model: all levers, and levers off (stopped at the memory bound);
+    lengths, the bf16 1.8 B-shaped reward model: all levers (and the moments in 8 bits), levers off (stopped at the
+    memory bound); PPO (``trainer/train_ppo.py``, 12 prompts x 1 answer) with LoRA adapters of rank 16 on the policy
+    and on the critic (``--lora_rank``: both), minibatches and micro-batches of 2, checkpointing and chunks;
   trl: TRL 1.16's ``GRPOTrainer.train()`` for one step on the same random 768 x 8 weights (exported as a
     ``Qwen3ForCausalLM`` folder), two bundled prompts x 6 answers forced to 1,024 tokens (``min_new_tokens``), CISPO
     with epsilon_high 5 and beta 0.1 (its reference: a full copy), one optimizer step on the 12 answers
@@ -69,7 +71,9 @@ CHUNK = ["--logprob_chunk_size", "1024"]
 CHECKPOINTING = ["--gradient_checkpointing", "1"]
 MICRO = ["--micro_batch_size", "2", "--shared_prefix", "0"]
 ALL = CHECKPOINTING + MICRO + CHUNK + ["--ref_dtype", "bfloat16"]
-ROWS = {  # name: (shape flags, dtype, reward model, lever flags)
+EIGHT_BIT = ["--optimizer", "adamw_8bit"]
+PPO_LORA_ALL = ["--lora_rank", "16", "--mini_batch_size", "2", "--micro_batch_size", "2", *CHECKPOINTING, *CHUNK]
+ROWS = {  # name: (shape flags, dtype, reward model, lever flags); a "ppo_" row runs trainer/train_ppo.py
     "up_fp32_off": (UPSTREAM_SHAPE, "float32", "tiny", []),
     "up_fp32_checkpointing": (UPSTREAM_SHAPE, "float32", "tiny", CHECKPOINTING),
     "up_fp32_micro2": (UPSTREAM_SHAPE, "float32", "tiny", MICRO),
@@ -83,6 +87,9 @@ ROWS = {  # name: (shape flags, dtype, reward model, lever flags)
     "up_bf16_rm18_all": (UPSTREAM_SHAPE, "bfloat16", "1.8b", ALL),
     "qwen3_bf16_rm18_all": (QWEN3_SHAPE, "bfloat16", "1.8b", ALL),
     "qwen3_bf16_rm18_off": (QWEN3_SHAPE, "bfloat16", "1.8b", []),
+    "up_fp32_all_8bit": (UPSTREAM_SHAPE, "float32", "tiny", ALL + EIGHT_BIT),
+    "qwen3_bf16_rm18_all_8bit": (QWEN3_SHAPE, "bfloat16", "1.8b", ALL + EIGHT_BIT),
+    "ppo_qwen3_bf16_rm18_lora_all": (QWEN3_SHAPE, "bfloat16", "1.8b", PPO_LORA_ALL),
     "trl_fp32_checkpointing": (UPSTREAM_SHAPE, "float32", "TRL", ["gradient_checkpointing=True"]),
     "trl_bf16_checkpointing": (UPSTREAM_SHAPE, "bfloat16", "TRL", ["gradient_checkpointing=True"]),
 }
@@ -120,12 +127,18 @@ def reward_folder(kind, reward_dir):
 
 
 def row_argv(name, reward_path, save_dir):
-    """``trainer/train_grpo.py``'s flags of row ``name``: one step, random weights, no evaluation, no tracker."""
+    """``trainer/train_grpo.py``'s (``train_ppo.py``'s for a "ppo_" row) flags of row ``name``: one step, random
+    weights, no evaluation, no tracker."""
     shape, dtype, kind, levers = ROWS[name]
     reward_dtype = "bfloat16" if kind == "1.8b" else "float32"
+    batch = (
+        ["--batch_size", "12", "--max_seq_len", "768", "--max_gen_len", "1024"]
+        if name.startswith("ppo_")
+        else UPSTREAM_BATCH
+    )
     return [
         *shape,
-        *UPSTREAM_BATCH,
+        *batch,
         "--from_weight",
         "none",
         "--dtype",
@@ -219,11 +232,12 @@ def run_worker(spec):
     import torch
     from full_length import full_length_answers
 
-    from trainer import train_grpo
+    from trainer import train_grpo, train_ppo
 
-    train_grpo.save_checkpoint = lambda *args, **kwargs: None  # the final save is not part of a step
+    script = train_ppo if spec.get("script") == "ppo" else train_grpo
+    script.save_checkpoint = lambda *args, **kwargs: None  # the final save is not part of a step
     with full_length_answers():
-        train_grpo.main(spec["argv"])
+        script.main(spec["argv"])
     with open(os.path.join(spec["save_dir"], "run", "metrics.jsonl"), encoding="utf-8") as f:
         row = [json.loads(line) for line in f][-1]
     return {
@@ -255,6 +269,7 @@ def main(argv=None):
                 spec = {"trl": True, "dtype": dtype, "save_dir": save_dir, "argv": []}
             else:
                 spec = {"argv": row_argv(name, reward_folder(kind, reward_dir), save_dir), "save_dir": save_dir}
+                spec["script"] = "ppo" if name.startswith("ppo_") else "grpo"
             started = time.time()
             returncode, stdout, stderr, largest_mib = run_watched(spec, script=os.path.abspath(__file__))
         if returncode is None:
