@@ -13,7 +13,10 @@ It prints, in this order:
   4. ``scripts/bench/profile_run.py`` for GRPO and PPO, ``--steps`` steps each: where the command's and a step's
      time goes, and the operator calls per decode step (the tables of docs/performance.md);
   5. ``scripts/bench/bench.py`` at both model sizes in bf16 (ours against TRL where TRL is installed), when
-     ``--bench 1``.
+     ``--bench 1``;
+  6. ``scripts/bench/memory.py --device DEVICE``: the memory levers' peak GPU memory (allocated and reserved) for one
+     whole GRPO step at upstream MiniMind's sizes in bf16, levers off and on, the Qwen3-0.6B shape with every lever,
+     and TRL's GRPOTrainer with its gradient checkpointing (``--memory_rows``; about 3 minutes on an H100).
 Each training run is ``python trainer/train_*.py`` in a subprocess, as a user runs it; its metrics.jsonl is read.
 """
 
@@ -102,6 +105,11 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=20, help="GRPO and PPO steps of the embedded default")
     add_bool_flag(parser, "--skip_compile", help="1: leave out the --use_compile comparison")
     add_bool_flag(parser, "--bench", help="1: also run scripts/bench/bench.py at both sizes in bf16")
+    parser.add_argument(
+        "--memory_rows",
+        default="up_bf16_off,up_bf16_all,up_bf16_rm18_all,qwen3_bf16_rm18_off,qwen3_bf16_rm18_all,trl_bf16_checkpointing",
+        help="rows of scripts/bench/memory.py to measure on the GPU ('' = none)",
+    )
     parser.add_argument("--timeout", type=int, default=420, help="seconds per training run")
     args = parser.parse_args(argv)
     if args.steps < 2:
@@ -172,6 +180,17 @@ def main(argv=None):
             "3",
         ]
         print("5. " + " ".join(command), flush=True)
+        subprocess.run(command, check=False)
+    if args.memory_rows:
+        command = [
+            sys.executable,
+            os.path.join(ROOT, "scripts", "bench", "memory.py"),
+            "--device",
+            args.device,
+            "--rows",
+            args.memory_rows,
+        ]
+        print("6. " + " ".join(command), flush=True)
         subprocess.run(command, check=False)
 
 

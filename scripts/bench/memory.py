@@ -101,6 +101,12 @@ def parse_args(argv=None):
     parser.add_argument("--list", action="store_true", help="print the rows and their flags, then exit")
     parser.add_argument("--reward_dir", default="", help="where the reward-model folders are built (default: a temp)")
     parser.add_argument("--json_out", default="", help="write every figure here too")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (peak resident memory of the process) or cuda:N (also torch's peak allocated and reserved GPU "
+        "memory, the figures scripts/check_gpu.py prints)",
+    )
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for name in args.rows.split(","):
@@ -126,7 +132,7 @@ def reward_folder(kind, reward_dir):
     return folder
 
 
-def row_argv(name, reward_path, save_dir):
+def row_argv(name, reward_path, save_dir, device="cpu"):
     """``trainer/train_grpo.py``'s (``train_ppo.py``'s for a "ppo_" row) flags of row ``name``: one step, random
     weights, no evaluation, no tracker."""
     shape, dtype, kind, levers = ROWS[name]
@@ -157,6 +163,8 @@ def row_argv(name, reward_path, save_dir):
         save_dir,
         "--run_dir",
         os.path.join(save_dir, "run"),
+        "--device",
+        device,
         *levers,
     ]
 
@@ -203,7 +211,7 @@ def run_trl_worker(spec):
         max_steps=1,
         logging_steps=1,
         report_to="none",
-        use_cpu=True,
+        use_cpu=spec.get("device", "cpu") == "cpu",
         bf16=spec["dtype"] == "bfloat16",
         gradient_checkpointing=True,
         gradient_checkpointing_kwargs={"use_reentrant": False},
@@ -219,10 +227,19 @@ def run_trl_worker(spec):
     )
     output = trainer.train()
     step_times = [entry["step_time"] for entry in trainer.state.log_history if "step_time" in entry]
+    on_gpu = torch.cuda.is_available() and spec.get("device", "cpu") != "cpu"
     return {
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "step_s": step_times[-1] if step_times else output.metrics["train_runtime"],
         "threads": torch.get_num_threads(),
+        **(
+            {
+                "gpu_peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+                "gpu_peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+            }
+            if on_gpu
+            else {}
+        ),
     }
 
 
@@ -245,6 +262,7 @@ def run_worker(spec):
         "step_s": row["elapsed_s"],
         "response_len": row["response_len"],
         "threads": torch.get_num_threads(),
+        **{key: row[key] for key in ("gpu_peak_memory_gib", "gpu_peak_reserved_gib") if key in row},
     }
 
 
@@ -260,15 +278,22 @@ def main(argv=None):
         return
     reward_dir = args.reward_dir or tempfile.mkdtemp(prefix="memory_bench_rewards_")
     results, first_peak = [], None
-    print("| row | dtype | reward model | levers | peak RSS (MiB) | / first row | step (s) |")
-    print("| --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    gpu = args.device.startswith("cuda")
+    print(
+        "| row | dtype | reward model | levers | peak RSS (MiB) | / first row | step (s) |"
+        + (" GPU peak allocated / reserved (GiB) |" if gpu else "")
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if gpu else ""), flush=True)
     for name in args.rows.split(","):
         shape, dtype, kind, levers = ROWS[name]
         with tempfile.TemporaryDirectory(prefix="memory_bench_") as save_dir:
             if kind == "TRL":
-                spec = {"trl": True, "dtype": dtype, "save_dir": save_dir, "argv": []}
+                spec = {"trl": True, "dtype": dtype, "save_dir": save_dir, "argv": [], "device": args.device}
             else:
-                spec = {"argv": row_argv(name, reward_folder(kind, reward_dir), save_dir), "save_dir": save_dir}
+                spec = {
+                    "argv": row_argv(name, reward_folder(kind, reward_dir), save_dir, args.device),
+                    "save_dir": save_dir,
+                }
                 spec["script"] = "ppo" if name.startswith("ppo_") else "grpo"
             started = time.time()
             returncode, stdout, stderr, largest_mib = run_watched(spec, script=os.path.abspath(__file__))
@@ -285,8 +310,14 @@ def main(argv=None):
         mib = result.get("peak_rss_mib") or result["stopped_at_mib"]
         first_peak = first_peak or mib
         step = f"{result['step_s']:.0f}" if "step_s" in result else "-"
+        gpu_cell = (
+            f" {result.get('gpu_peak_memory_gib', 0):.2f} / {result.get('gpu_peak_reserved_gib', 0):.2f} |"
+            if gpu
+            else ""
+        )
         print(
-            f"| {name} | {dtype} | {kind} | {' '.join(levers) or 'off'} | {peak} | {mib / first_peak:.2f} | {step} |",
+            f"| {name} | {dtype} | {kind} | {' '.join(levers) or 'off'} | {peak} | {mib / first_peak:.2f} | {step} |"
+            + gpu_cell,
             flush=True,
         )
     if args.json_out:

@@ -265,10 +265,14 @@ class StepLog:
 
 
 def gpu_memory_metrics(device):
-    """{"gpu_peak_memory_gib": peak memory allocated on ``device``} on a CUDA device; {} elsewhere."""
+    """{"gpu_peak_memory_gib": peak memory allocated by tensors on ``device``, "gpu_peak_reserved_gib": peak memory
+    held by torch's caching allocator (what the GPU must have)} on a CUDA device; {} elsewhere."""
     if torch.device(device).type != "cuda":
         return {}
-    return {"gpu_peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+    return {
+        "gpu_peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+        "gpu_peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
+    }
 
 
 def print_samples(step, prompts, completions, reward_parts, num_generations):
