@@ -426,7 +426,7 @@ def test_adamw_8bit_follows_torchs_adamw_within_its_quantization():
     """Three AdamW steps on the same gradients: torchao's AdamW8bit (``--optimizer adamw_8bit``) moves the weights as
     torch's AdamW does, to its 8-bit moments' rounding (measured: 0.7 % of the update); a tensor under 4,096 values
     keeps fp32 moments, so it follows to float rounding."""
-    pytest.importorskip("torchao", reason="--optimizer adamw_8bit needs torchao (requirements.txt)")
+    pytest.importorskip("torchao", reason="--optimizer adamw_8bit needs torchao==0.18.0, an optional install")
     from trainer.infra.optimizer import adamw
 
     torch.manual_seed(0)
@@ -459,3 +459,14 @@ def test_sft_starts_from_a_qwen3_folder_with_checkpointing_and_saves_one(qwen3_f
     trained = transformers_logits(folder, input_ids)
     torch.testing.assert_close(minimind_logits(folder, input_ids), trained, rtol=0, atol=1e-5)
     assert not torch.allclose(trained, transformers_logits(qwen3_folder, input_ids), atol=1e-3)  # it trained
+
+
+def test_adamw_8bit_without_torchao_names_the_install():
+    import importlib.util
+
+    from trainer.infra.optimizer import adamw
+
+    if importlib.util.find_spec("torchao") is not None:
+        pytest.skip("torchao is installed here: the 8-bit optimizer itself is tested")
+    with pytest.raises(ImportError, match=r"pip install torchao==0\.18\.0"):
+        adamw([torch.nn.Parameter(torch.zeros(3))], "adamw_8bit", lr=1e-3)

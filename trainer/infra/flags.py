@@ -305,7 +305,8 @@ def add_common_rl_args(groups):
         default="adamw",
         choices=OPTIMIZERS,
         help="adamw: torch's fused AdamW, moments in fp32 (8 bytes per parameter); adamw_8bit: torchao's AdamW8bit, "
-        "moments in 8 bits (2 bytes per parameter; needs pip install torchao)",
+        "moments in 8 bits (2 bytes per parameter; needs pip install torchao==0.18.0, not in requirements.txt: once "
+        "installed, peft imports it in every run and it prints load warnings)",
     )
     memory.add_argument(
         "--ref_dtype",
