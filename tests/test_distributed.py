@@ -87,6 +87,19 @@ def assert_ranks_trained_alike(result, trace, initial, steps):
         ("ppo", ["--mini_batch_size", "1"]),
         ("grpo", ["--num_generations", "3", "--lora_rank", "4"]),  # LoRA: adapters and the final norm's copy in sync
         ("ppo", ["--mini_batch_size", "1", "--lora_rank", "4"]),  # and the critic's adapters and head
+        (
+            "grpo",
+            [
+                "--num_generations",
+                "3",
+                "--gradient_checkpointing",
+                "1",
+                "--micro_batch_size",
+                "2",
+                "--logprob_chunk_size",
+                "4",
+            ],
+        ),  # the memory levers under DDP
     ],
 )
 def test_two_ranks_end_bit_identical(script, extra, tmp_path, tiny_weights, small_data):

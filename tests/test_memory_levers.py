@@ -470,3 +470,52 @@ def test_adamw_8bit_without_torchao_names_the_install():
         pytest.skip("torchao is installed here: the 8-bit optimizer itself is tested")
     with pytest.raises(ImportError, match=r"pip install torchao==0\.18\.0"):
         adamw([torch.nn.Parameter(torch.zeros(3))], "adamw_8bit", lr=1e-3)
+
+
+def test_a_run_that_would_overwrite_its_starting_folder_is_refused(qwen3_folder, small_data, tmp_path):
+    import shutil
+
+    from trainer.infra.checkpoints import check_start_weights_kept
+    from trainer.infra.errors import InputError
+
+    save_dir = tmp_path / "out"
+    own_output = save_dir / "grpo_64_hf"  # what a run with --save_weight grpo writes
+    shutil.copytree(qwen3_folder, own_output)
+    args = train_grpo.parse_args(
+        ["--from_weight", str(own_output), "--data_path", small_data, "--save_dir", str(save_dir)]
+    )
+    with pytest.raises(InputError, match="overwrite its starting"):
+        check_start_weights_kept(args)
+    args = train_grpo.parse_args(
+        ["--from_weight", str(own_output), "--data_path", small_data, "--save_dir", str(save_dir), "--save_weight", "b"]
+    )
+    check_start_weights_kept(args)  # another --save_weight writes b_64_hf/
+
+
+def test_lora_adapters_of_a_folder_start_name_the_folder_as_their_base(
+    qwen3_folder, small_data, tmp_path, restore_signals
+):
+    save_dir = tmp_path / "out"
+    train_grpo.main(
+        ["--from_weight", qwen3_folder, "--data_path", small_data, "--save_dir", str(save_dir), "--max_steps", "1"]
+        + ["--max_gen_len", "6", "--batch_size", "2", "--num_generations", "2", "--eval_interval", "0"]
+        + ["--reward_model_path", "none", "--lora_rank", "4", "--gradient_checkpointing", "1"]
+    )
+    with open(save_dir / "grpo_64_lora" / "adapter_config.json", encoding="utf-8") as f:
+        assert json.load(f)["base_model_name_or_path"] == os.path.abspath(qwen3_folder)
+
+
+def test_an_architecture_mismatch_names_the_new_architecture_flags(small_data):
+    from trainer.infra.errors import InputError
+    from trainer.infra.weights import build_config, init_model
+
+    with pytest.raises(InputError, match="--intermediate_size"):
+        init_model(build_config(256, 4, 0, intermediate_size=512), "full_sft", os.path.join(ROOT, "out"))
+
+
+def test_sft_resolves_a_folder_start_before_looking_for_its_resume_file(qwen3_folder, tmp_path):
+    from trainer import train_full_sft
+
+    (tmp_path / "full_sft_64_resume.pth").write_bytes(b"")  # named after the folder's hidden size 64, not 256
+    args = train_full_sft.parse_args(["--from_weight", qwen3_folder, "--save_dir", str(tmp_path), "--from_resume", "1"])
+    assert (args.hidden_size, args.tokenizer_path) == (64, qwen3_folder)

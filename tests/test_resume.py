@@ -32,6 +32,16 @@ TINY = [
 ]  # the held-out evaluation has its own tests (test_evaluation.py)
 GRPO = TINY + ["--batch_size", "2", "--num_generations", "3", "--max_steps", "6", "--save_interval", "3"]
 PPO = TINY + ["--batch_size", "2", "--mini_batch_size", "1", "--max_steps", "6", "--save_interval", "3"]
+LEVERS = [
+    "--gradient_checkpointing",
+    "1",
+    "--micro_batch_size",
+    "2",
+    "--logprob_chunk_size",
+    "5",
+    "--ref_dtype",
+    "bfloat16",
+]
 
 
 def harness(script, harness_flags, script_flags, timeout=300):
@@ -82,6 +92,8 @@ def straight_and_resumed(script, flags, tmp_path, tiny_weights, small_data, kill
         ("grpo", GRPO + ["--lora_rank", "4"]),  # LoRA: the adapters, the final norm's copy and their AdamW state
         ("ppo", PPO + ["--lora_rank", "4"]),
         ("grpo", GRPO + ["--dynamic_sampling", "1"]),  # 0/1 rewards: steps draw more prompts, the position counts them
+        ("grpo", GRPO + LEVERS),  # the memory levers: checkpointing, micro-batches, chunks, a bf16 reference
+        ("ppo", PPO + LEVERS),
     ],
 )
 def test_sigkill_then_resume_equals_straight_run(script, flags, tmp_path, tiny_weights, small_data):

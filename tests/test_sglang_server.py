@@ -242,8 +242,15 @@ def test_the_servers_answer_format_that_the_engine_relies_on(server_url, prompts
     assert engine.rollout(prompt_ids, attention_mask, 2, 8, 0.7).metrics["logprob_gap"] <= TOLERANCE
 
 
-@pytest.mark.parametrize("script", ["grpo", "ppo"])
-def test_three_training_steps_against_the_server(script, server_url, tmp_path):
+@pytest.mark.parametrize(
+    "script, levers",
+    [
+        ("grpo", []),
+        ("ppo", []),
+        ("grpo", ["--gradient_checkpointing", "1", "--micro_batch_size", "1", "--logprob_chunk_size", "8"]),
+    ],
+)
+def test_three_training_steps_against_the_server(script, levers, server_url, tmp_path):
     run_dir = tmp_path / "run"
     argv = [
         "--max_steps",
@@ -274,9 +281,9 @@ def test_three_training_steps_against_the_server(script, server_url, tmp_path):
         str(LAYERS),
     ]
     if script == "grpo":
-        grpo_main(argv + ["--num_generations", "2"])
+        grpo_main(argv + ["--num_generations", "2"] + levers)
     else:
-        ppo_main(argv + ["--mini_batch_size", "1"])
+        ppo_main(argv + ["--mini_batch_size", "1"] + levers)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3]
     assert all(row["logprob_gap"] <= TOLERANCE for row in rows)  # the server sampled from the trainer's weights

@@ -112,6 +112,23 @@ def parse_args(argv=None):
         parser.error("--max_steps and --save_interval must be >= 0, --log_interval >= 1, --grad_clip > 0")
     if not os.path.isfile(args.data_path):
         parser.error(f"--data_path {args.data_path} does not exist")
+    args.tokenizer_path = DEFAULT_TOKENIZER_PATH
+    if is_model_folder(args.from_weight):  # a Qwen3ForCausalLM folder: its architecture and, if it has one, tokenizer
+        try:
+            config = folder_config(args.from_weight)
+        except ValueError as err:
+            parser.error(str(err))
+        for flag, value in (("hidden_size", config.hidden_size), ("num_hidden_layers", config.num_hidden_layers)):
+            if getattr(args, flag) not in (parser.get_default(flag), value):
+                parser.error(
+                    f"--{flag} {getattr(args, flag)} but --from_weight {args.from_weight} holds a model of {flag} "
+                    f"{value} (its config.json sets the architecture): leave --{flag} out"
+                )
+            setattr(args, flag, value)
+        if args.use_moe:
+            parser.error(f"--use_moe 1 with --from_weight {args.from_weight}: a Qwen3ForCausalLM folder is dense")
+        if any(os.path.isfile(os.path.join(args.from_weight, n)) for n in ("tokenizer.json", "tokenizer_config.json")):
+            args.tokenizer_path = args.from_weight
     try:
         check_writable_dir(args.save_dir)
     except OSError as err:
@@ -179,15 +196,13 @@ def main(argv=None):
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
 
-    folder_start = is_model_folder(args.from_weight)  # a Qwen3ForCausalLM folder: its architecture and tokenizer
+    folder_start = is_model_folder(args.from_weight)  # a Qwen3ForCausalLM folder: its config.json (parse_args)
     lm_config = (
         folder_config(args.from_weight)
         if folder_start
         else build_config(args.hidden_size, args.num_hidden_layers, args.use_moe)
     )
-    args.hidden_size, args.num_hidden_layers = lm_config.hidden_size, lm_config.num_hidden_layers  # the saved names
-    tokenizer_path = args.from_weight if folder_start else DEFAULT_TOKENIZER_PATH
-    model, tokenizer = init_model(lm_config, args.from_weight, args.save_dir, tokenizer_path, device=device)
+    model, tokenizer = init_model(lm_config, args.from_weight, args.save_dir, args.tokenizer_path, device=device)
     if args.gradient_checkpointing:  # transformers' activation checkpointing, non-reentrant
         model.activation_checkpointing_enable({"use_reentrant": False})
     dataset = SFTDataset(args.data_path, tokenizer, max_length=args.max_seq_len)
@@ -280,7 +295,8 @@ def main(argv=None):
         if folder_start:  # a folder in, a folder out (bf16 safetensors, config.json, the tokenizer)
             folder = model_folder_path(path)
             write_folder_atomically(
-                folder, lambda tmp: write_model_folder(unwrap_model(model).state_dict(), lm_config, tokenizer_path, tmp)
+                folder,
+                lambda tmp: write_model_folder(unwrap_model(model).state_dict(), lm_config, args.tokenizer_path, tmp),
             )
             Logger(f"saved {folder}")
     if dist.is_initialized():

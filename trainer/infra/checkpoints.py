@@ -20,11 +20,20 @@ import torch.distributed as dist
 
 from trainer.infra.distributed import Logger, is_main_process, run_on_rank0, setup_seed, unwrap_model
 from trainer.infra.files import atomic_write
-from trainer.infra.weights import check_finite_state, is_model_folder, weight_path, weight_writes
+from trainer.infra.weights import check_finite_state, is_model_folder, model_folder_path, weight_path, weight_writes
 from trainer.infra.errors import InputError, SaveFolderBusyError
 
 RESUME_FORMAT_VERSION = 1
-ARCHITECTURE_FLAGS = ("hidden_size", "num_hidden_layers", "use_moe")
+ARCHITECTURE_FLAGS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "use_moe",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+)
 # flags a resumed run cannot take a new value of, and why (the fix is to pass the saved value, or start a new run)
 FIXED_ON_RESUME = {
     "data_path": "the data position counts prompts of that file",
@@ -36,6 +45,7 @@ FIXED_ON_RESUME = {
     "num_iterations": "the schedule counts that many updates per rollout",
     "lora_alpha": "the adapters were trained at that scale",
     "lora_target_modules": "the resume file holds adapters on those projections",
+    "optimizer": "the resume file holds that optimizer's state (fp32 or 8-bit moments)",
 }
 # flags whose new value moves the learning-rate schedule: it is rebuilt from the flags at the resumed update
 SCHEDULE_FLAGS = ("learning_rate", "final_norm_learning_rate", "critic_learning_rate", "max_steps", "epochs")
@@ -198,7 +208,7 @@ def check_resume_flags(path, saved_args, args):
         ValueError: naming ``path``, the flag, both values, why, and the flag to pass.
     """
     for flag in ARCHITECTURE_FLAGS:
-        if saved_args.get(flag) != getattr(args, flag):
+        if flag in saved_args and saved_args[flag] != getattr(args, flag, None):
             raise InputError(
                 f"{path} was saved with --{flag} {saved_args.get(flag)} but this run has "
                 f"--{flag} {getattr(args, flag)}; pass --{flag} {saved_args.get(flag)} to resume it"
@@ -493,6 +503,8 @@ def check_start_weights_kept(args):
         return
     start = weight_path(args.from_weight, args.save_dir, args.hidden_size, args.use_moe)
     saved = weight_path(args.save_weight, args.save_dir, args.hidden_size, args.use_moe, allow_file=False)
+    if is_model_folder(args.from_weight):  # a model folder: the run writes {save_weight}_{hidden}_hf/
+        start, saved = os.path.abspath(args.from_weight), os.path.abspath(model_folder_path(saved))
     same = os.path.isfile(start) and os.path.isfile(saved) and os.path.samefile(start, saved)
     if same or os.path.abspath(start) == os.path.abspath(saved):
         raise InputError(
@@ -680,6 +692,8 @@ def restore_from_checkpoint(args, objects, steps_per_epoch, path, checkpoint, pr
     the saved position."""
     start_weights = weight_path(args.from_weight, args.save_dir, args.hidden_size, args.use_moe)
     saved_weights = weight_path(args.save_weight, args.save_dir, args.hidden_size, args.use_moe, allow_file=False)
+    if is_model_folder(args.from_weight):  # a model folder: the run writes {save_weight}_{hidden}_hf/
+        start_weights, saved_weights = args.from_weight, model_folder_path(saved_weights)
     if os.path.abspath(start_weights) == os.path.abspath(saved_weights):
         raise InputError(
             f"--from_weight {args.from_weight} is {saved_weights}, the file this run saves its policy "

@@ -289,8 +289,8 @@ def add_common_rl_args(groups):
         type=int,
         default=0,
         action=NON_NEGATIVE,
-        help="answers per forward and backward in the update and per forward in the rollout's scoring "
-        "(reference, old log-probs, values); the same update (0 = the whole batch at once)",
+        help="answers per forward and backward in the update (GRPO) and per forward of the reference's log-probs "
+        "(and PPO's values); the same update (0 = the whole batch at once; the agent script takes 0)",
     )
     memory.add_argument(
         "--logprob_chunk_size",
@@ -450,6 +450,11 @@ def check_common_rl_args(parser, args):
         parser.error("--rollout_engine sglang needs a dense model (--use_moe 0): MoE weights have no Qwen3 export")
     if not args.sglang_url.startswith(("http://", "https://")):
         parser.error(f"--sglang_url must start with http:// or https://, got {args.sglang_url!r}")
+    if args.optimizer == "adamw_8bit":  # before any model is built; it also lets a resume file's 8-bit state load
+        try:
+            import torchao.optim  # noqa: F401  (registers its state tensors with torch.load(weights_only=True))
+        except ImportError as err:
+            parser.error(f"--optimizer adamw_8bit needs torchao: pip install torchao==0.18.0 ({err})")
     if args.ref_dtype and args.lora_rank:
         parser.error(
             f"--ref_dtype {args.ref_dtype} with --lora_rank {args.lora_rank}: the reference is the policy with its "

@@ -84,9 +84,12 @@ def add_adapters(model, rank, alpha, dropout, target_modules, trained_in_full=(F
 
 
 def start_weight_path(args):
-    """The file ``--from_weight`` resolves to (``weights.weight_path``), or None for ``--from_weight none``."""
+    """The file ``--from_weight`` resolves to (``weights.weight_path``), the folder itself for a model folder (one
+    holding config.json), or None for ``--from_weight none``."""
     if args.from_weight == "none":
         return None
+    if os.path.isfile(os.path.join(args.from_weight, "config.json")):
+        return os.path.abspath(args.from_weight)
     return os.path.abspath(weight_path(args.from_weight, args.save_dir, args.hidden_size, args.use_moe))
 
 

@@ -101,7 +101,13 @@ def load_tensors_only(path, mmap=False):
         ) from None
 
 
-def load_weights(model, path, flag_hint="--hidden_size / --num_hidden_layers / --use_moe"):
+ARCHITECTURE_HINT = (
+    "--hidden_size / --num_hidden_layers / --use_moe (and --num_attention_heads / --num_key_value_heads / "
+    "--head_dim / --intermediate_size / --vocab_size where a model is not MiniMind's shape)"
+)
+
+
+def load_weights(model, path, flag_hint=ARCHITECTURE_HINT):
     """Load a ``.pth`` state dict into ``model`` strictly (weights_only=True), refusing a damaged file.
 
     Raises:
