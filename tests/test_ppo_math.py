@@ -193,6 +193,7 @@ def make_update_inputs(tokenizer):
         grad_clip=1.0,
         early_stop_kl=0.25,
         dtype="float32",
+        logprob_chunk_size=0,
     )
     return actor, critic, data, args
 
@@ -307,6 +308,7 @@ def test_ppo_last_partial_accumulation_window_gets_its_own_size():
         clip_epsilon=0.2,
         kl_coef=0.0,
         early_stop_kl=100.0,
+        logprob_chunk_size=0,
         cliprange_value=0.2,
         vf_coef=0.5,
         grad_clip=1e9,
@@ -430,6 +432,7 @@ def test_moe_critic_routers_get_the_load_balancing_gradient():
         clip_epsilon=0.2,
         kl_coef=0.0,
         early_stop_kl=100.0,
+        logprob_chunk_size=0,
         cliprange_value=0.2,
         vf_coef=0.5,
         grad_clip=1e9,

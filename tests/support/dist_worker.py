@@ -78,6 +78,7 @@ def ppo_one_rank_kl(local_rank, device, early_stop_kl):
         minibatch_accumulation_steps=1,
         kl_placement="loss",
         grad_clip=1.0,
+        logprob_chunk_size=0,
         dtype="float32",
     )
     result = ppo_update(
