@@ -510,8 +510,8 @@ def grpo_update_metrics(outputs, weights, rollout_batch, loss_config):
     """One update's metrics from its micro-batches' ``PolicyLossOutputs`` and weights: the loss and router loss as
     the weighted sums the gradient saw, and KL, entropy, the ratio's range and clipping (``update_metrics``) on the
     micro-batches' tensors put back together: the whole batch's."""
-    joined = {name: torch.cat([getattr(o, name) for o in outputs]) for name in ("per_token_logps", "per_token_kl")}
-    joined.update({name: torch.cat([getattr(o, name) for o in outputs]) for name in ("ratio", "entropies")})
+    names = ("per_token_logps", "per_token_kl", "ratio", "entropies")
+    joined = {name: torch.cat([getattr(output, name) for output in outputs]) for name in names}  # [B*G, R] each
     metrics = {
         "policy_loss": sum(w * o.policy_loss for o, w in zip(outputs, weights)),
         "aux_loss": sum(w * o.aux_loss for o, w in zip(outputs, weights)),
