@@ -486,9 +486,9 @@ def grpo_micro_batches(rollout_batch, micro_batch_size, group_size, loss_type):
     weighted losses add up to the whole batch's loss (``micro_batch_weight``)."""
     num_rows = rollout_batch.completion_mask.size(0)
     total_tokens = float(rollout_batch.completion_mask.sum())
+    importance = rollout_batch.importance_sampling_ratio  # [B*G, R] or [B*G, 1], or None
     pairs = []
     for rows in micro_batch_slices(num_rows, micro_batch_size, group_size):
-        importance = rollout_batch.importance_sampling_ratio
         micro_batch = replace(
             rollout_batch,
             rollout=rollout_rows(rollout_batch.rollout, rows),
