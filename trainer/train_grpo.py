@@ -78,6 +78,7 @@ from trainer.infra.distributed import (
 from trainer.infra.dtypes import autocast_context, resolve_train_dtype, reward_model_dtype
 from trainer.evaluation import build_evaluator, evaluate_if_due
 from trainer.infra.errors import run_script
+from trainer.infra.fsdp import full_tensor, gathered_weights, load_on_rank0, shard_roles
 from trainer.infra.flags import (
     AT_LEAST_1,
     AT_LEAST_2,
@@ -564,11 +565,14 @@ def main(argv=None, reward_fn=calculate_rewards):
 
     # 3. the roles (8.1): the policy is trained; the reference and the reward model stay frozen
     lm_config = config_from_args(args)  # the architecture flags, or the model folder's config.json
-    model = load_policy(lm_config, args.from_weight, args.save_dir, tokenizer, device)  # pi_theta
+    model = load_on_rank0(  # pi_theta (--fsdp 1: read on rank 0 alone, the other ranks' copy empty until sharded)
+        lambda: load_policy(lm_config, args.from_weight, args.save_dir, tokenizer, device), lm_config, args.fsdp
+    )
     ref_model = frozen_copy(model, args.ref_dtype) if args.beta and not args.lora_rank else None  # --ref_dtype
     if args.gradient_checkpointing:  # recompute each block in the backward (transformers' convention, non-reentrant)
         model.activation_checkpointing_enable({"use_reentrant": False})
     model, ref_model = with_adapters(model, ref_model, args, args.beta > 0)  # --lora_rank: pi_ref = adapters off
+    model, ref_model = shard_roles(args, device, train_dtype, model, ref_model)  # --fsdp 1: 1/N of each per rank
     reward_model = load_reward_model(args, device, reward_model_dtype(args.reward_dtype, args.reward_device or device))
     setup_seed(args.seed + rank)  # from here on every rank samples its own answers
     Logger(
@@ -610,11 +614,12 @@ def main(argv=None, reward_fn=calculate_rewards):
         token_sum=loss_config.loss_type in TOKEN_SUM_LOSS_TYPES,
         state=progress,
     )
-    start_metrics = (
-        {}
-        if progress["step"]
-        else evaluate_if_due(evaluator, model, 0, total_steps, args.eval_interval, lambda: stop_signal.received)
-    )
+    with gathered_weights(model, args.fsdp_reshard_after_forward):  # --fsdp 1: the whole policy, once per evaluation
+        start_metrics = (
+            {}
+            if progress["step"]
+            else evaluate_if_due(evaluator, model, 0, total_steps, args.eval_interval, lambda: stop_signal.received)
+        )
 
     # 8. metrics: metrics.jsonl (+ wandb) and the log line
     run_dir, writer = open_metrics(args, progress)
@@ -643,7 +648,8 @@ def main(argv=None, reward_fn=calculate_rewards):
             optimizer.param_groups[0]["lr"]
         )  # the rate this step's update uses (read before stepping)
         more_batches = spare_batches(data, position, args.epochs, batch_sampler, total_steps - step)  # DAPO's draws
-        rollout_batch = grpo_rollout(batch, roles, args, device, autocast, more_batches)  # steps 1-4 (8.2-8.5)
+        with gathered_weights(model, args.fsdp_reshard_after_forward):  # --fsdp 1: the whole policy to sample from
+            rollout_batch = grpo_rollout(batch, roles, args, device, autocast, more_batches)  # steps 1-4 (8.2-8.5)
         position = rollout_batch.data_position or position  # after the prompts --dynamic_sampling drew
         if args.debug_mode and step % args.debug_interval == 0:
             print_samples(
@@ -671,11 +677,12 @@ def main(argv=None, reward_fn=calculate_rewards):
         metrics = grpo_metrics(rollout_batch, updates)
 
         metrics = mean_over_ranks(metrics, device)
-        metrics["final_norm_gain"] = base_model(model).model.norm.weight.mean().item()  # the output's sharpness
+        metrics["final_norm_gain"] = full_tensor(base_model(model).model.norm.weight).mean().item()  # sharpness
         metrics.update(gpu_memory_metrics(device))
-        metrics.update(
-            evaluate_if_due(evaluator, model, step, total_steps, args.eval_interval, lambda: stop_signal.received)
-        )
+        with gathered_weights(model, args.fsdp_reshard_after_forward):
+            metrics.update(
+                evaluate_if_due(evaluator, model, step, total_steps, args.eval_interval, lambda: stop_signal.received)
+            )
         step_log.write(step, position["epoch"], metrics, {"learning_rate": learning_rate}, batch["index"].tolist())
         stop = stop_signal.requested(device)  # agreed by every rank
         if step % args.save_interval == 0 or step == total_steps or stop:

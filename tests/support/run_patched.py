@@ -11,6 +11,8 @@ Harness flags:
     --text_reward          replace the chapter's rewards (the agent's) with a fixed function of the answer text
                            (of the model's turns), so that a random tiny model gets unequal rewards and its weights
                            really change
+    --dump_weights         with --trace_dir: at every checkpoint, the whole fp32 state dict of the policy (and critic)
+                           as weights_step{N}.pt in the trace folder, written by rank 0 (gathered under --fsdp 1)
     --kill_after_save N    SIGKILL this process right after the checkpoint of step N is written
     --kill_during_save N   SIGKILL this process in the middle of writing the resume file of step N
     --kill_before_step N   SIGKILL this process when the loop asks for step N's batch (step N-1 logged and done)
@@ -30,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from tests.support.weights_digest import parameter_digest
+from trainer.infra.fsdp import full_state_dict
 from trainer import train_agent, train_grpo, train_ppo
 
 
@@ -84,6 +87,7 @@ def main():
     parser.add_argument("--trace_dir", default="")
     parser.add_argument("--text_reward", action="store_true")
     parser.add_argument("--binary_text_reward", action="store_true")
+    parser.add_argument("--dump_weights", action="store_true")
     parser.add_argument("--kill_after_save", type=int, default=0)
     parser.add_argument("--kill_during_save", type=int, default=0)
     parser.add_argument("--kill_before_step", type=int, default=0)
@@ -125,6 +129,10 @@ def main():
             digests = {name: parameter_digest(objects[name]) for name in ("model", "critic") if name in objects}
             with open(os.path.join(opts.trace_dir, f"digest_rank{rank()}.txt"), "a") as f:
                 f.write(json.dumps({"step": step, **digests}) + "\n")
+        if opts.trace_dir and opts.dump_weights:
+            whole = {name: full_state_dict(objects[name]) for name in ("model", "critic") if name in objects}
+            if rank() == 0:
+                torch.save(whole, os.path.join(opts.trace_dir, f"weights_step{step}.pt"))
         if opts.kill_after_save and step == opts.kill_after_save:
             os.kill(os.getpid(), signal.SIGKILL)
         return path

@@ -6,11 +6,13 @@ Infrastructure, not RL: a learner can skip this file.
 
 import fcntl
 import functools
+import glob
 import hashlib
 import os
 import random
 import re
 import shlex
+import shutil
 import sys
 import time
 
@@ -18,8 +20,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer.infra.distributed import Logger, is_main_process, run_on_rank0, setup_seed, unwrap_model
+from trainer.infra.distributed import Logger, run_on_rank0, setup_seed, unwrap_model
 from trainer.infra.files import atomic_write
+from trainer.infra.fsdp import load_sharded, optimizer_name, save_sharded, sharded_objects, whole_model
 from trainer.infra.weights import check_finite_state, is_model_folder, model_folder_path, weight_path, weight_writes
 from trainer.infra.errors import InputError, SaveFolderBusyError
 
@@ -126,8 +129,13 @@ def save_checkpoint(args, script, lm_config, objects, progress, weights):
     path = resume_path(args.save_weight, args.save_dir, args.hidden_size, args.use_moe)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     rng_states = gather_rng_states()
-    states = training_states(objects)
-    if is_main_process():
+    sharded = sharded_objects(objects)  # --fsdp 1: the models and optimizers each rank holds a shard of
+    sharded_names = set(sharded) | {optimizer_name(name) for name in sharded}
+    states = training_states({name: obj for name, obj in objects.items() if name not in sharded_names})
+    sharded_record = save_sharded_step(path, progress["step"], sharded)  # every rank its shards; None under DDP
+    weights = {name: whole_model(module) for name, module in weights.items()}  # sharded: gathered on rank 0
+
+    def write():
         for name in ("model", "critic"):
             if name in states:
                 check_finite_state(states[name], f"{name} to {path}")
@@ -141,13 +149,44 @@ def save_checkpoint(args, script, lm_config, objects, progress, weights):
             "data": data_digest(args.data_path),  # checked on resume (check_resume_data)
             "rng_states": rng_states,
             "states": states,
+            "sharded": sharded_record,  # where the shards of the --fsdp 1 models are, or None
         }
         export_folder = is_model_folder(getattr(args, "from_weight", "none"))  # a model folder in, one out
         writes = weight_writes(weights, args.save_dir, lm_config, args.tokenizer_path, export_folder)
         writes[path] = functools.partial(torch.save, checkpoint)  # last: the pair is complete once it is in place
         atomic_write(writes)
+        if sharded_record:  # the new shards are current now: the older steps' folders go
+            remove_sharded_steps(path, keep=sharded_record["folder"])
+
+    run_on_rank0(write, f"saving {path}")  # an error there (a NaN, a full disk) stops every rank
     Logger(f"saved step {progress['step']}: weights ({', '.join(weights)}) and {path}")
     return path
+
+
+def sharded_root(path):
+    """``{save_dir}/{name}_resume_sharded``: the folder of a resume file's ``--fsdp 1`` shards, one ``step_N`` each."""
+    return os.path.splitext(path)[0] + "_sharded"
+
+
+def save_sharded_step(path, step, sharded):
+    """Write the shards of ``sharded`` (``fsdp.sharded_objects``) for the resume file ``path`` at ``step`` into
+    ``{sharded_root}/step_{step}`` (a collective; a folder of that step left by a killed run is removed first).
+    Returns the record the resume file keeps ({"folder": relative to the save folder, "models": ...}), or None when
+    nothing is sharded."""
+    if not sharded:
+        return None
+    relative = os.path.join(os.path.basename(sharded_root(path)), f"step_{step:08d}")
+    folder = os.path.join(os.path.dirname(path), relative)
+    run_on_rank0(lambda: shutil.rmtree(folder, ignore_errors=True), f"clearing {folder}")
+    return {"folder": relative, "models": save_sharded(folder, sharded)}
+
+
+def remove_sharded_steps(path, keep):
+    """Remove every step folder of ``path``'s shards but ``keep`` (relative to the save folder): once the resume file
+    names the new step, the older ones are no checkpoint's."""
+    for folder in glob.glob(os.path.join(glob.escape(sharded_root(path)), "step_*")):
+        if os.path.relpath(folder, os.path.dirname(path)) != keep:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def load_resume(path, script, args, mmap=False):
@@ -700,7 +739,21 @@ def restore_from_checkpoint(args, objects, steps_per_epoch, path, checkpoint, pr
             f"to, so on resume the reference model would be the step-{checkpoint['progress']['step']} "
             f"policy, not the starting one; start runs from a copy (another --save_weight)"
         )
-    load_training_states(objects, checkpoint["states"], path)
+    sharded = sharded_objects(objects)  # --fsdp 1: read with torch.distributed.checkpoint
+    record = checkpoint.get("sharded")
+    if bool(record) != bool(sharded):
+        saved, this = (1, 0) if record else (0, 1)
+        raise InputError(
+            f"{path} was saved under --fsdp {saved} but this run has --fsdp {this}: pass --fsdp {saved} to resume "
+            f"it (a resume does not convert between whole and sharded states)"
+        )
+    sharded_names = set(sharded) | {optimizer_name(name) for name in sharded}
+    load_training_states({k: v for k, v in objects.items() if k not in sharded_names}, checkpoint["states"], path)
+    if sharded:
+        folder = os.path.join(os.path.dirname(path), record["folder"])
+        if not os.path.isfile(os.path.join(folder, ".metadata")):
+            raise InputError(f"{path} names the shards {folder}, which are missing: copy the whole --save_dir")
+        load_sharded(folder, sharded, record["models"])
     for line in changed_flags(checkpoint["args"], args):
         Logger(line)
     resumed, rng_state = resume_progress(checkpoint, world_size, steps_per_epoch, rank, args.batch_size)

@@ -11,6 +11,7 @@ import random
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.infra.errors import RankZeroError, user_message
@@ -80,8 +81,9 @@ def setup_seed(seed):
 
 
 def wrap_ddp(model, device, local_rank):
-    """DistributedDataParallel around ``model`` when distributed (gloo on CPU, one GPU per rank on CUDA)."""
-    if not dist.is_initialized():
+    """DistributedDataParallel around ``model`` when distributed (gloo on CPU, one GPU per rank on CUDA); a model
+    that ``--fsdp 1`` sharded (infra/fsdp.py) is returned as it is: FSDP2 reduces its gradients itself."""
+    if not dist.is_initialized() or isinstance(model, FSDPModule):
         return model
     # MoE experts that received no token on a rank get no gradient there: DDP must be told to expect that.
     use_moe = bool(getattr(getattr(model, "config", None), "use_moe", False))

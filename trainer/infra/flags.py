@@ -284,6 +284,26 @@ def add_common_rl_args(groups):
         help="1: the policy (and PPO's critic) keep each block's input only and recompute the block in the "
         "backward (transformers' activation checkpointing, non-reentrant): less memory, about a third more compute",
     )
+    add_bool_flag(
+        memory,
+        "--fsdp",
+        help="1 (under torchrun): shard the policy, the reference and PPO's critic over the ranks with PyTorch's FSDP2 "
+        "(each rank keeps 1/N of the weights, gradients and AdamW state; docs/distributed.md); 0: every rank a whole "
+        "copy (DDP)",
+    )
+    add_bool_flag(
+        memory,
+        "--fsdp_reshard_after_forward",
+        default=1,
+        help="with --fsdp 1: 1 frees each decoder layer's gathered weights after its forward and gathers them again in "
+        "the backward (less memory); 0 keeps them until the backward (one all-gather less per layer)",
+    )
+    add_bool_flag(
+        memory,
+        "--fsdp_cpu_offload",
+        help="with --fsdp 1: keep the shards, their gradients and AdamW state in CPU memory and step there (for a GPU "
+        "whose memory is the limit; slower)",
+    )
     memory.add_argument(
         "--micro_batch_size",
         type=int,
@@ -460,8 +480,30 @@ def check_common_rl_args(parser, args):
             f"--ref_dtype {args.ref_dtype} with --lora_rank {args.lora_rank}: the reference is the policy with its "
             f"adapters switched off, one model in the policy's dtype; leave --ref_dtype out"
         )
+    check_fsdp_args(parser, args)
     check_rollout_correction_args(parser, args)
     check_lora_args(parser, args)
+
+
+def check_fsdp_args(parser, args):
+    """argparse-style errors for ``--fsdp 1`` with what it does not take."""
+    if not args.fsdp:
+        return
+    if "RANK" not in os.environ:
+        parser.error(
+            "--fsdp 1 shards the models over the processes of torchrun: run it as torchrun --nproc_per_node N "
+            "trainer/... --fsdp 1 (one process holds a whole model anyway)"
+        )
+    if args.lora_rank:
+        parser.error(
+            f"--fsdp 1 with --lora_rank {args.lora_rank}: LoRA already leaves the frozen base without gradients or "
+            f"AdamW state (its trainable adapters are about 1% of it), which is most of what sharding saves; run "
+            f"LoRA under DDP (--fsdp 0), or train every weight with --fsdp 1"
+        )
+    if args.use_compile:
+        parser.error(
+            "--use_compile 1 with --fsdp 1: these scripts compile the DDP forward only; leave --use_compile out"
+        )
 
 
 def use_model_folder(parser, args):

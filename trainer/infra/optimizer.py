@@ -7,6 +7,7 @@ import math
 import torch
 
 from trainer.infra.distributed import any_rank
+from trainer.infra.fsdp import full_tensor
 from trainer.infra.lora import base_model
 from trainer.infra.stopping import nonfinite_parts
 
@@ -84,8 +85,9 @@ def project_scale_only_gradients(optimizer):
     the gradient of the loss with respect to a common factor c of w = c * w_now, put back along w.
 
     Call it after the backward (and after DDP has averaged the gradients: the projection is linear and every
-    rank holds the same w, so all ranks get the same result) and before clipping and ``optimizer.step()``.
-    A parameter without a gradient, or with w = 0, is left alone.
+    rank holds the same w, so all ranks get the same result) and before clipping and ``optimizer.step()``. Under
+    ``--fsdp 1`` w and its gradient are shards: the two dot products are summed over every rank's shard first (a
+    collective), and each rank projects its own shard. A parameter without a gradient, or with w = 0, is left alone.
     """
     for group in optimizer.param_groups:
         if not group.get("scale_only"):
@@ -94,9 +96,9 @@ def project_scale_only_gradients(optimizer):
             if param.grad is None:
                 continue
             weight = param.detach()
-            norm_sq = (weight * weight).sum()
+            norm_sq = full_tensor((weight * weight).sum())  # fp32 scalar, summed over the shards of a DTensor
             if norm_sq > 0:
-                param.grad.copy_((param.grad * weight).sum() / norm_sq * weight)
+                param.grad.copy_(weight * float(full_tensor((param.grad * weight).sum()) / norm_sq))
 
 
 def cosine_lr(step, total_steps, learning_rate, min_lr_ratio=0.1):
@@ -143,7 +145,8 @@ class OptimizerStep:
 
       1. (``token_sum``: dapo, vespo) scales the gradients by window / the window's tokens (``begin_step``'s counts);
       2. keeps the final-norm gain's gradient along itself (``project_scale_only_gradients``);
-      3. clips each model's gradient norm to ``grad_clip``, each model on its own (PPO: the actor and the critic);
+      3. clips each model's gradient norm to ``grad_clip``, each model on its own (PPO: the actor and the critic),
+         the norm of the whole model's gradient (under ``--fsdp 1`` summed over every rank's shards);
       4. steps every optimizer and scheduler, unless a checked value (rewards, loss) or a gradient norm was NaN or inf
          on any rank, in which case no rank steps (one all_reduce); ``guard`` counts such skips;
       5. zeroes the gradients either way.
@@ -196,7 +199,9 @@ class OptimizerStep:
             scale_gradients([p for params in parameters for p in params], window / self.window_num_items)
         for optimizer in self.optimizers:
             project_scale_only_gradients(optimizer)  # the final norm gain learns one number (its own group)
-        grad_norms = [float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip)) for params in parameters]
+        grad_norms = [  # a sharded model's norm is a DTensor over every rank's shards: read it whole
+            float(full_tensor(torch.nn.utils.clip_grad_norm_(params, self.grad_clip))) for params in parameters
+        ]
         self.problems += nonfinite_parts(gradients=torch.tensor(grad_norms))
         skipped = any_rank(bool(self.problems), self.device)  # a NaN or inf on any rank: no rank updates
         if not skipped:
