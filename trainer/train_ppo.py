@@ -53,6 +53,7 @@ from trainer.infra.distributed import (
 from trainer.infra.dtypes import autocast_context, resolve_train_dtype, reward_model_dtype
 from trainer.evaluation import build_evaluator, evaluate_if_due
 from trainer.infra.errors import run_script
+from trainer.infra.fsdp import full_tensor, gathered_weights, load_on_rank0, shard_roles
 from trainer.infra.flags import (
     AT_LEAST_1,
     NON_NEGATIVE,
@@ -269,7 +270,7 @@ def build_critic(lm_config, actor, from_sft, device, args):
     its merged weights: the base, B being 0), and with ``--lora_rank`` adapters of its own (``critic_with_adapters``).
     With ``from_sft`` False (``--from_weight none``) the critic keeps its own random weights."""
     critic = CriticModel(lm_config)
-    if from_sft:
+    if from_sft and not next(actor.parameters()).is_meta:  # --fsdp 1: rank 0's critic reaches the others when sharded
         critic.load_actor_state_dict({k: v.detach().float().cpu() for k, v in merged_state_dict(actor).items()})
     return critic_with_adapters(critic.to(device), args)
 
@@ -487,7 +488,9 @@ def main(argv=None, reward_fn=calculate_rewards):
 
     # 3. the roles (8.1): actor and critic are trained; the reference and the reward model stay frozen
     lm_config = config_from_args(args)  # the architecture flags, or the model folder's config.json
-    actor = load_policy(lm_config, args.from_weight, args.save_dir, tokenizer, device)  # pi_theta
+    actor = load_on_rank0(  # pi_theta (--fsdp 1: read on rank 0 alone, the other ranks' copy empty until sharded)
+        lambda: load_policy(lm_config, args.from_weight, args.save_dir, tokenizer, device), lm_config, args.fsdp
+    )
     ref_model = None if args.lora_rank else frozen_copy(actor, args.ref_dtype)  # pi_ref: the start, in --ref_dtype
     if args.gradient_checkpointing:  # recompute each block in the backward (transformers' convention, non-reentrant)
         actor.activation_checkpointing_enable({"use_reentrant": False})
@@ -497,6 +500,7 @@ def main(argv=None, reward_fn=calculate_rewards):
     critic = build_critic(lm_config, actor, args.from_weight != "none", device, args)  # V(s_t): actor + new head
     if args.gradient_checkpointing:
         base_model(critic).activation_checkpointing_enable({"use_reentrant": False})
+    actor, critic, ref_model = shard_roles(args, device, train_dtype, actor, critic, ref_model)  # --fsdp 1: 1/N each
     Logger(
         f"PPO: {sum(p.numel() for p in actor.parameters()) / 1e6:.2f}M parameters, {len(train_ds)} prompts, "
         f"world size {world_size}, device {device}, dtype {train_dtype}"
@@ -538,11 +542,12 @@ def main(argv=None, reward_fn=calculate_rewards):
     evaluator = build_evaluator(args, tokenizer, device)  # None with --eval_interval 0 or a user's data
     stop_signal = StopSignal()  # from here on Ctrl-C / SIGTERM wait for a safe point
     guard = BadStepGuard(args.max_bad_steps, progress["bad_steps_in_a_row"])
-    start_metrics = (
-        {}
-        if progress["step"]
-        else evaluate_if_due(evaluator, actor, 0, total_steps, args.eval_interval, lambda: stop_signal.received)
-    )
+    with gathered_weights(actor, args.fsdp_reshard_after_forward):  # --fsdp 1: the whole actor, once per evaluation
+        start_metrics = (
+            {}
+            if progress["step"]
+            else evaluate_if_due(evaluator, actor, 0, total_steps, args.eval_interval, lambda: stop_signal.received)
+        )
 
     # 8. metrics: metrics.jsonl (+ wandb) and the log line
     run_dir, writer = open_metrics(args, progress)
@@ -565,7 +570,8 @@ def main(argv=None, reward_fn=calculate_rewards):
             "learning_rate": float(actor_optimizer.param_groups[0]["lr"]),
             "critic_learning_rate": float(critic_optimizer.param_groups[0]["lr"]),
         }
-        rollout_batch = ppo_rollout(batch, roles, critic, args, device, autocast)  # steps 1-4 (8.4)
+        with gathered_weights(actor, args.fsdp_reshard_after_forward):  # --fsdp 1: the whole actor to sample from
+            rollout_batch = ppo_rollout(batch, roles, critic, args, device, autocast)  # steps 1-4 (8.4)
         if args.debug_mode and step % args.debug_interval == 0:
             print_samples(
                 step, rollout_batch.debug["prompts"], rollout_batch.debug["completions"], rollout_batch.reward_parts, 1
@@ -589,11 +595,12 @@ def main(argv=None, reward_fn=calculate_rewards):
         rollout_engine.update_policy(actor)
 
         metrics = mean_over_ranks(metrics, device)
-        metrics["final_norm_gain"] = base_model(actor).model.norm.weight.mean().item()  # the output's sharpness
+        metrics["final_norm_gain"] = full_tensor(base_model(actor).model.norm.weight).mean().item()  # sharpness
         metrics.update(gpu_memory_metrics(device))
-        metrics.update(
-            evaluate_if_due(evaluator, actor, step, total_steps, args.eval_interval, lambda: stop_signal.received)
-        )
+        with gathered_weights(actor, args.fsdp_reshard_after_forward):
+            metrics.update(
+                evaluate_if_due(evaluator, actor, step, total_steps, args.eval_interval, lambda: stop_signal.received)
+            )
         step_log.write(step, position["epoch"], metrics, learning_rates, batch["index"].tolist())
         stop = stop_signal.requested(device)  # agreed by every rank
         if step % args.save_interval == 0 or step == total_steps or stop:

@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc_per_node 2 tests/support/dist_worker.py toy_linear OUT_DIR
     torchrun --standalone --nproc_per_node 2 tests/support/dist_worker.py ppo_one_rank_kl OUT_DIR EARLY_STOP_KL
+    torchrun --standalone --nproc_per_node 2 tests/support/dist_worker.py fsdp_shards OUT_DIR
 
 Each rank writes OUT_DIR/rank{r}.json with what it ended with.
 """
@@ -97,11 +98,67 @@ def ppo_one_rank_kl(local_rank, device, early_stop_kl):
     return {"early_stop": result["early_stop"], "optimizer_steps": result["optimizer_steps"]}
 
 
+def fsdp_shards(local_rank, device):
+    """``--fsdp 1``'s layout on a 4-layer hidden-64 MiniMind: rank 0 loads it and the other rank builds it on the meta
+    device (``load_on_rank0``), both shard it and a frozen reference (``shard_model``), then one ``OptimizerStep``
+    (final-norm group, clipping at 0.5 so that it clips) on a batch every rank shares. Beside it every rank trains a
+    plain copy of the same weights on the same batch: the sharded run must give its gradient norm and weights.
+    Returns what this rank holds of parameters, gradients, AdamW state and reference (values counted from the local
+    shards), the whole counts, and the differences from the plain copy."""
+    import copy
+
+    from trainer.infra.fsdp import full_state_dict, gathered_weights, load_on_rank0, local_numel, shard_model
+    from trainer.infra.optimizer import OptimizerStep, build_policy_optimizer
+    from trainer.infra.weights import frozen_copy
+
+    config = build_config(64, 4, 0)
+    torch.manual_seed(0)
+    plain = MiniMindForCausalLM(config)  # the same computation without sharding, on every rank
+    model = load_on_rank0(lambda: copy.deepcopy(plain), config, fsdp=True)
+    meta_before_sharding = next(model.parameters()).is_meta
+    ref_model = frozen_copy(model)
+    shard_model(model, device)
+    shard_model(ref_model, device)
+    optimizers = [build_policy_optimizer(m, 1e-3, 0.1, 2e-2) for m in (model, plain)]
+    steps = [OptimizerStep([m], [o], 0.5, device, 1, 1) for m, o in zip((model, plain), optimizers)]
+    input_ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    grads = {}
+    for name, m, step in zip(("sharded", "plain"), (model, plain), steps):
+        m(input_ids).logits.float().logsumexp(-1).mean().backward()
+        grads[name] = local_numel(p.grad for p in m.parameters())
+        grads[f"{name}_norm"] = step.clip_and_step(1)["grad_norm"]
+    whole, own = full_state_dict(model), plain.state_dict()
+    weight_error = max((whole[k] - own[k]).abs().max().item() for k in own) if whole else None
+    forwards = 3 if dist.get_rank() == 0 else 7  # the ranks' decoding ends at different steps
+    with torch.no_grad(), gathered_weights(model):
+        logit_error = max(
+            (model(input_ids[:, : 5 + i]).logits - plain(input_ids[:, : 5 + i]).logits).abs().max().item()
+            for i in range(forwards)
+        )
+    optimizer_state = [t for state in optimizers[0].state.values() for t in state.values() if t.dim() > 0]
+    return {
+        "meta_before_sharding": meta_before_sharding,
+        "parameters": local_numel(model.parameters()),
+        "gradients": grads["sharded"],
+        "optimizer_state": local_numel(optimizer_state),
+        "reference": local_numel(ref_model.parameters()),
+        "whole_parameters": sum(p.numel() for p in plain.parameters()),
+        "whole_gradients": grads["plain"],
+        "whole_optimizer_state": local_numel(t for s in optimizers[1].state.values() for t in s.values() if t.dim()),
+        "grad_norm": grads["sharded_norm"],
+        "plain_grad_norm": grads["plain_norm"],
+        "weight_error": weight_error,
+        "logit_error": logit_error,
+    }
+
+
 def main():
     mode, out_dir = sys.argv[1], sys.argv[2]
     local_rank, device = init_distributed_mode()
     if mode == "toy_linear":
         result = toy_linear(local_rank, device)
+    elif mode == "fsdp_shards":
+        result = fsdp_shards(local_rank, device)
     else:
         result = ppo_one_rank_kl(local_rank, device, float(sys.argv[3]))
     with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:

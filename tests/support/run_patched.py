@@ -13,6 +13,7 @@ Harness flags:
                            really change
     --dump_weights         with --trace_dir: at every checkpoint, the whole fp32 state dict of the policy (and critic)
                            as weights_step{N}.pt in the trace folder, written by rank 0 (gathered under --fsdp 1)
+    --fail_on_rank1_before_step N   rank 1 raises a RuntimeError when the loop asks for step N's batch
     --kill_after_save N    SIGKILL this process right after the checkpoint of step N is written
     --kill_during_save N   SIGKILL this process in the middle of writing the resume file of step N
     --kill_before_step N   SIGKILL this process when the loop asks for step N's batch (step N-1 logged and done)
@@ -88,6 +89,7 @@ def main():
     parser.add_argument("--text_reward", action="store_true")
     parser.add_argument("--binary_text_reward", action="store_true")
     parser.add_argument("--dump_weights", action="store_true")
+    parser.add_argument("--fail_on_rank1_before_step", type=int, default=0)
     parser.add_argument("--kill_after_save", type=int, default=0)
     parser.add_argument("--kill_during_save", type=int, default=0)
     parser.add_argument("--kill_before_step", type=int, default=0)
@@ -114,6 +116,8 @@ def main():
         for step, position, batch in real_batches(*args, **kwargs):
             if step == opts.kill_before_step:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if step == opts.fail_on_rank1_before_step and rank() == 1:
+                raise RuntimeError(f"rank 1 fails on purpose before step {step}")
             if opts.trace_dir:
                 with open(os.path.join(opts.trace_dir, f"indices_rank{rank()}.jsonl"), "a") as f:
                     f.write(json.dumps(batch["index"].tolist()) + "\n")

@@ -5,6 +5,7 @@ Infrastructure, not RL: a learner can skip this file. Without torchrun every fun
 identity (``mean_over_ranks`` returns its input, ``any_rank`` the plain bool).
 """
 
+import datetime
 import os
 import random
 
@@ -28,10 +29,16 @@ def Logger(content):
         print(content, flush=True)
 
 
+PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=10)  # a collective waited on longer than this raises on its rank
+
+
 def init_distributed_mode(device=""):
     """Initialise torch.distributed when launched by torchrun (RANK in the environment).
 
-    Backend: nccl on CUDA (one device per LOCAL_RANK), gloo on CPU.
+    Backend: nccl on CUDA (one device per LOCAL_RANK), gloo on CPU. A rank that raises exits, and torchrun then
+    stops the others at once; a rank that hangs (a node lost, a rank stuck in a collective the others never reach)
+    makes the others' next collective raise after ``PROCESS_GROUP_TIMEOUT`` (10 minutes; torch's own default is 30
+    for gloo), so that no run waits for ever.
     Args:
         device: ``--device``: "" = the first GPU if there is one, else the CPU; "cpu" keeps every process on
             the CPU (gloo) even where CUDA exists; "cuda:N" picks the GPU of a single process (under torchrun
@@ -46,7 +53,7 @@ def init_distributed_mode(device=""):
             torch.cuda.set_device(device)  # later calls without an index (bf16 support, memory) mean this GPU
         return 0, device
     local_rank = int(os.environ["LOCAL_RANK"])
-    dist.init_process_group(backend="nccl" if cuda else "gloo")
+    dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=PROCESS_GROUP_TIMEOUT)
     if cuda:
         torch.cuda.set_device(local_rank)
         return local_rank, f"cuda:{local_rank}"

@@ -148,7 +148,7 @@ def gathered_weights(model, reshard_after_forward=True):
     finally:
         for unit in units:
             unit.reshard()
-            unit.set_reshard_after_forward(reshard_after_forward and unit is not units[-1], recurse=False)
+            unit.set_reshard_after_forward(bool(reshard_after_forward) and unit is not units[-1], recurse=False)
 
 
 def full_tensor(tensor):
