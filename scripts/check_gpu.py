@@ -16,7 +16,10 @@ It prints, in this order:
      ``--bench 1``;
   6. ``scripts/bench/memory.py --device DEVICE``: the memory levers' peak GPU memory (allocated and reserved) for one
      whole GRPO step at upstream MiniMind's sizes in bf16, levers off and on, the Qwen3-0.6B shape with every lever,
-     and TRL's GRPOTrainer with its gradient checkpointing (``--memory_rows``; about 3 minutes on an H100).
+     and TRL's GRPOTrainer with its gradient checkpointing (``--memory_rows``; about 3 minutes on an H100);
+  7. on a machine with 2 GPUs or more, ``scripts/bench/fsdp_memory.py --device cuda``: DDP against ``--fsdp 1`` under
+     torchrun with 2 ranks, per-rank peak memory and step time of a 2-step GRPO run (``--fsdp_rows``); one GPU: skipped
+     with a line that says so (two ranks cannot share one GPU under NCCL).
 Each training run is ``python trainer/train_*.py`` in a subprocess, as a user runs it; its metrics.jsonl is read.
 """
 
@@ -110,6 +113,11 @@ def parse_args(argv=None):
         default="up_bf16_off,up_bf16_all,up_bf16_rm18_all,qwen3_bf16_rm18_off,qwen3_bf16_rm18_all,trl_bf16_checkpointing",
         help="rows of scripts/bench/memory.py to measure on the GPU ('' = none)",
     )
+    parser.add_argument(
+        "--fsdp_rows",
+        default="h1024_ddp,h1024_fsdp,h1024_fsdp_offload,h1536_ddp,h1536_fsdp",
+        help="rows of scripts/bench/fsdp_memory.py to measure with 2 GPUs ('' = none)",
+    )
     parser.add_argument("--timeout", type=int, default=420, help="seconds per training run")
     args = parser.parse_args(argv)
     if args.steps < 2:
@@ -192,6 +200,14 @@ def main(argv=None):
         ]
         print("6. " + " ".join(command), flush=True)
         subprocess.run(command, check=False)
+    if args.fsdp_rows and torch.device(args.device).type == "cuda":
+        command = [sys.executable, os.path.join(ROOT, "scripts", "bench", "fsdp_memory.py"), "--device", "cuda"]
+        command += ["--rows", args.fsdp_rows]
+        if torch.cuda.device_count() < 2:
+            print(f"7. skipped: {torch.cuda.device_count()} GPU here, 2 needed for: {' '.join(command)}", flush=True)
+        else:
+            print("7. " + " ".join(command), flush=True)
+            subprocess.run(command, check=False)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import pytest
 import requests
 import torch
 
-from model.hf_qwen3 import save_qwen3_folder
+from model.hf_qwen3 import load_qwen3_folder, save_qwen3_folder
 from model.model_minimind import MiniMindForCausalLM
 from sglang_standin import SGLangStandin
 from trainer.rollout_engine import SGLangRolloutEngine, create_rollout_engine
@@ -499,6 +499,36 @@ def test_two_ranks_rank0_syncs_and_every_rank_learns_a_failure(start_standin, tm
     rank1 = (tmp_path / "rank1.txt").read_text()
     assert "update_weights_from_disk failed" in rank0 and "no config.json" in rank0
     assert rank1.startswith("syncing the policy to SGLang failed on rank 0") and "no config.json" in rank1
+
+
+def push_sharded_on_two_ranks(rank, init_file, url, shared_path):
+    """torch.multiprocessing worker: a 2-rank gloo group shards ``make_policy(1)`` (``--fsdp 1``'s layout) and the
+    engine syncs it to the server twice: at start (policy_v0) and after one update call (policy_v1)."""
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+    from conftest import ROOT
+    from trainer.infra.fsdp import shard_model
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
+    policy = shard_model(make_policy(1), "cpu")  # every rank now holds half of each weight
+    engine = SGLangRolloutEngine(policy, tokenizer, url, shared_path, **FAST)
+    engine.update_policy(policy)
+    dist.destroy_process_group()
+
+
+def test_a_sharded_policy_reaches_the_server_whole(start_standin, tokenizer, tmp_path):
+    server = start_standin(make_policy(0))
+    shared = str(tmp_path / "shared")
+    torch.multiprocessing.spawn(push_sharded_on_two_ranks, args=(str(tmp_path / "init"), server.url, shared), nprocs=2)
+    updates = [payload["model_path"] for path, payload in server.requests if path == "/update_weights_from_disk"]
+    assert updates == [os.path.join(shared, "policy_v0"), os.path.join(shared, "policy_v1")]
+    plain = make_policy(1)  # what a process that holds the whole policy exports
+    expected = save_qwen3_folder(plain.state_dict(), plain.config, str(tmp_path / "plain"), tokenizer=tokenizer)
+    _, expected_state = load_qwen3_folder(expected)
+    _, synced = load_qwen3_folder(os.path.join(shared, "policy_v1"))
+    assert synced.keys() == expected_state.keys()
+    assert all(torch.equal(synced[k], expected_state[k]) for k in synced)
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ import torch
 from dataset.lm_dataset import prompt_tail
 from model.hf_qwen3 import save_qwen3_folder
 from trainer.infra.distributed import is_main_process, run_on_rank0, unwrap_model
+from trainer.infra.fsdp import whole_model
 from trainer.infra.errors import ServerError
 from trainer.infra.lora import merged_state_dict
 from trainer.infra.sglang_client import (
@@ -235,8 +236,10 @@ class SGLangRolloutEngine(RolloutEngine):
         self.sync_interval = sync_interval
         self.num_update_calls = 0
         launch_folder = os.path.join(self.shared_path, "policy_v0")
+        whole = whole_model(policy_model)  # --fsdp 1: gathered on rank 0 (a collective), the model itself otherwise
         if is_main_process():
-            self.export_policy(policy_model, launch_folder)
+            self.export_policy(whole, launch_folder)
+        del whole
         self.client.wait_for_server(health_retries, launch_folder)
         self.push_weights(policy_model, launch_folder)
 
@@ -327,12 +330,14 @@ class SGLangRolloutEngine(RolloutEngine):
 
     def push_weights(self, model, folder=None):
         """Rank 0 saves ``model`` to ``policy_v{n}`` (unless ``folder`` is given, already written), asks the server
-        to load it and removes the previous folder; every rank raises when that failed, and records the version."""
+        to load it and removes the previous folder; every rank raises when that failed, and records the version.
+        A collective: under ``--fsdp 1`` every rank gathers the whole weights onto rank 0 first."""
         previous = os.path.join(self.shared_path, f"policy_v{self.client.weight_pushes - 1}")
+        whole = model if folder else whole_model(model)  # --fsdp 1: gathered once per sync, on rank 0
 
         def save_and_load():
             target = folder or self.export_policy(
-                model, os.path.join(self.shared_path, f"policy_v{self.client.weight_pushes}")
+                whole, os.path.join(self.shared_path, f"policy_v{self.client.weight_pushes}")
             )
             self.client.update_weights_from_disk(target)
             if previous != target:
