@@ -32,7 +32,7 @@ def test_every_relative_link_points_to_a_file(path):
 
 def readme_python_commands():
     """Every `python SCRIPT ...` / `torchrun ... SCRIPT ...` command in the README's code blocks, as
-    [script, flags...] (line continuations joined, comments dropped)."""
+    (launcher, [script, flags...]) (line continuations joined, comments dropped)."""
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         blocks = re.findall(r"```bash\n(.*?)```", f.read(), re.DOTALL)
     commands = []
@@ -42,20 +42,24 @@ def readme_python_commands():
                 words = shlex.split(part.split("#", 1)[0])
                 scripts = [i for i, w in enumerate(words) if w.endswith(".py")]
                 if words[:1] in (["python"], ["torchrun"]) and scripts:
-                    commands.append(words[scripts[0] :])
+                    commands.append((words[0], words[scripts[0] :]))
     return commands
 
 
-def test_readme_commands_parse_their_flags():
+def test_readme_commands_parse_their_flags(monkeypatch):
     import importlib
 
     commands = readme_python_commands()
-    scripts = {c[0] for c in commands}
+    scripts = {command[0] for _, command in commands}
     assert {"trainer/train_grpo.py", "trainer/train_ppo.py"} <= scripts, scripts
-    for script, *flags in commands:
+    for launcher, (script, *flags) in commands:
         module = importlib.import_module(script[:-3].replace("/", "."))
         if not hasattr(module, "parse_args"):
             continue
+        if launcher == "torchrun":  # torchrun gives each process its RANK (--fsdp 1 needs it)
+            monkeypatch.setenv("RANK", "0")
+        else:
+            monkeypatch.delenv("RANK", raising=False)
         try:
             module.parse_args(flags)  # argparse and the range checks; exits 2 on a bad or unknown flag
         except SystemExit as stop:

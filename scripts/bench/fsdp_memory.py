@@ -10,12 +10,14 @@ from its local shards; its gradients have the parameters' layout). The step time
 
 Rows (``--rows``, comma-separated; ``--list``): ``{shape}_{mode}``, shape ``up`` (768 x 8, upstream MiniMind's),
 ``h1024`` (1,024 x 12), ``h1536`` (1,536 x 16); mode ``ddp``, ``fsdp``, ``fsdp_keep`` (``--fsdp_reshard_after_forward
-0``), ``fsdp_offload`` (``--fsdp_cpu_offload 1``).
+0``), ``fsdp_offload`` (``--fsdp_cpu_offload 1``), ``ddp_levers`` and ``fsdp_levers`` (with the memory levers of
+docs/memory.md: checkpointing, micro-batches of 2, log-prob chunks of 1,024).
 
     python scripts/bench/fsdp_memory.py --rows h1024_ddp,h1024_fsdp --json_out scripts/bench/results/fsdp_memory.json
 
 Prints one table: per-rank peak RSS (MiB) of rank 0 and rank 1, the larger one's ratio to the same shape's DDP row, the
-parameters and AdamW values rank 0 holds, and the second step's seconds.
+parameters and AdamW values rank 0 holds, and the second step's seconds. A ``fsdp`` row's DDP row is the same shape's
+``ddp`` row, a ``fsdp_levers`` row's the ``ddp_levers`` one; either must come first in ``--rows``.
 """
 
 import argparse
@@ -37,11 +39,14 @@ SHAPES = {
     "h1024": ["--hidden_size", "1024", "--num_hidden_layers", "12"],
     "h1536": ["--hidden_size", "1536", "--num_hidden_layers", "16"],
 }
+LEVERS = ["--gradient_checkpointing", "1", "--micro_batch_size", "2", "--logprob_chunk_size", "1024"]  # docs/memory.md
 MODES = {
     "ddp": [],
     "fsdp": ["--fsdp", "1"],
     "fsdp_keep": ["--fsdp", "1", "--fsdp_reshard_after_forward", "0"],
     "fsdp_offload": ["--fsdp", "1", "--fsdp_cpu_offload", "1"],
+    "ddp_levers": LEVERS,
+    "fsdp_levers": ["--fsdp", "1", *LEVERS],
 }
 BATCH = ["--batch_size", "2", "--num_generations", "4", "--max_seq_len", "256", "--max_gen_len", "256"]
 
@@ -157,9 +162,10 @@ def main(argv=None):
         rank0, rank1 = result["ranks"]
         peak = max(rank0["peak_rss_mib"], rank1["peak_rss_mib"])
         shape, mode = name.split("_", 1)
-        if mode == "ddp":
-            ddp_peak[shape] = peak
-        ratio = f"{peak / ddp_peak[shape]:.2f}" if shape in ddp_peak else "-"
+        baseline = f"{shape}_ddp" + ("_levers" if mode.endswith("levers") else "")  # the same shape and levers
+        if mode.startswith("ddp"):
+            ddp_peak[baseline] = peak
+        ratio = f"{peak / ddp_peak[baseline]:.2f}" if baseline in ddp_peak else "-"
         print(
             f"| {name} | {rank0['peak_rss_mib']:,.0f} / {rank1['peak_rss_mib']:,.0f} | {ratio} | "
             f"{rank0['parameters'] / 1e6:.1f} | {rank0['optimizer_state'] / 1e6:.1f} | {rank0['step_s']:.0f} |",
