@@ -18,7 +18,7 @@ from test_distributed import TINY, read_rank_files, torchrun
 from test_train_agent import flags as agent_flags, write_agent_files
 
 TOLERANCE = 1e-5  # fp32, see the module's docstring
-GRPO = ["--num_generations", "3"]
+GRPO = ["--num_generations", "3", "--shared_prefix", "0"]  # --fsdp 1's default; DDP's is 1
 PPO = ["--mini_batch_size", "1"]
 LEVERS = ["--gradient_checkpointing", "1", "--micro_batch_size", "2", "--logprob_chunk_size", "4"]
 
@@ -231,14 +231,19 @@ def test_a_rank_that_fails_stops_the_other(tmp_path, tiny_weights, small_data):
     [
         (["--fsdp", "1"], "--fsdp 1 shards the models over the processes of torchrun"),
         (["--fsdp", "1", "--lora_rank", "4"], "--fsdp 1 with --lora_rank 4: LoRA already leaves the frozen base"),
+        (["--fsdp", "1", "--use_moe", "1"], "--use_moe 1 with --fsdp 1: an expert that got no token on one rank"),
+        (["--fsdp", "1", "--use_compile", "1"], "--use_compile 1 with --fsdp 1"),
+        (["--fsdp", "1", "--shared_prefix", "1"], "--shared_prefix 1 with --fsdp 1: its second forward runs only"),
+        (["--fsdp_cpu_offload", "1"], "act with --fsdp 1 only: add --fsdp 1"),
+        (["--fsdp_reshard_after_forward", "0"], "act with --fsdp 1 only: add --fsdp 1"),
     ],
 )
 def test_fsdp_flags_it_does_not_take_are_refused(flags, message, monkeypatch, capsys, tmp_path):
     from trainer import train_grpo
 
     monkeypatch.delenv("RANK", raising=False)
-    if "--lora_rank" in flags:
-        monkeypatch.setenv("RANK", "0")  # as under torchrun: the LoRA refusal is the one left
+    if "torchrun" not in message:
+        monkeypatch.setenv("RANK", "0")  # as under torchrun: the refusal tested is the one left
     with pytest.raises(SystemExit) as exit_info:
         train_grpo.parse_args(flags + ["--save_dir", str(tmp_path)])
     assert exit_info.value.code == 2

@@ -312,11 +312,16 @@ def build_agent_evaluator(args, tokenizer, device):
     return AgentEvaluator(dataset, tokenizer, args, device)
 
 
+def evaluation_due(evaluator, step, total_steps, eval_interval):
+    """Whether the held-out evaluation runs at ``step``: there is an evaluator and it is step 0, a multiple of
+    ``eval_interval`` or the last step."""
+    return evaluator is not None and (step == 0 or step % eval_interval == 0 or step == total_steps)
+
+
 def evaluate_if_due(evaluator, model, step, total_steps, eval_interval, should_stop=None):
-    """The ``eval/...`` metrics of the held-out evaluation when it is due (step 0, every ``eval_interval`` steps,
-    the last step), with one log line; {} otherwise, without an evaluator, or when ``should_stop`` ended it (a stop
-    request: the line says so)."""
-    if evaluator is None or not (step == 0 or step % eval_interval == 0 or step == total_steps):
+    """The ``eval/...`` metrics of the held-out evaluation when it is due (``evaluation_due``), with one log line; {}
+    otherwise, without an evaluator, or when ``should_stop`` ended it (a stop request: the line says so)."""
+    if not evaluation_due(evaluator, step, total_steps, eval_interval):
         return {}
     metrics = evaluator(model, step, should_stop)
     if not metrics:

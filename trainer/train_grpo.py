@@ -76,7 +76,7 @@ from trainer.infra.distributed import (
     wrap_ddp,
 )
 from trainer.infra.dtypes import autocast_context, resolve_train_dtype, reward_model_dtype
-from trainer.evaluation import build_evaluator, evaluate_if_due
+from trainer.evaluation import build_evaluator, evaluate_if_due, evaluation_due
 from trainer.infra.errors import run_script
 from trainer.infra.fsdp import full_tensor, gathered_weights, load_on_rank0, shard_roles
 from trainer.infra.flags import (
@@ -227,7 +227,8 @@ def parse_args(argv=None):
         groups["memory"],
         "--shared_prefix",
         help="1: the forwards run each prompt once for its G answers (same log-probs; the default for "
-        "dense models); 0: every answer with its own copy of the prompt (the default with --use_moe 1)",
+        "dense models); 0: every answer with its own copy of the prompt (the default with --use_moe 1, "
+        "--gradient_checkpointing 1 or --fsdp 1)",
     )
     groups["run"].add_argument("--save_weight", default="grpo", help="name of the saved weights ({name}_{hidden}.pth)")
     # the default run: 120 steps, the final norm's gain at 2e-2 (docs/departures.md: GRPO's default run)
@@ -236,7 +237,7 @@ def parse_args(argv=None):
         max_steps=120,
         final_norm_learning_rate=2e-2,
         eval_interval=60,
-        shared_prefix=0 if known.use_moe or known.gradient_checkpointing else 1,
+        shared_prefix=0 if known.use_moe or known.gradient_checkpointing or known.fsdp else 1,
     )
     args = parser.parse_args(argv)
     check_common_rl_args(parser, args)
@@ -244,6 +245,12 @@ def parse_args(argv=None):
         parser.error(
             "--shared_prefix 1 is for dense models: with --use_moe 1 the router loss of its two forwards "
             "(prompts, then answers) is not the loss of the full rows; leave --shared_prefix out (or 0)"
+        )
+    if args.shared_prefix and args.fsdp:
+        parser.error(
+            "--shared_prefix 1 with --fsdp 1: its second forward runs only on a rank whose answers are longer than one "
+            "token, and under --fsdp 1 every forward gathers weights with the other ranks, which would wait for it; "
+            "leave --shared_prefix out (it is 0 with --fsdp 1)"
         )
     if args.shared_prefix and args.gradient_checkpointing:
         parser.error(
@@ -538,7 +545,7 @@ def main(argv=None, reward_fn=calculate_rewards):
     args = parse_args(argv)
 
     # 1. processes, seed and dtype
-    local_rank, device = init_distributed_mode(args.device)
+    local_rank, device = init_distributed_mode(args.device, cpu_collectives=args.fsdp and args.fsdp_cpu_offload)
     rank, world_size = rank_and_world_size()
     setup_seed(args.seed)  # identical initial weights on every rank
     train_dtype = resolve_train_dtype(args.dtype, device)  # "auto": bfloat16 on a GPU that has it, else float32
@@ -614,7 +621,8 @@ def main(argv=None, reward_fn=calculate_rewards):
         token_sum=loss_config.loss_type in TOKEN_SUM_LOSS_TYPES,
         state=progress,
     )
-    with gathered_weights(model, args.fsdp_reshard_after_forward):  # --fsdp 1: the whole policy, once per evaluation
+    at_start = not progress["step"] and evaluation_due(evaluator, 0, total_steps, args.eval_interval)
+    with gathered_weights(model, args.fsdp_reshard_after_forward, at_start):  # --fsdp 1: whole, once per evaluation
         start_metrics = (
             {}
             if progress["step"]
@@ -679,7 +687,8 @@ def main(argv=None, reward_fn=calculate_rewards):
         metrics = mean_over_ranks(metrics, device)
         metrics["final_norm_gain"] = full_tensor(base_model(model).model.norm.weight).mean().item()  # sharpness
         metrics.update(gpu_memory_metrics(device))
-        with gathered_weights(model, args.fsdp_reshard_after_forward):
+        due = evaluation_due(evaluator, step, total_steps, args.eval_interval)
+        with gathered_weights(model, args.fsdp_reshard_after_forward, due):  # --fsdp 1: whole, once per evaluation
             metrics.update(
                 evaluate_if_due(evaluator, model, step, total_steps, args.eval_interval, lambda: stop_signal.received)
             )

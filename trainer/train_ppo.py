@@ -51,7 +51,7 @@ from trainer.infra.distributed import (
     wrap_ddp,
 )
 from trainer.infra.dtypes import autocast_context, resolve_train_dtype, reward_model_dtype
-from trainer.evaluation import build_evaluator, evaluate_if_due
+from trainer.evaluation import build_evaluator, evaluate_if_due, evaluation_due
 from trainer.infra.errors import run_script
 from trainer.infra.fsdp import full_tensor, gathered_weights, load_on_rank0, shard_roles
 from trainer.infra.flags import (
@@ -463,7 +463,7 @@ def main(argv=None, reward_fn=calculate_rewards):
     args = parse_args(argv)
 
     # 1. processes, seed and dtype
-    local_rank, device = init_distributed_mode(args.device)
+    local_rank, device = init_distributed_mode(args.device, cpu_collectives=args.fsdp and args.fsdp_cpu_offload)
     rank, world_size = rank_and_world_size()
     setup_seed(args.seed)  # identical initial weights on every rank
     train_dtype = resolve_train_dtype(args.dtype, device)  # "auto": bfloat16 on a GPU that has it, else float32
@@ -542,7 +542,8 @@ def main(argv=None, reward_fn=calculate_rewards):
     evaluator = build_evaluator(args, tokenizer, device)  # None with --eval_interval 0 or a user's data
     stop_signal = StopSignal()  # from here on Ctrl-C / SIGTERM wait for a safe point
     guard = BadStepGuard(args.max_bad_steps, progress["bad_steps_in_a_row"])
-    with gathered_weights(actor, args.fsdp_reshard_after_forward):  # --fsdp 1: the whole actor, once per evaluation
+    at_start = not progress["step"] and evaluation_due(evaluator, 0, total_steps, args.eval_interval)
+    with gathered_weights(actor, args.fsdp_reshard_after_forward, at_start):  # --fsdp 1: whole, once per evaluation
         start_metrics = (
             {}
             if progress["step"]
@@ -597,7 +598,8 @@ def main(argv=None, reward_fn=calculate_rewards):
         metrics = mean_over_ranks(metrics, device)
         metrics["final_norm_gain"] = full_tensor(base_model(actor).model.norm.weight).mean().item()  # sharpness
         metrics.update(gpu_memory_metrics(device))
-        with gathered_weights(actor, args.fsdp_reshard_after_forward):
+        due = evaluation_due(evaluator, step, total_steps, args.eval_interval)
+        with gathered_weights(actor, args.fsdp_reshard_after_forward, due):  # --fsdp 1: whole, once per evaluation
             metrics.update(
                 evaluate_if_due(evaluator, actor, step, total_steps, args.eval_interval, lambda: stop_signal.received)
             )

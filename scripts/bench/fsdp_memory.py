@@ -128,14 +128,14 @@ def run_worker(spec):
 
 
 def run_row(name, device, timeout):
-    """The row's two ranks under torchrun; returns their results (rank 0 first) or raises naming the row."""
+    """The row's two ranks under torchrun; returns their results (rank 0 first), or the end of its error output."""
     with tempfile.TemporaryDirectory(prefix="fsdp_bench_") as save_dir:
         spec = {"argv": row_argv(name, save_dir, device), "save_dir": save_dir, "device": device}
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
         command += [os.path.abspath(__file__), "--worker", json.dumps(spec)]
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-        if done.returncode != 0:
-            raise SystemExit(f"row {name} failed:\n{done.stderr[-3000:]}")
+        if done.returncode != 0:  # the table says so and the next rows run
+            return {"row": name, "flags": spec["argv"], "failed": done.stderr[-3000:]}
         ranks = [json.load(open(os.path.join(save_dir, f"rank{r}.json"), encoding="utf-8")) for r in range(2)]
     return {"row": name, "flags": spec["argv"], "ranks": ranks}
 
@@ -159,6 +159,9 @@ def main(argv=None):
     for name in args.rows.split(","):
         result = run_row(name, args.device, args.timeout)
         results.append(result)
+        if "failed" in result:
+            print(f"| {name} | failed: {result['failed'].strip().splitlines()[-1][:200]} | | | | |", flush=True)
+            continue
         rank0, rank1 = result["ranks"]
         peak = max(rank0["peak_rss_mib"], rank1["peak_rss_mib"])
         shape, mode = name.split("_", 1)
@@ -171,16 +174,21 @@ def main(argv=None):
             f"{rank0['parameters'] / 1e6:.1f} | {rank0['optimizer_state'] / 1e6:.1f} | {rank0['step_s']:.0f} |",
             flush=True,
         )
-    if args.json_out:
-        import torch
+        if args.json_out:  # after every row: a long run stopped later keeps the rows it measured
+            write_results(args.json_out, results)
 
-        machine = {
-            "machine": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(),
-            "torch": torch.__version__,
-        }
-        with open(args.json_out, "w", encoding="utf-8") as f:
-            json.dump({"machine": machine, "rows": results}, f, indent=1)
+
+def write_results(path, results):
+    """The rows measured so far, with the machine, as JSON at ``path``."""
+    import torch
+
+    machine = {
+        "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+    }
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"machine": machine, "rows": results}, f, indent=1)
 
 
 if __name__ == "__main__":

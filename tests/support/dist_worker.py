@@ -135,13 +135,15 @@ def fsdp_shards(local_rank, device):
             (model(input_ids[:, : 5 + i]).logits - plain(input_ids[:, : 5 + i]).logits).abs().max().item()
             for i in range(forwards)
         )
+    with torch.no_grad():
+        ref_model(input_ids)  # the reference has no backward: its root must free the gathered weights itself
     optimizer_state = [t for state in optimizers[0].state.values() for t in state.values() if t.dim() > 0]
     return {
         "meta_before_sharding": meta_before_sharding,
         "parameters": local_numel(model.parameters()),
         "gradients": grads["sharded"],
         "optimizer_state": local_numel(optimizer_state),
-        "reference": local_numel(ref_model.parameters()),
+        "reference": local_numel(ref_model.parameters()),  # after a forward: what it keeps between forwards
         "whole_parameters": sum(p.numel() for p in plain.parameters()),
         "whole_gradients": grads["plain"],
         "whole_optimizer_state": local_numel(t for s in optimizers[1].state.values() for t in s.values() if t.dim()),

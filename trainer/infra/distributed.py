@@ -29,20 +29,22 @@ def Logger(content):
         print(content, flush=True)
 
 
-PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=10)  # a collective waited on longer than this raises on its rank
+PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # a collective waited on longer than this raises on its rank
 
 
-def init_distributed_mode(device=""):
+def init_distributed_mode(device="", cpu_collectives=False):
     """Initialise torch.distributed when launched by torchrun (RANK in the environment).
 
     Backend: nccl on CUDA (one device per LOCAL_RANK), gloo on CPU. A rank that raises exits, and torchrun then
     stops the others at once; a rank that hangs (a node lost, a rank stuck in a collective the others never reach)
-    makes the others' next collective raise after ``PROCESS_GROUP_TIMEOUT`` (10 minutes; torch's own default is 30
-    for gloo), so that no run waits for ever.
+    makes the others' next collective raise after ``PROCESS_GROUP_TIMEOUT`` (30 minutes, gloo's default, set for
+    NCCL too: a CPU rollout of a large policy can keep one rank that long), so that no run waits for ever.
     Args:
         device: ``--device``: "" = the first GPU if there is one, else the CPU; "cpu" keeps every process on
             the CPU (gloo) even where CUDA exists; "cuda:N" picks the GPU of a single process (under torchrun
             each process takes the GPU of its LOCAL_RANK).
+        cpu_collectives: on CUDA, gloo beside NCCL for collectives on CPU tensors (``--fsdp_cpu_offload 1``: the
+            shards and their gradients live in CPU memory).
     Returns:
         (local_rank, device): local_rank is 0 without torchrun; device is a string like "cuda:1" or "cpu".
     """
@@ -53,7 +55,8 @@ def init_distributed_mode(device=""):
             torch.cuda.set_device(device)  # later calls without an index (bf16 support, memory) mean this GPU
         return 0, device
     local_rank = int(os.environ["LOCAL_RANK"])
-    dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=PROCESS_GROUP_TIMEOUT)
+    backend = ("cuda:nccl,cpu:gloo" if cpu_collectives else "nccl") if cuda else "gloo"
+    dist.init_process_group(backend=backend, timeout=PROCESS_GROUP_TIMEOUT)
     if cuda:
         torch.cuda.set_device(local_rank)
         return local_rank, f"cuda:{local_rank}"

@@ -486,8 +486,10 @@ def check_common_rl_args(parser, args):
 
 
 def check_fsdp_args(parser, args):
-    """argparse-style errors for ``--fsdp 1`` with what it does not take."""
+    """argparse-style errors for ``--fsdp 1`` with what it does not take, and its own flags without it."""
     if not args.fsdp:
+        if args.fsdp_cpu_offload or not args.fsdp_reshard_after_forward:
+            parser.error("--fsdp_cpu_offload and --fsdp_reshard_after_forward act with --fsdp 1 only: add --fsdp 1")
         return
     if "RANK" not in os.environ:
         parser.error(
@@ -503,6 +505,16 @@ def check_fsdp_args(parser, args):
     if args.use_compile:
         parser.error(
             "--use_compile 1 with --fsdp 1: these scripts compile the DDP forward only; leave --use_compile out"
+        )
+    if args.use_moe:
+        parser.error(
+            "--use_moe 1 with --fsdp 1: an expert that got no token on one rank has no gradient there, so the ranks "
+            "would reduce different sets of gradients; run MoE under DDP (--fsdp 0), which is told to expect them"
+        )
+    if args.optimizer != "adamw":
+        parser.error(
+            f"--optimizer {args.optimizer} with --fsdp 1: only torch's AdamW state is saved and loaded sharded here; "
+            f"use --optimizer adamw (its state is sharded too: 4 bytes per parameter per rank with 2 ranks)"
         )
 
 
