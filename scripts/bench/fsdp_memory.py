@@ -159,8 +159,11 @@ def main(argv=None):
     for name in args.rows.split(","):
         result = run_row(name, args.device, args.timeout)
         results.append(result)
-        if "failed" in result:
-            print(f"| {name} | failed: {result['failed'].strip().splitlines()[-1][:200]} | | | | |", flush=True)
+        if "failed" in result:  # e.g. "exitcode  : -9 (pid: 123)  (SIGKILL)": the out-of-memory killer
+            causes = [line.strip() for line in result["failed"].splitlines() if "exitcode" in line]
+            print(f"| {name} | failed: {'; '.join(causes)[:300]} | | | | |", flush=True)
+            if args.json_out:
+                write_results(args.json_out, results)
             continue
         rank0, rank1 = result["ranks"]
         peak = max(rank0["peak_rss_mib"], rank1["peak_rss_mib"])
