@@ -113,8 +113,9 @@ def test_fsdp_equals_ddp(script, extra, fsdp_extra, tmp_path, tiny_weights, smal
     assert_same_run(ddp_folder, fsdp_folder, 3, TOLERANCE)
     assert os.path.isfile(fsdp_folder / "trace" / "weights_step3.pt")
     shards = fsdp_folder / f"{script}_64_resume_sharded"
-    assert sorted(os.listdir(shards)) == ["step_00000003"]  # each rank wrote its part; rank 0 the metadata
-    assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(shards / "step_00000003"))
+    (step_folder,) = os.listdir(shards)  # the last step's only
+    assert step_folder.startswith("step_00000003_")
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(shards / step_folder))  # each rank its part
 
 
 def test_agent_under_fsdp_equals_ddp(tmp_path):
@@ -168,7 +169,8 @@ def test_a_killed_fsdp_run_resumes_bit_exact(script, extra, tmp_path, tiny_weigh
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
     assert_same_run(straight_folder, folder, 3, 0.0)  # bit for bit
-    assert sorted(os.listdir(folder / f"{script}_64_resume_sharded")) == ["step_00000003"]  # older steps removed
+    (step_folder,) = os.listdir(folder / f"{script}_64_resume_sharded")  # older steps removed
+    assert step_folder.startswith("step_00000003_")
 
 
 def test_a_kill_during_a_sharded_save_leaves_the_previous_checkpoint_resumable(tmp_path, tiny_weights, small_data):
@@ -181,7 +183,7 @@ def test_a_kill_during_a_sharded_save_leaves_the_previous_checkpoint_resumable(t
     )
     assert killed.returncode != 0
     resume_file = torch.load(folder / "grpo_64_resume.pth", weights_only=True)
-    assert resume_file["progress"]["step"] == 1 and resume_file["sharded"]["folder"].endswith("step_00000001")
+    assert resume_file["progress"]["step"] == 1 and "step_00000001_" in resume_file["sharded"]["folder"]
     resumed = torchrun(
         [
             "tests/support/run_patched.py",

@@ -15,12 +15,13 @@ import shlex
 import shutil
 import sys
 import time
+import uuid
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer.infra.distributed import Logger, run_on_rank0, setup_seed, unwrap_model
+from trainer.infra.distributed import Logger, broadcast_from_rank0, run_on_rank0, setup_seed, unwrap_model
 from trainer.infra.files import atomic_write
 from trainer.infra.fsdp import load_sharded, optimizer_name, save_sharded, sharded_objects, whole_model
 from trainer.infra.weights import check_finite_state, is_model_folder, model_folder_path, weight_path, weight_writes
@@ -124,7 +125,8 @@ def save_checkpoint(args, script, lm_config, objects, progress, weights):
         weights: name in ``save_dir`` -> module, e.g. {"grpo": policy} or {"ppo": actor, "ppo_critic": critic}.
     Returns the resume file's path.
     Raises:
-        ValueError: a NaN or inf in the weights (nothing is written). OSError naming the path (nothing replaced).
+        ValueError: a NaN or inf in the weights (nothing is replaced: under ``--fsdp 1`` the new shards' folder is
+            written first and named by no resume file). OSError naming the path (nothing replaced).
     """
     path = resume_path(args.save_weight, args.save_dir, args.hidden_size, args.use_moe)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -169,16 +171,15 @@ def sharded_root(path):
 
 
 def save_sharded_step(path, step, sharded):
-    """Write the shards of ``sharded`` (``fsdp.sharded_objects``) for the resume file ``path`` at ``step`` into
-    ``{sharded_root}/step_{step}`` (a collective; a folder of that step left by a killed run is removed first).
-    Returns the record the resume file keeps ({"folder": relative to the save folder, "models": ...}), or None when
-    nothing is sharded."""
+    """Write the shards of ``sharded`` (``fsdp.sharded_objects``) for the resume file ``path`` at ``step`` into a new
+    folder ``{sharded_root}/step_{step}_{id}`` (a collective; the id, drawn on rank 0, keeps every save in a folder of
+    its own, so that no save can overwrite the shards the resume file names). Returns the record the resume file
+    keeps ({"folder": relative to the save folder, "models": ...}), or None when nothing is sharded."""
     if not sharded:
         return None
-    relative = os.path.join(os.path.basename(sharded_root(path)), f"step_{step:08d}")
-    folder = os.path.join(os.path.dirname(path), relative)
-    run_on_rank0(lambda: shutil.rmtree(folder, ignore_errors=True), f"clearing {folder}")
-    return {"folder": relative, "models": save_sharded(folder, sharded)}
+    name = broadcast_from_rank0(f"step_{step:08d}_{uuid.uuid4().hex[:8]}")
+    relative = os.path.join(os.path.basename(sharded_root(path)), name)
+    return {"folder": relative, "models": save_sharded(os.path.join(os.path.dirname(path), relative), sharded)}
 
 
 def remove_sharded_steps(path, keep):
