@@ -371,6 +371,31 @@ def test_two_steps_with_rollout_engine_sglang(script, lora, start_standin, token
     assert os.path.isfile(os.path.join(save_dir, f"{script}_64.pth"))
 
 
+def test_two_fsdp_ranks_with_rollout_engine_sglang(start_standin, tiny_weights, tmp_path):
+    """torchrun, 2 ranks, --fsdp 1: the sharded policy reaches the server whole at start-up and after each step (the
+    server's log-probs then match the trainer's to 1e-3), and both ranks sample from it."""
+    from test_distributed import torchrun
+
+    save_dir, name = tiny_weights
+    server = start_standin(make_policy(5))  # launched on other weights: the engine pushes the policy at start-up
+    run_dir, shared = tmp_path / "run", tmp_path / "shared"
+    result = torchrun(
+        ["trainer/train_grpo.py", "--max_steps", "2", "--save_dir", save_dir, "--from_weight", name]
+        + ["--batch_size", "2", "--num_generations", "3", "--max_gen_len", "8", "--run_dir", str(run_dir)]
+        + ["--rollout_engine", "sglang", "--sglang_url", server.url, "--sglang_shared_path", str(shared)]
+        + ["--temperature", "0.8", "--fsdp", "1"]
+        + TINY
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["logprob_gap"] < 1e-3 for r in rows)  # the whole, current policy was synced before each rollout
+    generate_calls = [payload for path, payload in server.requests if path == "/generate"]
+    assert len(generate_calls) == 4 and all(len(p["input_ids"]) == 6 for p in generate_calls)  # 2 ranks x 2 steps
+    assert len(server.loaded_paths) == 1 + 1 + 2  # launch, start-up push, one push per step
+    assert os.listdir(shared) == ["policy_v2"]
+
+
 def test_check_sglang_script_against_the_standin(start_standin, tiny_weights, tmp_path):
     """scripts/check_sglang.py (meant for a GPU + SGLang machine) runs its comparison and GRPO steps end to end."""
     from scripts.check_sglang import main as check_main
