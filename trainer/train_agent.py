@@ -440,7 +440,9 @@ def main(argv=None, reward_fn=calculate_agent_rewards):
     batches = [] if stop else resumable_batches(loader, batch_sampler, progress, args.epochs, total_steps)
     for step, position, batch in batches:
         learning_rate = float(optimizer.param_groups[0]["lr"])
-        with gathered_weights(model, args.fsdp_reshard_after_forward):  # --fsdp 1: the whole policy to sample from
+        with gathered_weights(
+            model, args.fsdp_reshard_after_forward, frozen=[ref_model]
+        ):  # --fsdp 1: the whole policy to sample from
             rollout_batch = agent_step_rollout(batch, ddp_model, roles, args, autocast)  # steps 1-4
         if args.debug_mode and step % args.debug_interval == 0:
             print_conversations(step, rollout_batch, tokenizer, args.num_generations)

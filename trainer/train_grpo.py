@@ -656,7 +656,9 @@ def main(argv=None, reward_fn=calculate_rewards):
             optimizer.param_groups[0]["lr"]
         )  # the rate this step's update uses (read before stepping)
         more_batches = spare_batches(data, position, args.epochs, batch_sampler, total_steps - step)  # DAPO's draws
-        with gathered_weights(model, args.fsdp_reshard_after_forward):  # --fsdp 1: the whole policy to sample from
+        with gathered_weights(
+            model, args.fsdp_reshard_after_forward, frozen=[ref_model]
+        ):  # --fsdp 1: the whole policy to sample from
             rollout_batch = grpo_rollout(batch, roles, args, device, autocast, more_batches)  # steps 1-4 (8.2-8.5)
         position = rollout_batch.data_position or position  # after the prompts --dynamic_sampling drew
         if args.debug_mode and step % args.debug_interval == 0:

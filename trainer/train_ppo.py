@@ -571,7 +571,9 @@ def main(argv=None, reward_fn=calculate_rewards):
             "learning_rate": float(actor_optimizer.param_groups[0]["lr"]),
             "critic_learning_rate": float(critic_optimizer.param_groups[0]["lr"]),
         }
-        with gathered_weights(actor, args.fsdp_reshard_after_forward):  # --fsdp 1: the whole actor to sample from
+        with gathered_weights(
+            actor, args.fsdp_reshard_after_forward, frozen=[ref_model]
+        ):  # --fsdp 1: the whole actor to sample from
             rollout_batch = ppo_rollout(batch, roles, critic, args, device, autocast)  # steps 1-4 (8.4)
         if args.debug_mode and step % args.debug_interval == 0:
             print_samples(

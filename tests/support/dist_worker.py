@@ -135,8 +135,8 @@ def fsdp_shards(local_rank, device):
             (model(input_ids[:, : 5 + i]).logits - plain(input_ids[:, : 5 + i]).logits).abs().max().item()
             for i in range(forwards)
         )
-    with torch.no_grad():
-        ref_model(input_ids)  # the reference has no backward: its root must free the gathered weights itself
+    with torch.no_grad(), gathered_weights(model, frozen=[ref_model]):  # as in a rollout
+        ref_model(input_ids)  # the reference has no backward: the rollout's end frees its root's gathered weights
     optimizer_state = [t for state in optimizers[0].state.values() for t in state.values() if t.dim() > 0]
     return {
         "meta_before_sharding": meta_before_sharding,

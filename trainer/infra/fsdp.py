@@ -81,9 +81,10 @@ def shard_model(
         param_dtype: None, or the dtype of the gathered weights in forward and backward (``MixedPrecisionPolicy``,
             gradients reduced in fp32; the sharded weights and AdamW's state stay fp32): ``--dtype bfloat16``.
         reshard_after_forward: a decoder layer frees its gathered weights after its forward and gathers them again
-            in the backward (True: less memory, one more all-gather per layer and step). The root of a trained model
-            keeps its gathered weights from its forward to its backward (FSDP2's default); a frozen model's root (the
-            reference: no backward) frees them after every forward.
+            in the backward (True: less memory, one more all-gather per layer and step). The root keeps its gathered
+            weights from its forward to its backward (FSDP2's default; the chunked log-probs use the LM head's weight
+            after the forward); a frozen model's root, which has no backward to free them, is freed by
+            ``gathered_weights(..., frozen=...)`` at the end of the rollout.
         cpu_offload: the shards, their gradients and AdamW's state live in CPU memory (``CPUOffloadPolicy``); the
             optimizer step runs on the CPU. Meant for a GPU, where the process group then needs gloo for the CPU
             tensors beside NCCL (``init_distributed_mode(..., cpu_collectives=True)``); on a CPU device it changes
@@ -101,8 +102,7 @@ def shard_model(
         fully_shard(
             layer, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, offload_policy=offload_policy
         )
-    frozen = not any(p.requires_grad for p in model.parameters())  # the reference: no backward will reshard its root
-    fully_shard(model, reshard_after_forward=frozen, mp_policy=mp_policy, offload_policy=offload_policy)
+    fully_shard(model, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload_policy)
     if from_rank0:
         if dist.get_rank() != 0:
             model.to_empty(device="cpu" if cpu_offload else device)  # meta -> memory for this rank's shards
@@ -137,15 +137,16 @@ def shard_roles(args, device, train_dtype, *models):  # train_dtype: resolve_tra
 
 
 @contextmanager
-def gathered_weights(model, reshard_after_forward=True, enabled=True):
+def gathered_weights(model, reshard_after_forward=True, enabled=True, frozen=()):
     """Every unit of a sharded ``model`` gathered once on entering, resharded on leaving, and no collective in between:
     the rollout's decoding runs a forward per new token and the ranks stop at different steps (their answers end at
     different lengths), so a gather per forward would leave one rank waiting for another that has finished. The
     whole policy exists on every rank for the rollout (its weights only: no gradients, no optimizer state).
 
-    ``reshard_after_forward``: the decoder layers' setting to restore on leaving (``shard_model``'s). ``enabled``
-    False, or a model that is not sharded: nothing happens. A collective on entering (every rank enters); leaving
-    frees the gathered weights on each rank.
+    ``reshard_after_forward``: the decoder layers' setting to restore on leaving (``shard_model``'s). ``frozen``: the
+    sharded models without a backward used inside (the reference), whose root units keep their gathered weights
+    after a forward; leaving frees them too. ``enabled`` False, or models that are not sharded: nothing happens. A
+    collective on entering (every rank enters); leaving frees the gathered weights on each rank.
     """
     units = fsdp_units(model) if enabled else []
     for unit in units:
@@ -154,6 +155,8 @@ def gathered_weights(model, reshard_after_forward=True, enabled=True):
     try:
         yield model
     finally:
+        for unit in [unit for other in frozen for unit in fsdp_units(other)]:
+            unit.reshard()
         for unit in units:
             unit.reshard()
             unit.set_reshard_after_forward(bool(reshard_after_forward) and unit is not units[-1], recurse=False)
