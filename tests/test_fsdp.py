@@ -144,15 +144,9 @@ def test_agent_under_fsdp_equals_ddp(tmp_path):
     assert_same_run(ddp_folder, fsdp_folder, 2, TOLERANCE)
 
 
-@pytest.mark.parametrize("script, extra", [("grpo", GRPO), ("ppo", PPO)])
-def test_a_killed_fsdp_run_resumes_bit_exact(script, extra, tmp_path, tiny_weights, small_data):
-    base = extra + ["--fsdp", "1", "--save_interval", "1"]
-    straight, straight_folder = run(script, tmp_path, "straight", script_flags(tiny_weights, small_data, base))
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    killed_flags = script_flags(tiny_weights, small_data, base)
-    killed, folder = run(script, tmp_path, "killed", killed_flags, ["--kill_after_save", "2"])
-    assert killed.returncode != 0 and not os.path.isfile(folder / "trace" / "weights_step3.pt")
-    resumed = torchrun(
+def resume(script, folder, flags, data_path):
+    """The run in ``folder`` continued with --from_resume 1 (its weights dumped into the same trace)."""
+    return torchrun(
         [
             "tests/support/run_patched.py",
             script,
@@ -163,9 +157,20 @@ def test_a_killed_fsdp_run_resumes_bit_exact(script, extra, tmp_path, tiny_weigh
         ]
         + ["--"]
         + TINY
-        + base
-        + ["--save_dir", str(folder), "--run_dir", str(folder / "run"), "--data_path", small_data, "--from_resume", "1"]
+        + flags
+        + ["--save_dir", str(folder), "--run_dir", str(folder / "run"), "--data_path", data_path, "--from_resume", "1"]
     )
+
+
+@pytest.mark.parametrize("script, extra", [("grpo", GRPO), ("ppo", PPO)])
+def test_a_killed_fsdp_run_resumes_bit_exact(script, extra, tmp_path, tiny_weights, small_data):
+    base = extra + ["--fsdp", "1", "--save_interval", "1"]
+    straight, straight_folder = run(script, tmp_path, "straight", script_flags(tiny_weights, small_data, base))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    killed_flags = script_flags(tiny_weights, small_data, base)
+    killed, folder = run(script, tmp_path, "killed", killed_flags, ["--kill_after_save", "2"])
+    assert killed.returncode != 0 and not os.path.isfile(folder / "trace" / "weights_step3.pt")
+    resumed = resume(script, folder, base, small_data)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
     assert_same_run(straight_folder, folder, 3, 0.0)  # bit for bit
@@ -184,20 +189,7 @@ def test_a_kill_during_a_sharded_save_leaves_the_previous_checkpoint_resumable(t
     assert killed.returncode != 0
     resume_file = torch.load(folder / "grpo_64_resume.pth", weights_only=True)
     assert resume_file["progress"]["step"] == 1 and "step_00000001_" in resume_file["sharded"]["folder"]
-    resumed = torchrun(
-        [
-            "tests/support/run_patched.py",
-            "grpo",
-            "--text_reward",
-            "--trace_dir",
-            str(folder / "trace"),
-            "--dump_weights",
-        ]
-        + ["--"]
-        + TINY
-        + base
-        + ["--save_dir", str(folder), "--run_dir", str(folder / "run"), "--data_path", small_data, "--from_resume", "1"]
-    )
+    resumed = resume("grpo", folder, base, small_data)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "at step 1" in resumed.stdout
     assert_same_run(straight_folder, folder, 3, 0.0)
